@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Builds the extension on a GPU machine and runs the GPU tests and benchmarks in one call,
+# writing logs and results under $OUT (default: ./device_out).
+#
+#   scripts/device_run.sh [STEP ...]     steps: build tests bench   (default: build tests bench)
+#
+# Needs: python3 with jax[cuda], nanobind, cmake, ninja, nvcc (the device image has them).
+# CUTLASS headers: a nvidia-cutlass wheel under .whl/ (carried; see scripts/fetch_device_deps.sh)
+# or JAX_MEGAMOE_CUTLASS_INCLUDE pointing at an include dir.
+# Extra pytest args: PYTEST_ARGS; extra benchmark commands: BENCH_CMDS (one per line).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# Never NVLink multicast (shared hosts): keep these set for every child process.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(build tests bench)
+status=0
+
+log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
+
+build() {
+  if [ -z "${JAX_MEGAMOE_CUTLASS_INCLUDE:-}" ]; then
+    local wheel
+    wheel=$(ls .whl/nvidia_cutlass-*.whl 2>/dev/null | head -1)
+    if [ -n "$wheel" ]; then
+      mkdir -p /tmp/cutlass && python3 -m zipfile -e "$wheel" /tmp/cutlass >/dev/null
+      export JAX_MEGAMOE_CUTLASS_INCLUDE=/tmp/cutlass/cutlass_library/source/include
+    fi
+  fi
+  log "build (cutlass: ${JAX_MEGAMOE_CUTLASS_INCLUDE:-none})"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.total --format=csv \
+    | tee -a "$OUT/summary.txt"
+  cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DPython_EXECUTABLE="$(command -v python3)" -DJAX_MEGAMOE_CUDA=ON \
+      -DJAX_MEGAMOE_CUTLASS_INCLUDE="${JAX_MEGAMOE_CUTLASS_INCLUDE:-}" >"$OUT/build.log" 2>&1 \
+    && cmake --build build/device -j "$(nproc)" >>"$OUT/build.log" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ]; then tail -50 "$OUT/build.log"; log "build FAILED"; return $rc; fi
+  cp build/device/_megamoe*.so jax_megamoe/
+  python3 -c "import jax_megamoe as m; print(m.build_info(), m.cuda_available())" \
+    | tee -a "$OUT/summary.txt"
+}
+
+tests() {
+  log "tests"
+  python3 -m pytest -q -rs -m "gpu or multigpu" ${PYTEST_ARGS:-} tests \
+    2>&1 | tee "$OUT/tests.log" | tail -40
+  local rc=${PIPESTATUS[0]}
+  tail -1 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
+  return $rc
+}
+
+bench() {
+  log "bench"
+  local cmds=${BENCH_CMDS:-"python3 benchmarks/bench_grouped_mlp.py --out $OUT/bench_grouped_mlp.json"}
+  while IFS= read -r cmd; do
+    [ -z "$cmd" ] && continue
+    log "$cmd"
+    bash -c "$cmd" 2>&1 | tee -a "$OUT/bench.log" | tail -30 || status=1
+  done <<<"$cmds"
+}
+
+for step in "${STEPS[@]}"; do
+  "$step" || { status=1; [ "$step" = build ] && break; }
+done
+log "done (status $status)"
+exit $status
