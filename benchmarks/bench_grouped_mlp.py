@@ -1,0 +1,212 @@
+"""Grouped SwiGLU expert MLP on one GPU: our CUDA kernels vs torch._grouped_mm vs lax.ragged_dot.
+
+Rows: 16,384 tokens x top-8 = 131,072 routed rows, random routing, over 128 and over 16 experts;
+shapes Qwen3-30B-A3B (H=2048, F=768) and Qwen3-235B-A22B (H=4096, F=1536); bf16, fp32 accumulation.
+Reports the median time of each grouped GEMM and of the whole MLP forward / backward, in ms and
+TFLOP/s (dense-equivalent FLOPs of the routed rows). Every framework is timed in this process on
+the same group sizes.
+
+  python3 benchmarks/bench_grouped_mlp.py [--out results.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+
+import numpy as np
+
+SHAPES = {"30B": (2048, 768), "235B": (4096, 1536)}
+
+
+def group_sizes_for(rows: int, experts: int, seed: int = 0) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, experts, size=rows)
+  return np.bincount(ids, minlength=experts).astype(np.int32)
+
+
+def time_jax(fn, *args, trials=7, calls=3, warmup=2) -> float:
+  import jax
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(trials):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / calls * 1e3)
+  return statistics.median(times)
+
+
+def time_torch(fn, trials=7, calls=3, warmup=2) -> float:
+  import torch
+  for _ in range(warmup):
+    fn()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(trials):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+      fn()
+    end.record()
+    end.synchronize()
+    times.append(start.elapsed_time(end) / calls)
+  return statistics.median(times)
+
+
+def bench_ours(h, f, sizes, results, key):
+  import jax
+  import jax.numpy as jnp
+  from jax_megamoe.backends import cuda
+
+  n, e = int(sizes.sum()), len(sizes)
+  k = jax.random.split(jax.random.key(0), 5)
+  bf = jnp.bfloat16
+  x = jax.random.normal(k[0], (n, h), bf)
+  wgu = (jax.random.normal(k[1], (e, h, 2 * f), jnp.float32) / np.sqrt(h)).astype(bf)
+  wd = (jax.random.normal(k[2], (e, f, h), jnp.float32) / np.sqrt(f)).astype(bf)
+  dy = jax.random.normal(k[3], (n, h), bf)
+  gs = jnp.asarray(sizes)
+  hid = jax.random.normal(k[4], (n, f), bf)
+  dgu = jax.random.normal(k[4], (n, 2 * f), bf)
+  gemm = jax.jit(cuda.grouped_gemm, static_argnames="kind")
+  cases = {
+      "L1 fprop": (lambda: gemm(x, gs, wgu, kind=0), 2 * n * h * 2 * f),
+      "L2 fprop": (lambda: gemm(hid, gs, wd, kind=0), 2 * n * f * h),
+      "L2 dgrad": (lambda: gemm(dy, gs, wd, kind=1), 2 * n * h * f),
+      "L1 dgrad": (lambda: gemm(dgu, gs, wgu, kind=1), 2 * n * 2 * f * h),
+      "L2 wgrad": (lambda: gemm(hid, gs, dy, kind=2), 2 * n * f * h),
+      "L1 wgrad": (lambda: gemm(x, gs, dgu, kind=2), 2 * n * h * 2 * f),
+  }
+  fwd = jax.jit(cuda._fwd_call)
+  _, gate_up, hidden = fwd(x, gs, wgu, wd)
+  bwd = jax.jit(cuda._bwd_call)
+  cases["MLP fwd"] = (lambda: fwd(x, gs, wgu, wd), 6 * n * h * f)
+  cases["MLP bwd"] = (lambda: bwd(dy, x, gs, wgu, wd, gate_up, hidden), 12 * n * h * f)
+  for name, (fn, flops) in cases.items():
+    try:
+      ms = time_jax(fn)
+      results.append({**key, "impl": "megamoe", "op": name, "ms": ms,
+                      "tflops": flops / ms / 1e9})
+    except Exception as ex:  # noqa: BLE001
+      results.append({**key, "impl": "megamoe", "op": name, "error": repr(ex)[:300]})
+    print(results[-1], flush=True)
+
+
+def bench_ragged_dot(h, f, sizes, results, key):
+  import jax
+  import jax.numpy as jnp
+  n, e = int(sizes.sum()), len(sizes)
+  bf = jnp.bfloat16
+  x = jax.random.normal(jax.random.key(1), (n, h), bf)
+  wgu = jax.random.normal(jax.random.key(2), (e, h, 2 * f), bf)
+  gs = jnp.asarray(sizes)
+  fn = jax.jit(lambda x, w, g: jax.lax.ragged_dot(x, w, g, preferred_element_type=jnp.float32
+                                                  ).astype(bf))
+  try:
+    ms = time_jax(fn, x, wgu, gs, trials=3, calls=1, warmup=1)
+    results.append({**key, "impl": "lax.ragged_dot", "op": "L1 fprop", "ms": ms,
+                    "tflops": 2 * n * h * 2 * f / ms / 1e9})
+  except Exception as ex:  # noqa: BLE001
+    results.append({**key, "impl": "lax.ragged_dot", "op": "L1 fprop",
+                    "error": str(ex).splitlines()[0][:300]})
+  print(results[-1], flush=True)
+
+
+def bench_torch(h, f, sizes, results, key):
+  import torch
+  import torch.nn.functional as F
+  n, e = int(sizes.sum()), len(sizes)
+  dev = "cuda"
+  bf = torch.bfloat16
+  g = torch.Generator(device=dev).manual_seed(0)
+  x = torch.randn(n, h, device=dev, dtype=bf, generator=g)
+  wgu = (torch.randn(e, h, 2 * f, device=dev, generator=g) / h ** 0.5).to(bf)
+  wd = (torch.randn(e, f, h, device=dev, generator=g) / f ** 0.5).to(bf)
+  dy = torch.randn(n, h, device=dev, dtype=bf, generator=g)
+  offs = torch.as_tensor(np.cumsum(sizes), dtype=torch.int32, device=dev)
+
+  def mm(a, b):
+    return torch._grouped_mm(a, b, offs=offs)
+
+  # torch._grouped_mm may want b column-major in its last two dims; use what it accepts.
+  try:
+    mm(x, wgu)
+    layout = "row-major b"
+  except Exception:  # noqa: BLE001
+    wgu = wgu.transpose(-2, -1).contiguous().transpose(-2, -1)
+    wd = wd.transpose(-2, -1).contiguous().transpose(-2, -1)
+    layout = "column-major b"
+  key = {**key, "torch_b_layout": layout}
+  hid = torch.randn(n, f, device=dev, dtype=bf, generator=g)
+
+  def mlp(x, wgu, wd):
+    gu = mm(x, wgu)
+    return mm(F.silu(gu[:, :f]) * gu[:, f:], wd)
+
+  xg, wgug, wdg = (t.detach().clone().requires_grad_(True) for t in (x, wgu, wd))
+
+  def fwd_bwd():
+    y = mlp(xg, wgug, wdg)
+    y.backward(dy)
+
+  cases = {
+      "L1 fprop": (lambda: mm(x, wgu), 2 * n * h * 2 * f),
+      "L2 fprop": (lambda: mm(hid, wd), 2 * n * f * h),
+      "MLP fwd": (lambda: mlp(x, wgu, wd), 6 * n * h * f),
+      "MLP fwd+bwd": (fwd_bwd, 18 * n * h * f),
+  }
+  for name, (fn, flops) in cases.items():
+    try:
+      with torch.no_grad() if name != "MLP fwd+bwd" else torch.enable_grad():
+        ms = time_torch(fn)
+      results.append({**key, "impl": "torch._grouped_mm", "op": name, "ms": ms,
+                      "tflops": flops / ms / 1e9})
+    except Exception as ex:  # noqa: BLE001
+      results.append({**key, "impl": "torch._grouped_mm", "op": name, "error": repr(ex)[:300]})
+    print(results[-1], flush=True)
+  del x, wgu, wd, dy, xg, wgug, wdg, hid
+  torch.cuda.empty_cache()
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default="bench_grouped_mlp.json")
+  ap.add_argument("--quick", action="store_true", help="235B shape over 128 experts only")
+  ap.add_argument("--skip", default="", help="comma list of: torch,ragged_dot")
+  args = ap.parse_args()
+  skip = set(filter(None, args.skip.split(",")))
+  results = []
+  rows = 16384 * 8
+  combos = [(s, e) for s in SHAPES for e in (128, 16)]
+  if args.quick:
+    combos = [("235B", 128)]
+  for shape, experts in combos:
+    h, f = SHAPES[shape]
+    sizes = group_sizes_for(rows, experts)
+    key = {"shape": shape, "H": h, "F": f, "experts": experts, "rows": rows}
+    for name, fn in (("megamoe", bench_ours), ("torch", bench_torch),
+                     ("ragged_dot", bench_ragged_dot)):
+      if name in skip:
+        continue
+      try:
+        fn(h, f, sizes, results, key)
+      except Exception:  # noqa: BLE001
+        results.append({**key, "impl": name, "error": traceback.format_exc()[-300:]})
+        print(results[-1], flush=True)
+  with open(args.out, "w") as fh:
+    json.dump(results, fh, indent=1)
+  print("\n| shape | E | impl | op | ms | TFLOP/s |")
+  print("|---|---|---|---|---|---|")
+  for r in results:
+    val = (f"{r['ms']:.3f} | {r['tflops']:.0f}" if "ms" in r else f"FAILED: {r['error'][:80]} |")
+    print(f"| {r['shape']} | {r['experts']} | {r['impl']} | {r.get('op', '-')} | {val} |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,195 @@
+// XLA FFI handlers (CUDA) of the grouped SwiGLU MLP: bind, validate, enqueue the kernels.
+// Every buffer comes from XLA (scratch included, as the `workspace` result): no allocation, no
+// host synchronisation, group sizes never leave the device.
+#include <cuda_runtime.h>
+
+#include "ffi/common/checks.h"
+#include "ffi/common/device_info.h"
+#include "ffi/handlers/grouped_mlp_args.h"
+#include "ffi/kernels/grouped_gemm.h"
+#include "ffi/kernels/grouped_swiglu.h"
+#include "ffi/registry.h"
+
+namespace megamoe::grouped {
+namespace {
+
+#define MEGAMOE_RETURN_IF_KERNEL_ERROR(expr)               \
+  do {                                                     \
+    std::string megamoe_kerr_ = (expr);                    \
+    if (!megamoe_kerr_.empty()) return Internal(megamoe_kerr_); \
+  } while (0)
+
+int SmCount() { return CurrentDeviceSmCount(); }
+
+// Workspace: group offsets, then one grouped GEMM's workspace (the GEMMs run one after another
+// on the stream and reuse it).
+constexpr size_t kOffsetsBytes(int64_t e) { return ((e + 1) * 4 + 255) / 256 * 256; }
+
+struct Workspace {
+  int32_t* offsets;
+  void* gemm;
+  size_t gemm_bytes;
+};
+
+ffi::Error SplitWorkspace(ffi::Result<ffi::AnyBuffer>& ws, int64_t e, Workspace* out) {
+  if (ws->element_type() != ffi::DataType::U8 || ws->dimensions().size() != 1) {
+    return InvalidArgument("workspace must be a 1-D uint8 buffer");
+  }
+  const size_t bytes = ws->size_bytes();
+  const int sm = SmCount();
+  size_t need = 0;
+  for (GemmKind k : {GemmKind::kFprop, GemmKind::kDgrad, GemmKind::kWgrad}) {
+    need = std::max(need, GroupedGemmWorkspaceBytes(k, int(e), sm));
+  }
+  need += kOffsetsBytes(e);
+  if (bytes < need) {
+    return InvalidArgument("workspace has ", bytes, " bytes, the grouped MLP needs ", need,
+                           " for E=", e, " on ", sm, " SMs");
+  }
+  uint8_t* base = static_cast<uint8_t*>(ws->untyped_data());
+  out->offsets = reinterpret_cast<int32_t*>(base);
+  out->gemm = base + kOffsetsBytes(e);
+  out->gemm_bytes = bytes - kOffsetsBytes(e);
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckCudaDims(const MlpDims& d) {
+  if (d.dtype != ffi::DataType::BF16) {
+    return InvalidArgument("x_sorted has dtype ", DataTypeName(d.dtype),
+                           "; the CUDA grouped MLP takes bfloat16 (float32 runs the reference)");
+  }
+  if (d.h % 8 != 0) return InvalidArgument("hidden size H=", d.h, " must be a multiple of 8");
+  if (d.f % 8 != 0) return InvalidArgument("ffn size F=", d.f, " must be a multiple of 8");
+  if (d.e > 65535) return InvalidArgument("E=", d.e, " local experts, at most 65535");
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedMlpFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
+                             ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gate_up,
+                             ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> workspace) {
+  MlpDims d;
+  MEGAMOE_RETURN_IF_ERROR(ReadMlpDims(x, group_sizes, w_gate_up, w_down, &d));
+  MEGAMOE_RETURN_IF_ERROR(CheckCudaDims(d));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("y", y->dimensions(), {d.n, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up->dimensions(), {d.n, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h->dimensions(), {d.n, d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("y", y->element_type(), d.dtype));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("gate_up", gate_up->element_type(), d.dtype));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("h", h->element_type(), d.dtype));
+  Workspace ws;
+  MEGAMOE_RETURN_IF_ERROR(SplitWorkspace(workspace, d.e, &ws));
+  const int e = int(d.e), sm = SmCount();
+  if (d.n == 0) return ffi::Error::Success();
+
+  MEGAMOE_RETURN_IF_KERNEL_ERROR(GroupOffsets(
+      static_cast<const int32_t*>(group_sizes.untyped_data()), e, d.n, ws.offsets, stream));
+  GroupedGemmProblem l1{GemmKind::kFprop, e, ws.offsets, x.untyped_data(),
+                        w_gate_up.untyped_data(), gate_up->untyped_data(), 0, 2 * d.f, d.h};
+  MEGAMOE_RETURN_IF_KERNEL_ERROR(RunGroupedGemm(l1, ws.gemm, ws.gemm_bytes, sm, stream));
+  MEGAMOE_RETURN_IF_KERNEL_ERROR(SwigluForward(gate_up->untyped_data(), h->untyped_data(), d.n,
+                                               d.f, ws.offsets, e, stream));
+  GroupedGemmProblem l2{GemmKind::kFprop, e, ws.offsets, h->untyped_data(),
+                        w_down.untyped_data(), y->untyped_data(), 0, d.h, d.f};
+  MEGAMOE_RETURN_IF_KERNEL_ERROR(RunGroupedGemm(l2, ws.gemm, ws.gemm_bytes, sm, stream));
+  MEGAMOE_RETURN_IF_KERNEL_ERROR(
+      ZeroPaddingRows(y->untyped_data(), d.n, d.h, ws.offsets, e, stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedMlpBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                             ffi::AnyBuffer group_sizes, ffi::AnyBuffer w_gate_up,
+                             ffi::AnyBuffer w_down, ffi::AnyBuffer gate_up, ffi::AnyBuffer h,
+                             ffi::Result<ffi::AnyBuffer> dx,
+                             ffi::Result<ffi::AnyBuffer> dw_gate_up,
+                             ffi::Result<ffi::AnyBuffer> dw_down,
+                             ffi::Result<ffi::AnyBuffer> dgate_up, ffi::Result<ffi::AnyBuffer> dh,
+                             ffi::Result<ffi::AnyBuffer> workspace) {
+  MlpDims d;
+  MEGAMOE_RETURN_IF_ERROR(ReadMlpDims(x, group_sizes, w_gate_up, w_down, &d));
+  MEGAMOE_RETURN_IF_ERROR(CheckCudaDims(d));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dy", dy.dimensions(), {d.n, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up.dimensions(), {d.n, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h.dimensions(), {d.n, d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dx", dx->dimensions(), {d.n, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dw_gate_up", dw_gate_up->dimensions(), {d.e, d.h, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dw_down", dw_down->dimensions(), {d.e, d.f, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dgate_up", dgate_up->dimensions(), {d.n, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dh", dh->dimensions(), {d.n, d.f}));
+  for (auto [name, t] : {std::pair{"dy", dy.element_type()}, {"gate_up", gate_up.element_type()},
+                         {"h", h.element_type()}, {"dx", dx->element_type()},
+                         {"dw_gate_up", dw_gate_up->element_type()},
+                         {"dw_down", dw_down->element_type()},
+                         {"dgate_up", dgate_up->element_type()}, {"dh", dh->element_type()}}) {
+    MEGAMOE_RETURN_IF_ERROR(ExpectDtype(name, t, d.dtype));
+  }
+  Workspace ws;
+  MEGAMOE_RETURN_IF_ERROR(SplitWorkspace(workspace, d.e, &ws));
+  const int e = int(d.e), sm = SmCount();
+
+  MEGAMOE_RETURN_IF_KERNEL_ERROR(GroupOffsets(
+      static_cast<const int32_t*>(group_sizes.untyped_data()), e, d.n, ws.offsets, stream));
+  if (d.n > 0) {
+    // dh = dy @ w_down^T (per group), then the SwiGLU backward into dgate_up.
+    GroupedGemmProblem l2d{GemmKind::kDgrad, e, ws.offsets, dy.untyped_data(),
+                           w_down.untyped_data(), dh->untyped_data(), 0, d.f, d.h};
+    MEGAMOE_RETURN_IF_KERNEL_ERROR(RunGroupedGemm(l2d, ws.gemm, ws.gemm_bytes, sm, stream));
+    MEGAMOE_RETURN_IF_KERNEL_ERROR(SwigluBackward(dh->untyped_data(), gate_up.untyped_data(),
+                                                  dgate_up->untyped_data(), d.n, d.f,
+                                                  ws.offsets, e, stream));
+    // dx = dgate_up @ w_gate_up^T.
+    GroupedGemmProblem l1d{GemmKind::kDgrad, e, ws.offsets, dgate_up->untyped_data(),
+                           w_gate_up.untyped_data(), dx->untyped_data(), 0, d.h, 2 * d.f};
+    MEGAMOE_RETURN_IF_KERNEL_ERROR(RunGroupedGemm(l1d, ws.gemm, ws.gemm_bytes, sm, stream));
+    MEGAMOE_RETURN_IF_KERNEL_ERROR(
+        ZeroPaddingRows(dx->untyped_data(), d.n, d.h, ws.offsets, e, stream));
+    // dw_down[g] = h_g^T dy_g, dw_gate_up[g] = x_g^T dgate_up_g (K-grouped, fp32 accumulation).
+    GroupedGemmProblem l2w{GemmKind::kWgrad, e, ws.offsets, h.untyped_data(), dy.untyped_data(),
+                           dw_down->untyped_data(), d.f, d.h, 0};
+    MEGAMOE_RETURN_IF_KERNEL_ERROR(RunGroupedGemm(l2w, ws.gemm, ws.gemm_bytes, sm, stream));
+    GroupedGemmProblem l1w{GemmKind::kWgrad, e, ws.offsets, x.untyped_data(),
+                           dgate_up->untyped_data(), dw_gate_up->untyped_data(), d.h, 2 * d.f, 0};
+    MEGAMOE_RETURN_IF_KERNEL_ERROR(RunGroupedGemm(l1w, ws.gemm, ws.gemm_bytes, sm, stream));
+  }
+  MEGAMOE_RETURN_IF_KERNEL_ERROR(
+      ZeroEmptyGroups(dw_down->untyped_data(), d.f * d.h, ws.offsets, e, stream));
+  MEGAMOE_RETURN_IF_KERNEL_ERROR(
+      ZeroEmptyGroups(dw_gate_up->untyped_data(), d.h * 2 * d.f, ws.offsets, e, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedMlpFwdCuda, GroupedMlpFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Arg<ffi::AnyBuffer>()  // w_gate_up
+                                  .Arg<ffi::AnyBuffer>()  // w_down
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Ret<ffi::AnyBuffer>()  // gate_up
+                                  .Ret<ffi::AnyBuffer>()  // h
+                                  .Ret<ffi::AnyBuffer>()); // workspace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedMlpBwdCuda, GroupedMlpBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Arg<ffi::AnyBuffer>()  // w_gate_up
+                                  .Arg<ffi::AnyBuffer>()  // w_down
+                                  .Arg<ffi::AnyBuffer>()  // gate_up
+                                  .Arg<ffi::AnyBuffer>()  // h
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dw_gate_up
+                                  .Ret<ffi::AnyBuffer>()  // dw_down
+                                  .Ret<ffi::AnyBuffer>()  // dgate_up (scratch)
+                                  .Ret<ffi::AnyBuffer>()  // dh (scratch)
+                                  .Ret<ffi::AnyBuffer>()); // workspace
+
+MEGAMOE_REGISTER_FFI("megamoe_grouped_mlp_fwd", "CUDA", GroupedMlpFwdCuda);
+MEGAMOE_REGISTER_FFI("megamoe_grouped_mlp_bwd", "CUDA", GroupedMlpBwdCuda);
+
+}  // namespace megamoe::grouped

@@ -1,0 +1,73 @@
+// Shape and dtype validation shared by the CPU and CUDA handlers of the grouped SwiGLU MLP.
+//
+// Contract (all row-major):
+//   x [N, H], group_sizes [E] int32 (sum <= N; rows past the sum are padding),
+//   w_gate_up [E, H, 2F] (gate = [..., :F], up = [..., F:]), w_down [E, F, H];
+//   forward results  y [N, H], gate_up [N, 2F], h [N, F], workspace u8[W]
+//   backward args    dy [N, H], x, group_sizes, w_gate_up, w_down, gate_up, h
+//   backward results dx [N, H], dw_gate_up [E, H, 2F], dw_down [E, F, H], dgate_up [N, 2F],
+//                    dh [N, F], workspace u8[W]
+// x, the weights, gate_up, h, dy and every floating result share one dtype.
+#pragma once
+
+#include <cstdint>
+
+#include "ffi/common/checks.h"
+
+namespace megamoe::grouped {
+
+struct MlpDims {
+  int64_t n = 0, h = 0, f = 0, e = 0;
+  ffi::DataType dtype = ffi::DataType::INVALID;
+};
+
+inline ffi::Error ExpectShape(const char* name, ffi::Span<const int64_t> dims,
+                              std::initializer_list<int64_t> want) {
+  bool ok = dims.size() == want.size();
+  size_t i = 0;
+  for (int64_t w : want) ok = ok && dims[i++] == w;
+  if (!ok) {
+    std::vector<int64_t> w(want);
+    return InvalidArgument(name, " has shape ", ShapeString(dims), ", expected ",
+                           ShapeString(ffi::Span<const int64_t>(w.data(), w.size())));
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error ExpectDtype(const char* name, ffi::DataType got, ffi::DataType want) {
+  if (got != want) {
+    return InvalidArgument(name, " has dtype ", DataTypeName(got), ", expected ",
+                           DataTypeName(want));
+  }
+  return ffi::Error::Success();
+}
+
+// Reads N, H, F, E from x, group_sizes, w_gate_up, w_down and checks their consistency.
+inline ffi::Error ReadMlpDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& group_sizes,
+                              const ffi::AnyBuffer& w_gate_up, const ffi::AnyBuffer& w_down,
+                              MlpDims* d) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return InvalidArgument("x_sorted must be [N, H], got ", ShapeString(xd));
+  auto gd = group_sizes.dimensions();
+  if (gd.size() != 1 || gd[0] < 1) {
+    return InvalidArgument("group_sizes must be [E] with E >= 1, got ", ShapeString(gd));
+  }
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("group_sizes", group_sizes.element_type(), ffi::DataType::S32));
+  auto wd = w_gate_up.dimensions();
+  if (wd.size() != 3 || wd[2] % 2 != 0) {
+    return InvalidArgument("w_gate_up must be [E, H, 2F], got ", ShapeString(wd));
+  }
+  d->n = xd[0];
+  d->h = xd[1];
+  d->e = gd[0];
+  d->f = wd[2] / 2;
+  d->dtype = x.element_type();
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("w_gate_up", wd, {d->e, d->h, 2 * d->f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("w_down", w_down.dimensions(), {d->e, d->f, d->h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("w_gate_up", w_gate_up.element_type(), d->dtype));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("w_down", w_down.element_type(), d->dtype));
+  if (d->n > INT32_MAX) return InvalidArgument("x_sorted has ", d->n, " rows, more than 2^31-1");
+  return ffi::Error::Success();
+}
+
+}  // namespace megamoe::grouped

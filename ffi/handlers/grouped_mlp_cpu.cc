@@ -1,0 +1,230 @@
+// XLA FFI handlers (CPU) of the grouped SwiGLU MLP: the same contract as the CUDA handlers
+// (grouped_mlp_args.h), in plain loops with fp32 accumulation, so CI exercises the binding.
+// bf16 or float32; gate_up and h are rounded to the compute dtype as the CUDA path does.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ffi/common/checks.h"
+#include "ffi/handlers/grouped_mlp_args.h"
+#include "ffi/registry.h"
+
+namespace megamoe::grouped {
+namespace {
+
+float Bf16ToFloat(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return uint16_t(bits >> 16);
+}
+
+// A float view of a bf16 or f32 buffer (copied), and a writer back.
+std::vector<float> Load(const ffi::AnyBuffer& b) {
+  const size_t n = b.element_count();
+  std::vector<float> out(n);
+  if (b.element_type() == ffi::DataType::F32) {
+    std::memcpy(out.data(), b.untyped_data(), n * 4);
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(b.untyped_data());
+    for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(p[i]);
+  }
+  return out;
+}
+
+void Store(const std::vector<float>& v, ffi::Result<ffi::AnyBuffer>& b) {
+  if (b->element_type() == ffi::DataType::F32) {
+    std::memcpy(b->untyped_data(), v.data(), v.size() * 4);
+  } else {
+    uint16_t* p = static_cast<uint16_t*>(b->untyped_data());
+    for (size_t i = 0; i < v.size(); ++i) p[i] = FloatToBf16(v[i]);
+  }
+}
+
+// Rounds to the compute dtype (the CUDA path stores these intermediates in it).
+float Round(float v, ffi::DataType t) {
+  return t == ffi::DataType::F32 ? v : Bf16ToFloat(FloatToBf16(v));
+}
+
+float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+std::vector<int64_t> Offsets(const ffi::AnyBuffer& group_sizes, int64_t e, int64_t n) {
+  const int32_t* s = static_cast<const int32_t*>(group_sizes.untyped_data());
+  std::vector<int64_t> off(e + 1, 0);
+  for (int64_t g = 0; g < e; ++g) off[g + 1] = std::min<int64_t>(off[g] + std::max(s[g], 0), n);
+  return off;
+}
+
+ffi::Error CheckCpuDtype(const MlpDims& d) {
+  if (d.dtype != ffi::DataType::BF16 && d.dtype != ffi::DataType::F32) {
+    return InvalidArgument("x_sorted has dtype ", DataTypeName(d.dtype),
+                           ", expected bfloat16 or float32");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedMlpFwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
+                             ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> gate_up,
+                             ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::AnyBuffer> workspace) {
+  MlpDims d;
+  MEGAMOE_RETURN_IF_ERROR(ReadMlpDims(x, group_sizes, w_gate_up, w_down, &d));
+  MEGAMOE_RETURN_IF_ERROR(CheckCpuDtype(d));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("y", y->dimensions(), {d.n, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up->dimensions(), {d.n, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h->dimensions(), {d.n, d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("y", y->element_type(), d.dtype));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("gate_up", gate_up->element_type(), d.dtype));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("h", h->element_type(), d.dtype));
+  (void)workspace;
+  const int64_t N = d.n, H = d.h, F = d.f, E = d.e;
+  const auto off = Offsets(group_sizes, E, N);
+  const auto xv = Load(x), wgu = Load(w_gate_up), wd = Load(w_down);
+  std::vector<float> yv(N * H, 0.0f), guv(N * 2 * F, 0.0f), hv(N * F, 0.0f), acc;
+  for (int64_t g = 0; g < E; ++g) {
+    const float* wg = wgu.data() + g * H * 2 * F;
+    const float* w2 = wd.data() + g * F * H;
+    for (int64_t r = off[g]; r < off[g + 1]; ++r) {
+      acc.assign(2 * F, 0.0f);
+      for (int64_t k = 0; k < H; ++k) {
+        const float a = xv[r * H + k];
+        for (int64_t j = 0; j < 2 * F; ++j) acc[j] += a * wg[k * 2 * F + j];
+      }
+      for (int64_t j = 0; j < 2 * F; ++j) guv[r * 2 * F + j] = Round(acc[j], d.dtype);
+      for (int64_t j = 0; j < F; ++j) {
+        const float gt = guv[r * 2 * F + j], up = guv[r * 2 * F + F + j];
+        hv[r * F + j] = Round(gt * Sigmoid(gt) * up, d.dtype);
+      }
+      acc.assign(H, 0.0f);
+      for (int64_t k = 0; k < F; ++k) {
+        const float a = hv[r * F + k];
+        for (int64_t j = 0; j < H; ++j) acc[j] += a * w2[k * H + j];
+      }
+      std::copy(acc.begin(), acc.end(), yv.begin() + r * H);
+    }
+  }
+  Store(yv, y);
+  Store(guv, gate_up);
+  Store(hv, h);
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedMlpBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
+                             ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                             ffi::AnyBuffer gate_up, ffi::AnyBuffer h,
+                             ffi::Result<ffi::AnyBuffer> dx,
+                             ffi::Result<ffi::AnyBuffer> dw_gate_up,
+                             ffi::Result<ffi::AnyBuffer> dw_down,
+                             ffi::Result<ffi::AnyBuffer> dgate_up, ffi::Result<ffi::AnyBuffer> dh,
+                             ffi::Result<ffi::AnyBuffer> workspace) {
+  MlpDims d;
+  MEGAMOE_RETURN_IF_ERROR(ReadMlpDims(x, group_sizes, w_gate_up, w_down, &d));
+  MEGAMOE_RETURN_IF_ERROR(CheckCpuDtype(d));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dy", dy.dimensions(), {d.n, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up.dimensions(), {d.n, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h.dimensions(), {d.n, d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dx", dx->dimensions(), {d.n, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dw_gate_up", dw_gate_up->dimensions(), {d.e, d.h, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dw_down", dw_down->dimensions(), {d.e, d.f, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dgate_up", dgate_up->dimensions(), {d.n, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dh", dh->dimensions(), {d.n, d.f}));
+  for (auto [name, t] : {std::pair{"dy", dy.element_type()}, {"gate_up", gate_up.element_type()},
+                         {"h", h.element_type()}, {"dx", dx->element_type()},
+                         {"dw_gate_up", dw_gate_up->element_type()},
+                         {"dw_down", dw_down->element_type()},
+                         {"dgate_up", dgate_up->element_type()}, {"dh", dh->element_type()}}) {
+    MEGAMOE_RETURN_IF_ERROR(ExpectDtype(name, t, d.dtype));
+  }
+  (void)workspace;
+  const int64_t N = d.n, H = d.h, F = d.f, E = d.e;
+  const auto off = Offsets(group_sizes, E, N);
+  const auto dyv = Load(dy), xv = Load(x), wgu = Load(w_gate_up), wd = Load(w_down),
+             guv = Load(gate_up), hv = Load(h);
+  std::vector<float> dxv(N * H, 0.0f), dwgu(E * H * 2 * F, 0.0f), dwd(E * F * H, 0.0f),
+      dguv(N * 2 * F, 0.0f), dhv(N * F, 0.0f);
+  for (int64_t g = 0; g < E; ++g) {
+    const float* wg = wgu.data() + g * H * 2 * F;
+    const float* w2 = wd.data() + g * F * H;
+    for (int64_t r = off[g]; r < off[g + 1]; ++r) {
+      for (int64_t j = 0; j < F; ++j) {  // dh = dy @ w_down^T
+        float s = 0.0f;
+        for (int64_t k = 0; k < H; ++k) s += dyv[r * H + k] * w2[j * H + k];
+        dhv[r * F + j] = Round(s, d.dtype);
+      }
+      for (int64_t j = 0; j < F; ++j) {  // SwiGLU backward
+        const float gt = guv[r * 2 * F + j], up = guv[r * 2 * F + F + j], s = Sigmoid(gt);
+        const float dd = dhv[r * F + j];
+        dguv[r * 2 * F + j] = Round(dd * up * s * (1.0f + gt * (1.0f - s)), d.dtype);
+        dguv[r * 2 * F + F + j] = Round(dd * gt * s, d.dtype);
+      }
+      for (int64_t k = 0; k < H; ++k) {  // dx = dgate_up @ w_gate_up^T
+        float s = 0.0f;
+        for (int64_t j = 0; j < 2 * F; ++j) s += dguv[r * 2 * F + j] * wg[k * 2 * F + j];
+        dxv[r * H + k] = s;
+      }
+    }
+    // Weight gradients, K-grouped over the group's rows, fp32 accumulation.
+    float* dwg = dwgu.data() + g * H * 2 * F;
+    float* dw2 = dwd.data() + g * F * H;
+    for (int64_t r = off[g]; r < off[g + 1]; ++r) {
+      for (int64_t k = 0; k < H; ++k) {
+        const float a = xv[r * H + k];
+        for (int64_t j = 0; j < 2 * F; ++j) dwg[k * 2 * F + j] += a * dguv[r * 2 * F + j];
+      }
+      for (int64_t k = 0; k < F; ++k) {
+        const float a = hv[r * F + k];
+        for (int64_t j = 0; j < H; ++j) dw2[k * H + j] += a * dyv[r * H + j];
+      }
+    }
+  }
+  Store(dxv, dx);
+  Store(dwgu, dw_gate_up);
+  Store(dwd, dw_down);
+  Store(dguv, dgate_up);
+  Store(dhv, dh);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedMlpFwdCpu, GroupedMlpFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Arg<ffi::AnyBuffer>()  // w_gate_up
+                                  .Arg<ffi::AnyBuffer>()  // w_down
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Ret<ffi::AnyBuffer>()  // gate_up
+                                  .Ret<ffi::AnyBuffer>()  // h
+                                  .Ret<ffi::AnyBuffer>()); // workspace (unused on CPU)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedMlpBwdCpu, GroupedMlpBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Arg<ffi::AnyBuffer>()  // w_gate_up
+                                  .Arg<ffi::AnyBuffer>()  // w_down
+                                  .Arg<ffi::AnyBuffer>()  // gate_up
+                                  .Arg<ffi::AnyBuffer>()  // h
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::AnyBuffer>()  // dw_gate_up
+                                  .Ret<ffi::AnyBuffer>()  // dw_down
+                                  .Ret<ffi::AnyBuffer>()  // dgate_up
+                                  .Ret<ffi::AnyBuffer>()  // dh
+                                  .Ret<ffi::AnyBuffer>()); // workspace (unused on CPU)
+
+MEGAMOE_REGISTER_FFI("megamoe_grouped_mlp_fwd", "cpu", GroupedMlpFwdCpu);
+MEGAMOE_REGISTER_FFI("megamoe_grouped_mlp_bwd", "cpu", GroupedMlpBwdCpu);
+
+}  // namespace megamoe::grouped

@@ -1,0 +1,159 @@
+"""Backend "cuda": the expert MLP through the grouped-GEMM FFI kernels of jax_megamoe._megamoe.
+
+Forward: L1 = x @ W_gate_up per expert (CUTLASS sm90 grouped GEMM, TMA + wgmma, bf16 in, fp32
+accumulation), SwiGLU in fp32 (h stored as bf16), L2 = h @ W_down. Backward: dh = dy @ W_down^T,
+SwiGLU backward, dx = dgate_up @ W_gate_up^T, and the K-grouped weight gradients
+dW_down = h^T dy, dW_gate_up = x^T dgate_up (fp32 accumulation over each expert's rows, stored in
+the weights' dtype; an expert with no rows gets a written zero). Group sizes stay on the device.
+
+What runs where:
+  bfloat16 on an sm_90 GPU   the CUDA kernels.
+  bfloat16 / float32 on CPU  `grouped_mlp_ffi` reaches the CPU FFI handler (plain loops, the
+                             same contract) so CI exercises the binding.
+  float32 on a GPU           the pure-JAX reference (the CUDA kernels are bf16 only).
+  recipe "fp8" / "mxfp8"     no CUDA kernel yet: `unavailable_reason(recipe)` says so and "auto"
+                             picks the reference backend, which emulates the recipe.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_megamoe import _ffi
+from jax_megamoe.backends import reference
+
+NAME = "cuda"
+FWD_TARGET = "megamoe_grouped_mlp_fwd"
+BWD_TARGET = "megamoe_grouped_mlp_bwd"
+GEMM_TARGET = "megamoe_grouped_gemm"
+GEMM_KINDS = {"fprop": 0, "dgrad": 1, "wgrad": 2}
+
+
+def unavailable_reason(recipe: str | None = None) -> str | None:
+  """Why this backend cannot run `recipe` here, or None when it can."""
+  reason = _ffi.cuda_unavailable_reason()
+  if reason is not None:
+    return reason
+  if not _ffi.has_target(FWD_TARGET, "CUDA"):
+    return f"the extension has no CUDA target {FWD_TARGET!r} (rebuild the package)"
+  if recipe is not None:
+    return (f"recipe {recipe!r} has no CUDA grouped-GEMM kernel yet; backend 'reference' "
+            "emulates it")
+  return None
+
+
+def workspace_bytes(num_groups: int) -> int:
+  """Device scratch the handlers need (group offsets + one grouped GEMM's argument arrays and
+  CUTLASS workspace); the handler checks it and names the shortfall."""
+  return (2 << 20) + 512 * num_groups
+
+
+def _check(x_sorted, group_sizes, w_gate_up, w_down) -> tuple[int, int, int, int]:
+  if x_sorted.ndim != 2:
+    raise ValueError(f"x_sorted must be [N, H], got shape {x_sorted.shape}")
+  n, h = x_sorted.shape
+  if group_sizes.ndim != 1 or group_sizes.dtype != jnp.int32:
+    raise ValueError(f"group_sizes must be [E] int32, got {group_sizes.dtype}{list(group_sizes.shape)}")
+  e = group_sizes.shape[0]
+  if w_gate_up.ndim != 3 or w_gate_up.shape[:2] != (e, h) or w_gate_up.shape[2] % 2:
+    raise ValueError(f"w_gate_up must be [E={e}, H={h}, 2F], got {w_gate_up.shape}")
+  f = w_gate_up.shape[2] // 2
+  if w_down.shape != (e, f, h):
+    raise ValueError(f"w_down must be [E={e}, F={f}, H={h}], got {w_down.shape}")
+  for name, a in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+    if a.dtype != x_sorted.dtype:
+      raise ValueError(f"{name} has dtype {a.dtype}, x_sorted has {x_sorted.dtype}")
+  if x_sorted.dtype not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"x_sorted must be bfloat16 or float32, got {x_sorted.dtype}")
+  return n, h, f, e
+
+
+def _fwd_call(x, group_sizes, w_gate_up, w_down):
+  n, h, f, e = _check(x, group_sizes, w_gate_up, w_down)
+  dt = x.dtype
+  call = jax.ffi.ffi_call(
+      FWD_TARGET,
+      (jax.ShapeDtypeStruct((n, h), dt), jax.ShapeDtypeStruct((n, 2 * f), dt),
+       jax.ShapeDtypeStruct((n, f), dt), jax.ShapeDtypeStruct((workspace_bytes(e),), jnp.uint8)))
+  y, gate_up, hidden, _ = call(x, group_sizes, w_gate_up, w_down)
+  return y, gate_up, hidden
+
+
+def _bwd_call(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden):
+  n, h, f, e = _check(x, group_sizes, w_gate_up, w_down)
+  dt = x.dtype
+  call = jax.ffi.ffi_call(
+      BWD_TARGET,
+      (jax.ShapeDtypeStruct((n, h), dt), jax.ShapeDtypeStruct((e, h, 2 * f), dt),
+       jax.ShapeDtypeStruct((e, f, h), dt), jax.ShapeDtypeStruct((n, 2 * f), dt),
+       jax.ShapeDtypeStruct((n, f), dt), jax.ShapeDtypeStruct((workspace_bytes(e),), jnp.uint8)))
+  dx, dw_gate_up, dw_down, _, _, _ = call(dy.astype(dt), x, group_sizes, w_gate_up, w_down,
+                                          gate_up, hidden)
+  return dx, dw_gate_up, dw_down
+
+
+@jax.custom_vjp
+def grouped_mlp_ffi(x_sorted, group_sizes, w_gate_up, w_down):
+  """The grouped SwiGLU MLP through the FFI handlers, on whatever platform runs it (CUDA: bf16;
+  CPU: bf16 or float32). Same contract as reference.grouped_mlp with recipe=None."""
+  return _fwd_call(x_sorted, group_sizes, w_gate_up, w_down)[0]
+
+
+def _vjp_fwd(x_sorted, group_sizes, w_gate_up, w_down):
+  y, gate_up, hidden = _fwd_call(x_sorted, group_sizes, w_gate_up, w_down)
+  return y, (x_sorted, group_sizes, w_gate_up, w_down, gate_up, hidden)
+
+
+def _vjp_bwd(res, dy):
+  x, group_sizes, w_gate_up, w_down, gate_up, hidden = res
+  dx, dw_gate_up, dw_down = _bwd_call(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden)
+  return dx, None, dw_gate_up, dw_down
+
+
+grouped_mlp_ffi.defvjp(_vjp_fwd, _vjp_bwd)
+
+
+def _kernel_supports(x_sorted, w_down) -> bool:
+  h = x_sorted.shape[1]
+  f = w_down.shape[1]
+  return x_sorted.dtype == jnp.bfloat16 and h % 8 == 0 and f % 8 == 0
+
+
+def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array,
+                w_down: jax.Array, *, recipe: str | None = None) -> jax.Array:
+  """SwiGLU expert MLP over rows grouped by expert (contract: reference.grouped_mlp).
+
+  bf16 with H and F multiples of 8 runs the CUDA kernels; anything else (float32, odd sizes)
+  runs the pure-JAX reference, which computes the same function.
+  """
+  if recipe is not None:
+    reason = unavailable_reason(recipe)
+    raise NotImplementedError(reason or f"recipe {recipe!r} has no CUDA kernel")
+  _check(x_sorted, group_sizes, w_gate_up, w_down)
+  if not _kernel_supports(x_sorted, w_down):
+    return reference.grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down)
+  return grouped_mlp_ffi(x_sorted, group_sizes, w_gate_up, w_down)
+
+
+def grouped_gemm(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, kind: int | str
+                 ) -> jax.Array:
+  """One grouped GEMM on the CUDA kernels (bf16 in and out, fp32 accumulation):
+
+    fprop (0): a [N, K], b [E, K, P] -> [N, P]   rows of group g times b[g]; padding rows 0
+    dgrad (1): a [N, K], b [E, P, K] -> [N, P]   rows of group g times b[g]^T; padding rows 0
+    wgrad (2): a [N, M], b [N, P]    -> [E, M, P] a_g^T b_g over group g's rows; empty groups 0
+  """
+  kind = GEMM_KINDS.get(kind, kind) if isinstance(kind, str) else int(kind)
+  if kind not in (0, 1, 2):
+    raise ValueError(f"kind must be one of {GEMM_KINDS} or 0/1/2, got {kind!r}")
+  e = group_sizes.shape[0]
+  if kind == 2:
+    out = jax.ShapeDtypeStruct((e, a.shape[1], b.shape[1]), a.dtype)
+  else:
+    out = jax.ShapeDtypeStruct((a.shape[0], b.shape[2] if kind == 0 else b.shape[1]), a.dtype)
+  call = jax.ffi.ffi_call(
+      GEMM_TARGET, (out, jax.ShapeDtypeStruct((workspace_bytes(e),), jnp.uint8)))
+  return call(a, group_sizes, b, kind=np.int64(kind))[0]

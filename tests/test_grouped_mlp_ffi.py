@@ -1,0 +1,211 @@
+"""The grouped SwiGLU MLP through the FFI handlers against the pure-JAX reference.
+
+CPU tests reach the CPU handler (same contract, plain loops) through jax.ffi.ffi_call; GPU tests
+(marked gpu, skipped with a reason without the CUDA build and an sm_90 GPU) run the CUDA kernels.
+Inputs are fresh random values (never zeros); group sizes include 0 and sizes that are not a
+multiple of any tile; padding rows must come back exactly 0 and every valid row finite.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jax_megamoe import _ffi
+from jax_megamoe.backends import cuda, reference
+
+pytestmark = pytest.mark.skipif(
+    not _ffi.has_target(cuda.FWD_TARGET, "cpu"),
+    reason="not run: the native extension (with the grouped MLP CPU handler) is not built")
+
+
+def rel_err(a, b) -> float:
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def random_group_sizes(rng, e: int, total: int) -> np.ndarray:
+  """`total` rows over `e` groups, at least one group empty when e > 1, random otherwise."""
+  cuts = np.sort(rng.integers(0, total + 1, size=e - 1))
+  sizes = np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
+  if e > 1 and (sizes == 0).sum() == 0:
+    g = int(rng.integers(0, e))
+    other = (g + 1) % e
+    sizes[other] += sizes[g]
+    sizes[g] = 0
+  return sizes
+
+
+def make_inputs(seed: int, n: int, h: int, f: int, e: int, valid: int, dtype):
+  rng = np.random.default_rng(seed)
+  sizes = random_group_sizes(rng, e, valid)
+  x = rng.standard_normal((n, h), np.float32)
+  wgu = rng.standard_normal((e, h, 2 * f), np.float32) / np.sqrt(h)
+  wd = rng.standard_normal((e, f, h), np.float32) / np.sqrt(f)
+  dy = rng.standard_normal((n, h), np.float32)
+  cast = lambda a: jnp.asarray(a, dtype)
+  return cast(x), jnp.asarray(sizes), cast(wgu), cast(wd), cast(dy)
+
+
+def loss_and_grads(fn, x, gs, wgu, wd, dy):
+  def loss(x, wgu, wd):
+    y = fn(x, gs, wgu, wd)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), y
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, wgu, wd)
+  return y, grads
+
+
+def check_against_reference(fn, x, gs, wgu, wd, dy, tol):
+  y, (dx, dwgu, dwd) = loss_and_grads(fn, x, gs, wgu, wd, dy)
+  # The oracle in float32 (same operands, upcast): the kernel's rounding is what is measured.
+  f32 = lambda a: a.astype(jnp.float32)
+  y_ref, (dx_ref, dwgu_ref, dwd_ref) = loss_and_grads(
+      reference.grouped_mlp, f32(x), gs, f32(wgu), f32(wd), f32(dy))
+  total = int(np.sum(np.asarray(gs)))
+  y = np.asarray(y.astype(jnp.float32))
+  assert y.dtype == np.float32
+  assert np.all(y[total:] == 0.0), "padding rows of y must be exactly zero"
+  assert np.all(np.isfinite(y[:total])), "every valid row of y must be finite"
+  dx = np.asarray(dx.astype(jnp.float32))
+  assert np.all(dx[total:] == 0.0), "padding rows of dx must be exactly zero"
+  errs = {
+      "y": rel_err(y[:total], np.asarray(y_ref)[:total]),
+      "dx": rel_err(dx, dx_ref),
+      "dw_gate_up": rel_err(dwgu.astype(jnp.float32), dwgu_ref),
+      "dw_down": rel_err(dwd.astype(jnp.float32), dwd_ref),
+  }
+  for name, err in errs.items():
+    assert err < tol, f"{name}: relative error {err:.3g} >= {tol} (all: {errs})"
+  sizes = np.asarray(gs)
+  for g in np.flatnonzero(sizes == 0):
+    assert np.all(np.asarray(dwgu[g]) == 0), f"empty expert {g}: dw_gate_up must be written 0"
+    assert np.all(np.asarray(dwd[g]) == 0), f"empty expert {g}: dw_down must be written 0"
+  return errs
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU handler (CI): the binding and the contract.
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cpu_handler_matches_reference(dtype, tol, seed):
+  with jax.default_device(jax.devices("cpu")[0]):
+    x, gs, wgu, wd, dy = make_inputs(seed, n=37, h=16, f=24, e=5, valid=29, dtype=dtype)
+    check_against_reference(cuda.grouped_mlp_ffi, x, gs, wgu, wd, dy, tol)
+
+
+def test_cpu_handler_one_row_and_all_padding():
+  with jax.default_device(jax.devices("cpu")[0]):
+    x, _, wgu, wd, dy = make_inputs(3, n=4, h=8, f=8, e=3, valid=1, dtype=jnp.float32)
+    gs = jnp.asarray([0, 1, 0], jnp.int32)
+    check_against_reference(cuda.grouped_mlp_ffi, x, gs, wgu, wd, dy, 1e-5)
+    gs = jnp.zeros((3,), jnp.int32)
+    y = cuda.grouped_mlp_ffi(x, gs, wgu, wd)
+    assert np.all(np.asarray(y) == 0)
+
+
+def test_cpu_handler_rejects_bad_shapes_by_name():
+  with jax.default_device(jax.devices("cpu")[0]):
+    x, gs, wgu, wd, _ = make_inputs(4, n=8, h=8, f=8, e=2, valid=8, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="w_down"):
+      cuda.grouped_mlp_ffi(x, gs, wgu, wd[:, :4])
+    with pytest.raises(ValueError, match="group_sizes"):
+      cuda.grouped_mlp_ffi(x, gs.astype(jnp.float32), wgu, wd)
+
+
+def test_cuda_backend_reason_is_stated():
+  reason = cuda.unavailable_reason("fp8")
+  assert reason is not None and ("fp8" in reason or "GPU" in reason or "CUDA" in reason
+                                 or "built" in reason)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA kernels (device).
+
+def poison_device_memory(nbytes: int):
+  """Fills and frees device memory with NaN so that unwritten outputs that reuse it show up."""
+  junk = [jnp.full((nbytes // 4,), jnp.nan, jnp.float32) for _ in range(4)]
+  jax.block_until_ready(junk)
+  del junk
+
+
+GPU_CASES = [
+    # n, h, f, e, valid
+    (1000, 256, 384, 8, 937),     # sizes not a multiple of any tile, padding rows
+    (4096, 512, 256, 16, 4096),   # no padding, many groups (one empty)
+    (1, 128, 128, 4, 1),          # one row
+    (300, 384, 192, 1, 200),      # one group
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_cuda_matches_reference_bf16(case):
+  n, h, f, e, valid = case
+  x, gs, wgu, wd, dy = make_inputs(hash(case) % 1000, n, h, f, e, valid, jnp.bfloat16)
+  poison_device_memory(64 << 20)
+  errs = check_against_reference(cuda.grouped_mlp, x, gs, wgu, wd, dy, 1e-2)
+  print(case, errs)
+
+
+@pytest.mark.gpu
+def test_cuda_all_padding_and_empty_experts():
+  x, _, wgu, wd, dy = make_inputs(7, 64, 128, 128, 4, 64, jnp.bfloat16)
+  gs = jnp.zeros((4,), jnp.int32)
+  poison_device_memory(16 << 20)
+  y, (dx, dwgu, dwd) = loss_and_grads(cuda.grouped_mlp, x, gs, wgu, wd, dy)
+  for a in (y, dx, dwgu, dwd):
+    assert np.all(np.asarray(a.astype(jnp.float32)) == 0)
+
+
+@pytest.mark.gpu
+def test_cuda_bitwise_deterministic():
+  x, gs, wgu, wd, dy = make_inputs(11, 2048, 512, 384, 8, 1999, jnp.bfloat16)
+  first = loss_and_grads(cuda.grouped_mlp, x, gs, wgu, wd, dy)
+  poison_device_memory(64 << 20)
+  second = loss_and_grads(cuda.grouped_mlp, x, gs, wgu, wd, dy)
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                  np.asarray(b.astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+def test_cuda_float32_falls_back_to_reference():
+  x, gs, wgu, wd, dy = make_inputs(5, 64, 64, 64, 4, 50, jnp.float32)
+  errs = check_against_reference(cuda.grouped_mlp, x, gs, wgu, wd, dy, 1e-5)
+  print(errs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_cuda_grouped_gemm_kinds(kind):
+  """Each grouped GEMM on its own (the blocks the fused kernel reuses)."""
+  rng = np.random.default_rng(20 + kind)
+  n, k, p, e = 777, 256, 384, 6
+  sizes = random_group_sizes(rng, e, 700)
+  gs = jnp.asarray(sizes)
+  a = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
+  if kind == 0:
+    b = jnp.asarray(rng.standard_normal((e, k, p)), jnp.bfloat16)
+    ref = jax.lax.ragged_dot(a.astype(jnp.float32), b.astype(jnp.float32), gs)
+  elif kind == 1:
+    b = jnp.asarray(rng.standard_normal((e, p, k)), jnp.bfloat16)
+    ref = jax.lax.ragged_dot(a.astype(jnp.float32), jnp.swapaxes(b, 1, 2).astype(jnp.float32), gs)
+  else:
+    b = jnp.asarray(rng.standard_normal((n, p)), jnp.bfloat16)
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    ref = np.stack([a32[offs[g]:offs[g + 1]].T @ b32[offs[g]:offs[g + 1]] for g in range(e)])
+  poison_device_memory(16 << 20)
+  d = cuda.grouped_gemm(a, gs, b, kind=kind)
+  d = np.asarray(d.astype(jnp.float32))
+  ref = np.asarray(ref, np.float32)
+  total = int(sizes.sum())
+  if kind < 2:
+    assert np.all(d[total:] == 0)
+    d, ref = d[:total], ref[:total]
+  assert rel_err(d, ref) < 1e-2
