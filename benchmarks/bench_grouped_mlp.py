@@ -6,20 +6,32 @@ Reports the median time of each grouped GEMM and of the whole MLP forward / back
 TFLOP/s (dense-equivalent FLOPs of the routed rows). Every framework is timed in this process on
 the same group sizes.
 
-  python3 benchmarks/bench_grouped_mlp.py [--out results.json] [--quick]
+  python3 benchmarks/bench_grouped_mlp.py [--out results.json] [--quick] [--variants 0,1,2]
+
+Each grouped-GEMM tile-schedule variant (MEGAMOE_GROUPED_GEMM_VARIANT, ffi/kernels/grouped_gemm.cu)
+is timed in its own subprocess. `--shapes tiny --rows 64 --experts 4` smoke-tests the script on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import pathlib
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import traceback
 
 import numpy as np
 
-SHAPES = {"30B": (2048, 768), "235B": (4096, 1536)}
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+SHAPES = {"30B": (2048, 768), "235B": (4096, 1536), "tiny": (64, 64)}
 
 
 def group_sizes_for(rows: int, experts: int, seed: int = 0) -> np.ndarray:
@@ -59,7 +71,7 @@ def time_torch(fn, trials=7, calls=3, warmup=2) -> float:
   return statistics.median(times)
 
 
-def bench_ours(h, f, sizes, results, key):
+def bench_ours(h, f, sizes, results, key, variant="default"):
   import jax
   import jax.numpy as jnp
   from jax_megamoe.backends import cuda
@@ -91,10 +103,11 @@ def bench_ours(h, f, sizes, results, key):
   for name, (fn, flops) in cases.items():
     try:
       ms = time_jax(fn)
-      results.append({**key, "impl": "megamoe", "op": name, "ms": ms,
+      results.append({**key, "impl": f"megamoe v{variant}", "op": name, "ms": ms,
                       "tflops": flops / ms / 1e9})
     except Exception as ex:  # noqa: BLE001
-      results.append({**key, "impl": "megamoe", "op": name, "error": repr(ex)[:300]})
+      results.append({**key, "impl": f"megamoe v{variant}", "op": name,
+                      "error": str(ex).splitlines()[0][:300]})
     print(results[-1], flush=True)
 
 
@@ -174,28 +187,59 @@ def bench_torch(h, f, sizes, results, key):
   torch.cuda.empty_cache()
 
 
+def run_variant_subprocess(variant, args, results):
+  """Times our kernels with one tile-schedule variant in a fresh process (read once there)."""
+  with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+    path = tmp.name
+  cmd = [sys.executable, __file__, "--impls", "megamoe", "--variants", variant, "--out", path,
+         "--shapes", args.shapes, "--experts", args.experts, "--rows", str(args.rows)]
+  env = {**os.environ, "MEGAMOE_GROUPED_GEMM_VARIANT": variant}
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+  sys.stdout.write(proc.stdout[-4000:])
+  if proc.returncode != 0:
+    sys.stdout.write(proc.stderr[-2000:])
+  try:
+    with open(path) as fh:
+      results.extend(json.load(fh))
+  except (OSError, ValueError) as ex:
+    results.append({"shape": "-", "experts": "-", "impl": f"megamoe v{variant}",
+                    "error": f"subprocess failed: {ex!r} {proc.stderr[-200:]}"})
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default="bench_grouped_mlp.json")
   ap.add_argument("--quick", action="store_true", help="235B shape over 128 experts only")
-  ap.add_argument("--skip", default="", help="comma list of: torch,ragged_dot")
+  ap.add_argument("--impls", default="megamoe,torch,ragged_dot")
+  ap.add_argument("--variants", default="0,1,2", help="grouped-GEMM schedule variants to time")
+  ap.add_argument("--shapes", default="30B,235B")
+  ap.add_argument("--experts", default="128,16")
+  ap.add_argument("--rows", type=int, default=16384 * 8)
+  ap.add_argument("--timeout", type=float, default=300)
   args = ap.parse_args()
-  skip = set(filter(None, args.skip.split(",")))
-  results = []
-  rows = 16384 * 8
-  combos = [(s, e) for s in SHAPES for e in (128, 16)]
   if args.quick:
-    combos = [("235B", 128)]
+    args.shapes, args.experts = "235B", "128"
+  impls = args.impls.split(",")
+  variants = args.variants.split(",")
+  results = []
+  rows = args.rows
+  combos = [(s, int(e)) for s in args.shapes.split(",") for e in args.experts.split(",")]
+  if "megamoe" in impls and len(variants) > 1:
+    for v in variants:
+      run_variant_subprocess(v, args, results)
+    impls.remove("megamoe")
   for shape, experts in combos:
     h, f = SHAPES[shape]
     sizes = group_sizes_for(rows, experts)
     key = {"shape": shape, "H": h, "F": f, "experts": experts, "rows": rows}
-    for name, fn in (("megamoe", bench_ours), ("torch", bench_torch),
-                     ("ragged_dot", bench_ragged_dot)):
-      if name in skip:
-        continue
+    for name in impls:
       try:
-        fn(h, f, sizes, results, key)
+        if name == "megamoe":
+          bench_ours(h, f, sizes, results, key, variant=variants[0])
+        elif name == "torch":
+          bench_torch(h, f, sizes, results, key)
+        elif name == "ragged_dot":
+          bench_ragged_dot(h, f, sizes, results, key)
       except Exception:  # noqa: BLE001
         results.append({**key, "impl": name, "error": traceback.format_exc()[-300:]})
         print(results[-1], flush=True)

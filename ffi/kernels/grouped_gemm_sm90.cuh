@@ -44,7 +44,27 @@ struct KindLayouts<GemmKind::kWgrad> {  // A [T, M] M-major, B [T, N] N-major
   using B = cutlass::layout::RowMajor;
 };
 
-template <GemmKind Kind, class TileShape_, class ClusterShape_, class ElementD_>
+// Tile schedules (kernel + epilogue schedule, CTA tile, cluster), chosen per GEMM by variant.
+struct Cooperative128x256Cluster2x1 {
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Cooperative256x128Cluster2x1 {
+  using TileShape = Shape<_256, _128, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong128x128Cluster2x1 {
+  using TileShape = Shape<_128, _128, _64>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <GemmKind Kind, class Schedule, class ElementD_>
 struct GroupedGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementA = cutlass::bfloat16_t;
@@ -57,15 +77,15 @@ struct GroupedGemm {
   static constexpr int kAlignA = 8;
   static constexpr int kAlignB = 8;
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-  using TileShape = TileShape_;
-  using ClusterShape = ClusterShape_;
+  using TileShape = typename Schedule::TileShape;
+  using ClusterShape = typename Schedule::ClusterShape;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementAcc,
       void, LayoutD*, kAlignD,  // no source C
       ElementD, LayoutD*, kAlignD,
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      typename Schedule::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc, void, ElementAcc>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -73,7 +93,7 @@ struct GroupedGemm {
       LayoutB*, kAlignB, ElementAcc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Schedule::KernelSchedule>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;
@@ -247,3 +267,21 @@ std::string Run(const GroupedGemmProblem& p, void* workspace, size_t workspace_b
 }
 
 }  // namespace megamoe::grouped::sm90
+
+// Defines GroupedGemm<KIND>V<VARIANT>WorkspaceBytes / RunGroupedGemm<KIND>V<VARIANT> for one
+// instantiation (one per .cu file, so that they compile in parallel).
+#define MEGAMOE_DEFINE_GROUPED_GEMM(KIND, VARIANT, SCHEDULE)                                    \
+  namespace megamoe::grouped {                                                                  \
+  using KIND##V##VARIANT##Config =                                                              \
+      sm90::GroupedGemm<GemmKind::k##KIND, sm90::SCHEDULE, cutlass::bfloat16_t>;                \
+  size_t GroupedGemm##KIND##V##VARIANT##WorkspaceBytes(int num_groups, int sm_count) {          \
+    return sm90::WorkspaceBytes<KIND##V##VARIANT##Config>(num_groups, sm_count);                \
+  }                                                                                             \
+  std::string RunGroupedGemm##KIND##V##VARIANT(const GroupedGemmProblem& p, void* workspace,    \
+                                               size_t workspace_bytes, int sm_count,            \
+                                               cudaStream_t stream) {                           \
+    return sm90::Run<KIND##V##VARIANT##Config, GemmKind::k##KIND>(p, workspace,                 \
+                                                                  workspace_bytes, sm_count,    \
+                                                                  stream);                      \
+  }                                                                                             \
+  }
