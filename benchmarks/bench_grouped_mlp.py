@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
-SHAPES = {"30B": (2048, 768), "235B": (4096, 1536), "tiny": (64, 64)}
+SHAPES = {"30B": (2048, 768), "235B": (4096, 1536), "tiny": (128, 128)}
 
 
 def group_sizes_for(rows: int, experts: int, seed: int = 0) -> np.ndarray:
@@ -71,7 +71,7 @@ def time_torch(fn, trials=7, calls=3, warmup=2) -> float:
   return statistics.median(times)
 
 
-def bench_ours(h, f, sizes, results, key, variant="default"):
+def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
   import jax
   import jax.numpy as jnp
   from jax_megamoe.backends import cuda
@@ -100,6 +100,14 @@ def bench_ours(h, f, sizes, results, key, variant="default"):
   bwd = jax.jit(cuda._bwd_call)
   cases["MLP fwd"] = (lambda: fwd(x, gs, wgu, wd), 6 * n * h * f)
   cases["MLP bwd"] = (lambda: bwd(dy, x, gs, wgu, wd, gate_up, hidden), 12 * n * h * f)
+  if with_fp8 and h % 128 == 0 and f % 128 == 0:
+    fp8_gemm = jax.jit(cuda.grouped_gemm_fp8, static_argnames=("pow2", "_stages"))
+    fp8_fwd = jax.jit(cuda._fp8_forward, static_argnums=4)
+    cases["fp8 L1 quant+GEMM"] = (lambda: fp8_gemm(x, gs, wgu), 2 * n * h * 2 * f)
+    cases["fp8 L1 quant only"] = (lambda: fp8_gemm(x, gs, wgu, _stages=3), 2 * n * h * 2 * f)
+    cases["fp8 L2 quant+GEMM"] = (lambda: fp8_gemm(hid, gs, wd), 2 * n * f * h)
+    cases["fp8 L2 quant only"] = (lambda: fp8_gemm(hid, gs, wd, _stages=3), 2 * n * f * h)
+    cases["fp8 MLP fwd"] = (lambda: fp8_fwd(x, gs, wgu, wd, False), 6 * n * h * f)
   for name, (fn, flops) in cases.items():
     try:
       ms = time_jax(fn)
@@ -109,6 +117,15 @@ def bench_ours(h, f, sizes, results, key, variant="default"):
       results.append({**key, "impl": f"megamoe v{variant}", "op": name,
                       "error": str(ex).splitlines()[0][:300]})
     print(results[-1], flush=True)
+  # GEMM-only FP8 time = (quantise + GEMM) - (quantise only), both medians.
+  by_op = {r["op"]: r for r in results if r.get("impl") == f"megamoe v{variant}"
+           and r.get("shape") == key["shape"] and r.get("experts") == key["experts"] and "ms" in r}
+  for layer, flops in (("L1", 2 * n * h * 2 * f), ("L2", 2 * n * f * h)):
+    full, quant = by_op.get(f"fp8 {layer} quant+GEMM"), by_op.get(f"fp8 {layer} quant only")
+    if full and quant and full["ms"] > quant["ms"]:
+      ms = full["ms"] - quant["ms"]
+      results.append({**key, "impl": f"megamoe v{variant}", "op": f"fp8 {layer} GEMM (derived)",
+                      "ms": ms, "tflops": flops / ms / 1e9})
 
 
 def bench_ragged_dot(h, f, sizes, results, key):
@@ -193,7 +210,8 @@ def run_variant_subprocess(variant, args, results):
     path = tmp.name
   cmd = [sys.executable, __file__, "--impls", "megamoe", "--variants", variant, "--out", path,
          "--shapes", args.shapes, "--experts", args.experts, "--rows", str(args.rows)]
-  env = {**os.environ, "MEGAMOE_GROUPED_GEMM_VARIANT": variant}
+  env = {**os.environ, "MEGAMOE_GROUPED_GEMM_VARIANT": variant,
+         "MEGAMOE_BENCH_FP8": "1" if variant == args.variants.split(",")[0] else "0"}
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
   sys.stdout.write(proc.stdout[-4000:])
   if proc.returncode != 0:
@@ -235,7 +253,8 @@ def main():
     for name in impls:
       try:
         if name == "megamoe":
-          bench_ours(h, f, sizes, results, key, variant=variants[0])
+          bench_ours(h, f, sizes, results, key, variant=variants[0],
+                     with_fp8=os.environ.get("MEGAMOE_BENCH_FP8", "1") == "1")
         elif name == "torch":
           bench_torch(h, f, sizes, results, key)
         elif name == "ragged_dot":

@@ -3,13 +3,19 @@
 Recipes (DESIGN.md §5):
   None     matmuls in the inputs' dtype with fp32 accumulation.
   "fp8"    DeepSeek-V3 blockwise FP8 for Hopper: e4m3 values with fp32 scales; activations in
-           1 x 128 blocks along the contraction (K) axis, weights in 128 x 128 blocks.
+           1 x 128 blocks along the contraction (K) axis, weights in 128 x 128 blocks; scale =
+           amax / 448 per block.
+  "fp8_pow2"  the same with each scale rounded up to a power of two (2^ceil(log2(amax / 448)),
+           exact through frexp; never saturates), as DeepSeek-V3 does for its wgrad operands.
   "mxfp8"  OCP MXFP8 for Blackwell: e4m3 values in 1 x 32 blocks along K with E8M0
            (power-of-two) scales, for activations and weights alike.
 
-The emulation rounds each GEMM operand to exactly the values the kernel multiplies; products and
-sums then run in fp32. Gradients pass straight through the rounding (straight-through
-estimator): the backward GEMMs of the emulation run on unquantised operands.
+The emulation rounds each GEMM operand to exactly the values the kernel multiplies (the CUDA
+quantisation kernels match it bit for bit: same fp32 division, round-to-nearest-even, saturation
+at +-448); products and sums then run in fp32. Gradients pass straight through the rounding
+(straight-through estimator) and the backward GEMMs run on the UNquantised operands: use
+`ragged_dot` below for a GEMM with exactly these semantics (dx = dy W^T, dW = x^T dy with the
+original x, W), which is what the CUDA "fp8" backward computes (bf16 kernels).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class Recipe:
 
 RECIPES = {
     "fp8": Recipe("fp8", 128, (128, 128), power_of_two_scales=False),
+    "fp8_pow2": Recipe("fp8_pow2", 128, (128, 128), power_of_two_scales=True),
     "mxfp8": Recipe("mxfp8", 32, (32, 1), power_of_two_scales=True),
 }
 
@@ -46,16 +53,20 @@ def get_recipe(name: str | None) -> Recipe | None:
   return RECIPES[name]
 
 
-def _block_scale(amax: jax.Array, power_of_two: bool) -> jax.Array:
+def _block_scale(amax: jax.Array, power_of_two: bool, rule: str = "ocp") -> jax.Array:
   amax = jnp.maximum(amax, jnp.finfo(jnp.float32).tiny)
-  if power_of_two:
+  if power_of_two and rule == "ocp":
     # OCP MX: shared exponent floor(log2(amax)) - emax(e4m3); values above 448 saturate.
     return jnp.exp2(jnp.floor(jnp.log2(amax)) - E4M3_EMAX)
-  return amax / E4M3_MAX
+  scale = amax / E4M3_MAX
+  if power_of_two:  # "ceil": the smallest power of two >= amax / 448, exactly (no log2 rounding)
+    mant, expo = jnp.frexp(scale)
+    scale = jnp.ldexp(jnp.ones_like(scale), jnp.where(mant == 0.5, expo - 1, expo))
+  return scale
 
 
-def quantize_dequantize(x: jax.Array, block: tuple[int, ...], *, power_of_two: bool = False
-                        ) -> jax.Array:
+def quantize_dequantize(x: jax.Array, block: tuple[int, ...], *, power_of_two: bool = False,
+                        rule: str = "ocp") -> jax.Array:
   """Rounds x to e4m3 with one fp32 scale per block of the trailing len(block) axes.
 
   Axes not a multiple of their block are zero-padded to one (padding never changes a block's
@@ -72,7 +83,7 @@ def quantize_dequantize(x: jax.Array, block: tuple[int, ...], *, power_of_two: b
   xb = x32.reshape(blocked_shape)
   block_axes = tuple(len(lead) + 2 * i + 1 for i in range(nb))
   amax = jnp.max(jnp.abs(xb), axis=block_axes, keepdims=True)
-  scale = _block_scale(amax, power_of_two)
+  scale = _block_scale(amax, power_of_two, rule)
   q = jnp.clip(xb / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
   deq = (q.astype(jnp.float32) * scale).reshape(x32.shape)
   return deq[tuple(slice(0, n) for n in x.shape)]
@@ -86,15 +97,53 @@ def _straight_through(fn):
   return wrapped
 
 
+def _rule(recipe: Recipe) -> str:
+  return "ocp" if recipe.name == "mxfp8" else "ceil"
+
+
+def quantize_activation(x: jax.Array, recipe: Recipe) -> jax.Array:
+  """[..., K] rounded in 1 x act_block blocks along K (float32 out; no custom gradient)."""
+  return quantize_dequantize(x, (recipe.act_block,), power_of_two=recipe.power_of_two_scales,
+                             rule=_rule(recipe))
+
+
+def quantize_weight(w: jax.Array, recipe: Recipe) -> jax.Array:
+  """[..., K, N] rounded in weight_block blocks over (K, N) (float32 out; no custom gradient)."""
+  return quantize_dequantize(w, recipe.weight_block, power_of_two=recipe.power_of_two_scales,
+                             rule=_rule(recipe))
+
+
 def emulate_activation(x: jax.Array, recipe: Recipe) -> jax.Array:
   """[..., K] activation operand rounded in 1 x act_block blocks along K (float32 out)."""
-  return _straight_through(
-      lambda v: quantize_dequantize(v, (recipe.act_block,),
-                                    power_of_two=recipe.power_of_two_scales))(x)
+  return _straight_through(lambda v: quantize_activation(v, recipe))(x)
 
 
 def emulate_weight(w: jax.Array, recipe: Recipe) -> jax.Array:
   """[..., K, N] weight operand rounded in weight_block blocks over (K, N) (float32 out)."""
-  return _straight_through(
-      lambda v: quantize_dequantize(v, recipe.weight_block,
-                                    power_of_two=recipe.power_of_two_scales))(w)
+  return _straight_through(lambda v: quantize_weight(v, recipe))(w)
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Recipe) -> jax.Array:
+  """Grouped x [N, K] @ w [E, K, P] -> float32 [N, P] with both operands quantised for the
+  product (x in 1 x act_block blocks, w in weight_block blocks) and a straight-through backward
+  on the UNquantised operands: dx = dy @ w^T, dw = x^T @ dy (fp32 accumulation)."""
+
+  def product(a, b):
+    return jax.lax.ragged_dot(a, b, group_sizes, precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+
+  @jax.custom_vjp
+  def op(x, w):
+    return product(quantize_activation(x, recipe), quantize_weight(w, recipe))
+
+  def fwd(x, w):
+    return op(x, w), (x, w)
+
+  def bwd(res, dy):
+    x, w = res
+    _, vjp = jax.vjp(lambda a, b: product(a.astype(jnp.float32), b.astype(jnp.float32)), x, w)
+    dx, dw = vjp(dy)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+  op.defvjp(fwd, bwd)
+  return op(x, w)

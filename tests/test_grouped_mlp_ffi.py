@@ -209,3 +209,77 @@ def test_cuda_grouped_gemm_kinds(kind):
     assert np.all(d[total:] == 0)
     d, ref = d[:total], ref[:total]
   assert rel_err(d, ref) < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# Blockwise FP8 (recipe "fp8" / "fp8_pow2") against the pure-JAX emulation (jax_megamoe.fp8).
+
+from jax_megamoe import fp8  # noqa: E402
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_quantisation_and_gemm_match_emulation(pow2):
+  spec = fp8.get_recipe("fp8_pow2" if pow2 else "fp8")
+  rng = np.random.default_rng(30 + pow2)
+  n, k, p, e = 700, 384, 256, 5
+  sizes = random_group_sizes(rng, e, 613)
+  gs = jnp.asarray(sizes)
+  # Rows of different magnitudes so that the per-block scales differ.
+  a = jnp.asarray(rng.standard_normal((n, k)) * np.exp(rng.standard_normal((n, 1))), jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((e, k, p)) * 0.05, jnp.bfloat16)
+  poison_device_memory(16 << 20)
+  d, (a_q, a_s, b_q, b_s) = cuda.grouped_gemm_fp8(a, gs, b, pow2=pow2, return_quantized=True)
+  # Quantised operands, bit for bit: dequantise and compare with the emulation.
+  a_deq = a_q.astype(jnp.float32) * jnp.repeat(a_s.T, 128, axis=1)
+  np.testing.assert_array_equal(np.asarray(a_deq), np.asarray(fp8.quantize_activation(a, spec)))
+  b_deq = jnp.swapaxes(b_q.astype(jnp.float32), 1, 2) * jnp.repeat(
+      jnp.repeat(b_s, 128, axis=1), 128, axis=2)
+  np.testing.assert_array_equal(np.asarray(b_deq), np.asarray(fp8.quantize_weight(b, spec)))
+  if pow2:
+    s = np.asarray(a_s)
+    assert np.all(np.exp2(np.round(np.log2(s))) == s), "pow2 scales must be powers of two"
+  ref = jax.lax.ragged_dot(fp8.quantize_activation(a, spec), fp8.quantize_weight(b, spec), gs,
+                           precision=jax.lax.Precision.HIGHEST)
+  total = int(sizes.sum())
+  d = np.asarray(d.astype(jnp.float32))
+  assert np.all(d[total:] == 0)
+  err = rel_err(d[:total], np.asarray(ref)[:total])
+  assert err < 5e-3, err
+
+
+def fp8_oracle_mlp(recipe):
+  """The recipe's definition in pure JAX: fp8 forward GEMMs, straight-through backward GEMMs
+  on the unquantised operands (fp8.ragged_dot), SwiGLU in fp32, h in the compute dtype."""
+  spec = fp8.get_recipe(recipe)
+
+  def mlp(x, gs, wgu, wd):
+    f = wd.shape[1]
+    gu = fp8.ragged_dot(x, wgu, gs, spec)
+    h = (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x.dtype)
+    y = fp8.ragged_dot(h, wd, gs, spec)
+    valid = jnp.arange(x.shape[0]) < jnp.sum(gs)
+    return jnp.where(valid[:, None], y, 0.0).astype(x.dtype)
+  return mlp
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
+def test_fp8_mlp_matches_emulation(recipe):
+  x, gs, wgu, wd, dy = make_inputs(41, 1000, 256, 384, 8, 911, jnp.bfloat16)
+  poison_device_memory(64 << 20)
+  fn = lambda x, gs, wgu, wd: cuda.grouped_mlp(x, gs, wgu, wd, recipe=recipe)
+  y, (dx, dwgu, dwd) = loss_and_grads(fn, x, gs, wgu, wd, dy)
+  y_o, (dx_o, dwgu_o, dwd_o) = loss_and_grads(fp8_oracle_mlp(recipe), x, gs, wgu, wd, dy)
+  y_ref = reference.grouped_mlp(x, gs, wgu, wd, recipe=recipe)
+  total = int(np.sum(np.asarray(gs)))
+  y = np.asarray(y.astype(jnp.float32))
+  assert np.all(y[total:] == 0) and np.all(np.isfinite(y[:total]))
+  errs = {"y vs reference": rel_err(y[:total], np.asarray(y_ref.astype(jnp.float32))[:total]),
+          "y": rel_err(y[:total], np.asarray(y_o.astype(jnp.float32))[:total]),
+          "dx": rel_err(dx.astype(jnp.float32), dx_o.astype(jnp.float32)),
+          "dw_gate_up": rel_err(dwgu.astype(jnp.float32), dwgu_o.astype(jnp.float32)),
+          "dw_down": rel_err(dwd.astype(jnp.float32), dwd_o.astype(jnp.float32))}
+  print(recipe, errs)
+  for name, err in errs.items():
+    assert err < 2e-2, f"{name}: {err:.3g} (all: {errs})"

@@ -1,0 +1,40 @@
+// Blockwise FP8 (DeepSeek-V3 recipe, e4m3 values, fp32 scales) for the grouped expert GEMMs:
+// the quantisation kernels of each operand layout and the scaled grouped GEMM (sm_90a).
+// Scale rule per block: s = amax / 448 (amax floored at FLT_MIN); with pow2, s is rounded up to
+// a power of two (never saturates). q = e4m3_rn_satfinite(v / s). Matches jax_megamoe.fp8.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+namespace megamoe::grouped {
+
+// Activations, 1 x 128 blocks along K: x [rows, K] bf16 -> q [rows, K] e4m3 and the scales
+// transposed, scale_t [K/128, rows] fp32 (M-major, as the GEMM reads them). K % 128 == 0.
+std::string QuantizeActivations1x128(const void* x, int64_t rows, int64_t k, bool pow2, void* q,
+                                     float* scale_t, cudaStream_t stream);
+
+// Weights, 128 x 128 blocks: w [E, K, N] bf16 -> q [E, N, K] e4m3 (transposed: K-major, as FP8
+// wgmma needs) and scale [E, K/128, N/128] fp32. K % 128 == 0, N % 128 == 0.
+std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t n, bool pow2,
+                                   void* q, float* scale, cudaStream_t stream);
+
+struct GroupedGemmFp8Problem {
+  int num_groups;
+  const int32_t* offsets;  // device [E + 1]
+  const void* a;           // e4m3 [rows, K]
+  const float* a_scale;    // [K/128, rows]
+  const void* b;           // e4m3 [E, N, K]
+  const float* b_scale;    // [E, K/128, N/128]
+  void* d;                 // bf16 [rows, N]; rows past offsets[E] untouched
+  int64_t rows, n, k;
+};
+
+size_t GroupedGemmFp8WorkspaceBytes(int num_groups, int sm_count);
+std::string RunGroupedGemmFp8(const GroupedGemmFp8Problem& problem, void* workspace,
+                              size_t workspace_bytes, int sm_count, cudaStream_t stream);
+
+}  // namespace megamoe::grouped

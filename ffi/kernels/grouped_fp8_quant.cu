@@ -1,0 +1,135 @@
+// Blockwise FP8 quantisation kernels (grouped_fp8.h).
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cfloat>
+
+#include "ffi/kernels/grouped_fp8.h"
+
+namespace megamoe::grouped {
+namespace {
+
+constexpr float kE4m3Max = 448.0f;
+
+__device__ __forceinline__ float BlockScale(float amax, bool pow2) {
+  float s = fmaxf(amax, FLT_MIN) / kE4m3Max;
+  if (pow2) {  // smallest power of two >= s, exactly (frexp: s = m 2^e, m in [0.5, 1))
+    int e;
+    const float m = frexpf(s, &e);
+    s = ldexpf(1.0f, m == 0.5f ? e - 1 : e);
+  }
+  return s;
+}
+
+__device__ __forceinline__ uint8_t ToE4m3(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// One warp per (row, 128-column block): 4 bf16 per lane.
+__global__ void QuantizeActivationsKernel(const __nv_bfloat16* __restrict__ x, int64_t rows,
+                                          int64_t k, bool pow2, uint8_t* __restrict__ q,
+                                          float* __restrict__ scale_t) {
+  const int64_t kb_count = k / 128;
+  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= rows * kb_count) return;
+  const int64_t r = warp / kb_count, kb = warp - r * kb_count;
+  const int64_t base = r * k + kb * 128 + lane * 4;
+  const uint2 raw = *reinterpret_cast<const uint2*>(x + base);
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const float2 a = __bfloat1622float2(p[0]), b = __bfloat1622float2(p[1]);
+  float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y)));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = BlockScale(amax, pow2);
+  const uint32_t packed = uint32_t(ToE4m3(a.x / s)) | (uint32_t(ToE4m3(a.y / s)) << 8) |
+                          (uint32_t(ToE4m3(b.x / s)) << 16) | (uint32_t(ToE4m3(b.y / s)) << 24);
+  *reinterpret_cast<uint32_t*>(q + base) = packed;
+  if (lane == 0) scale_t[kb * rows + r] = s;
+}
+
+// One block of 256 threads per 128 x 128 weight block; writes the block transposed.
+__global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16* __restrict__ w,
+                                                             int64_t k, int64_t n, bool pow2,
+                                                             uint8_t* __restrict__ q,
+                                                             float* __restrict__ scale) {
+  constexpr int kPad = 8;
+  __shared__ __nv_bfloat16 tile[128][128 + kPad];
+  __shared__ float warp_max[8];
+  const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
+  const int64_t nbs = n / 128, kbs = k / 128;
+  const int t = threadIdx.x;
+  const __nv_bfloat16* src = w + g * k * n + (kb * 128) * n + nb * 128;
+  float amax = 0.0f;
+  // Load: thread t reads row t/2, columns (t%2)*64 .. +64 as 8 x 16 bytes.
+  {
+    const int row = t / 2, col0 = (t % 2) * 64;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(src + int64_t(row) * n + col0 + v * 8);
+      *reinterpret_cast<uint4*>(&tile[row][col0 + v * 8]) = raw;
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(p[i]);
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (t % 32 == 0) warp_max[t / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
+  const float s = BlockScale(amax, pow2);
+  if (t == 0) scale[(g * kbs + kb) * nbs + nb] = s;
+  // Store transposed: thread t writes output row (n index) t/2, k columns (t%2)*64 .. +64.
+  const int nrow = t / 2, k0 = (t % 2) * 64;
+  uint8_t* dst = q + g * n * k + (nb * 128 + nrow) * k + kb * 128 + k0;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    uint32_t words[4];
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int byte = 0; byte < 4; ++byte) {
+        const float f = __bfloat162float(tile[k0 + v * 16 + wi * 4 + byte][nrow]);
+        word |= uint32_t(ToE4m3(f / s)) << (8 * byte);
+      }
+      words[wi] = word;
+    }
+    *reinterpret_cast<uint4*>(dst + v * 16) = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+std::string LastError(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? std::string() : std::string(what) + ": " + cudaGetErrorString(err);
+}
+
+}  // namespace
+
+std::string QuantizeActivations1x128(const void* x, int64_t rows, int64_t k, bool pow2, void* q,
+                                     float* scale_t, cudaStream_t stream) {
+  const int64_t warps = rows * (k / 128);
+  if (warps == 0) return "";
+  const int threads = 256;
+  const int64_t blocks = (warps * 32 + threads - 1) / threads;
+  QuantizeActivationsKernel<<<dim3(unsigned(blocks)), threads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), rows, k, pow2, static_cast<uint8_t*>(q), scale_t);
+  return LastError("QuantizeActivations1x128 launch");
+}
+
+std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t n, bool pow2,
+                                   void* q, float* scale, cudaStream_t stream) {
+  if (e == 0 || k == 0 || n == 0) return "";
+  dim3 grid(unsigned(n / 128), unsigned(k / 128), unsigned(e));
+  QuantizeWeightsKernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), k, n, pow2,
+                                                  static_cast<uint8_t*>(q), scale);
+  return LastError("QuantizeWeights128x128 launch");
+}
+
+}  // namespace megamoe::grouped
