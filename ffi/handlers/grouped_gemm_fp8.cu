@@ -17,7 +17,7 @@
 namespace megamoe::grouped {
 namespace {
 
-ffi::Error CheckBytes(const char* name, const ffi::Result<ffi::AnyBuffer>& buf, ffi::DataType t,
+ffi::Error CheckBytes(const char* name, ffi::Result<ffi::AnyBuffer>& buf, ffi::DataType t,
                       size_t elems) {
   if (buf->element_type() != t || buf->element_count() != elems) {
     return InvalidArgument(name, " must be ", DataTypeName(t), "[", elems, "], got ",
