@@ -108,7 +108,10 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
     cases["fp8 L2 quant+GEMM"] = (lambda: fp8_gemm(hid, gs, wd), 2 * n * f * h)
     cases["fp8 L2 quant only"] = (lambda: fp8_gemm(hid, gs, wd, _stages=3), 2 * n * f * h)
     cases["fp8 MLP fwd"] = (lambda: fp8_fwd(x, gs, wgu, wd, False), 6 * n * h * f)
+  only = os.environ.get("MEGAMOE_BENCH_ONLY", "")
   for name, (fn, flops) in cases.items():
+    if only and not name.startswith(only):
+      continue
     try:
       ms = time_jax(fn)
       results.append({**key, "impl": f"megamoe v{variant}", "op": name, "ms": ms,

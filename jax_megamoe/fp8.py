@@ -4,7 +4,7 @@ Recipes (DESIGN.md §5):
   None     matmuls in the inputs' dtype with fp32 accumulation.
   "fp8"    DeepSeek-V3 blockwise FP8 for Hopper: e4m3 values with fp32 scales; activations in
            1 x 128 blocks along the contraction (K) axis, weights in 128 x 128 blocks; scale =
-           amax / 448 per block.
+           amax * fp32(1/448) per block.
   "fp8_pow2"  the same with each scale rounded up to a power of two (2^ceil(log2(amax / 448)),
            exact through frexp; never saturates), as DeepSeek-V3 does for its wgrad operands.
   "mxfp8"  OCP MXFP8 for Blackwell: e4m3 values in 1 x 32 blocks along K with E8M0
@@ -58,7 +58,9 @@ def _block_scale(amax: jax.Array, power_of_two: bool, rule: str = "ocp") -> jax.
   if power_of_two and rule == "ocp":
     # OCP MX: shared exponent floor(log2(amax)) - emax(e4m3); values above 448 saturate.
     return jnp.exp2(jnp.floor(jnp.log2(amax)) - E4M3_EMAX)
-  scale = amax / E4M3_MAX
+  # amax * fp32(1/448), not amax / 448: XLA may rewrite a division by a constant into this
+  # product, so the product is the one rule that the kernels and every backend compute alike.
+  scale = amax * jnp.float32(1.0 / E4M3_MAX)
   if power_of_two:  # "ceil": the smallest power of two >= amax / 448, exactly (no log2 rounding)
     mant, expo = jnp.frexp(scale)
     scale = jnp.ldexp(jnp.ones_like(scale), jnp.where(mant == 0.5, expo - 1, expo))

@@ -117,6 +117,32 @@ def test_cpu_handler_rejects_bad_shapes_by_name():
       cuda.grouped_mlp_ffi(x, gs.astype(jnp.float32), wgu, wd)
 
 
+@pytest.mark.parametrize("weights_sharded", [True, False])
+def test_cpu_handler_inside_shard_map_gradients(weights_sharded):
+  """The custom_vjp inside shard_map: ffi_call results get the operands' varying-axes type, and
+  a replicated weight's gradient is summed over the devices (as the reference's is)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  cpus = jax.devices("cpu")[:2]
+  mesh = jax.make_mesh((2,), ("e",), devices=cpus)
+  x, _, wgu, wd, _ = make_inputs(8, 32, 16, 8, 4, 30, jnp.float32)
+  gs = jnp.asarray([4, 0, 11, 3], jnp.int32)
+  sharded = NamedSharding(mesh, P("e"))
+  x, gs = jax.device_put(x, sharded), jax.device_put(gs, sharded)
+  w_spec = P("e") if weights_sharded else P()
+  if not weights_sharded:
+    wgu, wd = wgu[:2], wd[:2]
+  wgu, wd = jax.device_put(wgu, NamedSharding(mesh, w_spec)), jax.device_put(wd, NamedSharding(mesh, w_spec))
+
+  def grads(mlp):
+    f = jax.shard_map(mlp, mesh=mesh, in_specs=(P("e"), P("e"), w_spec, w_spec),
+                      out_specs=P("e"))
+    loss = lambda x, wgu, wd: jnp.sum(f(x, gs, wgu, wd) ** 2)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, wgu, wd)
+
+  for a, b in zip(grads(cuda.grouped_mlp_ffi), grads(reference.grouped_mlp)):
+    assert rel_err(a, b) < 1e-5
+
+
 def test_cuda_backend_reason_is_stated():
   reason = cuda.unavailable_reason("fp8")
   assert reason is not None and ("fp8" in reason or "GPU" in reason or "CUDA" in reason
@@ -139,6 +165,7 @@ GPU_CASES = [
     (4096, 512, 256, 16, 4096),   # no padding, many groups (one empty)
     (1, 128, 128, 4, 1),          # one row
     (300, 384, 192, 1, 200),      # one group
+    (3000, 256, 128, 64, 2900),   # 64 groups: the wgrad default switches to the ping-pong tiles
 ]
 
 
@@ -230,12 +257,17 @@ def test_fp8_quantisation_and_gemm_match_emulation(pow2):
   b = jnp.asarray(rng.standard_normal((e, k, p)) * 0.05, jnp.bfloat16)
   poison_device_memory(16 << 20)
   d, (a_q, a_s, b_q, b_s) = cuda.grouped_gemm_fp8(a, gs, b, pow2=pow2, return_quantized=True)
-  # Quantised operands, bit for bit: dequantise and compare with the emulation.
-  a_deq = a_q.astype(jnp.float32) * jnp.repeat(a_s.T, 128, axis=1)
-  np.testing.assert_array_equal(np.asarray(a_deq), np.asarray(fp8.quantize_activation(a, spec)))
+  # Quantised operands, bit for bit: dequantise and compare with the emulation, run on the CPU
+  # (IEEE division there; XLA:GPU may divide approximately).
+  cpu = jax.devices("cpu")[0]
+  a_deq = a_q.astype(jnp.float32) * jnp.repeat(a_s, 128, axis=1)
   b_deq = jnp.swapaxes(b_q.astype(jnp.float32), 1, 2) * jnp.repeat(
       jnp.repeat(b_s, 128, axis=1), 128, axis=2)
-  np.testing.assert_array_equal(np.asarray(b_deq), np.asarray(fp8.quantize_weight(b, spec)))
+  with jax.default_device(cpu):
+    a_emu = fp8.quantize_activation(jax.device_put(a, cpu), spec)
+    b_emu = fp8.quantize_weight(jax.device_put(b, cpu), spec)
+  np.testing.assert_array_equal(np.asarray(a_deq), np.asarray(a_emu))
+  np.testing.assert_array_equal(np.asarray(b_deq), np.asarray(b_emu))
   if pow2:
     s = np.asarray(a_s)
     assert np.all(np.exp2(np.round(np.log2(s))) == s), "pow2 scales must be powers of two"

@@ -1,7 +1,7 @@
 // XLA FFI handler (CUDA) of the blockwise-FP8 grouped GEMM (recipe "fp8", forward layout):
 //   a [N, K] bf16, group_sizes [E] int32, b [E, K, P] bf16  ->  d [N, P] bf16
 // quantising a in 1x128 blocks along K and b in 128x128 blocks inside the call. The quantised
-// operands come back as results (a_q u8[N*K], a_scale f32[K/128*N] (M-major), b_q u8[E*P*K]
+// operands come back as results (a_q u8[N*K], a_scale f32[N*K/128] (row-major), b_q u8[E*P*K]
 // (b transposed, K-major), b_scale f32[E*K/128*P/128]) so tests can check them bit for bit; then
 // the workspace. Attribute pow2 (0/1): power-of-two scales. Rows past sum(group_sizes) are 0.
 // Attribute stages (benchmarks only; 7 = everything): bit 1 quantise a, bit 2 quantise b, bit 4

@@ -1,7 +1,8 @@
 // Blockwise FP8 (DeepSeek-V3 recipe, e4m3 values, fp32 scales) for the grouped expert GEMMs:
 // the quantisation kernels of each operand layout and the scaled grouped GEMM (sm_90a).
-// Scale rule per block: s = amax / 448 (amax floored at FLT_MIN); with pow2, s is rounded up to
-// a power of two (never saturates). q = e4m3_rn_satfinite(v / s). Matches jax_megamoe.fp8.
+// Scale rule per block: s = amax * fp32(1/448) (amax floored at FLT_MIN; a product with the
+// rounded reciprocal, which XLA's simplifier leaves alone, so the emulation matches bit for bit);
+// with pow2, s is rounded up to a power of two (never saturates). q = e4m3_rn_satfinite(v / s).
 #pragma once
 
 #include <cstddef>
@@ -12,10 +13,10 @@
 
 namespace megamoe::grouped {
 
-// Activations, 1 x 128 blocks along K: x [rows, K] bf16 -> q [rows, K] e4m3 and the scales
-// transposed, scale_t [K/128, rows] fp32 (M-major, as the GEMM reads them). K % 128 == 0.
+// Activations, 1 x 128 blocks along K: x [rows, K] bf16 -> q [rows, K] e4m3 and scale
+// [rows, K/128] fp32 (K-major: a group's rows are one contiguous slice). K % 128 == 0.
 std::string QuantizeActivations1x128(const void* x, int64_t rows, int64_t k, bool pow2, void* q,
-                                     float* scale_t, cudaStream_t stream);
+                                     float* scale, cudaStream_t stream);
 
 // Weights, 128 x 128 blocks: w [E, K, N] bf16 -> q [E, N, K] e4m3 (transposed: K-major, as FP8
 // wgmma needs) and scale [E, K/128, N/128] fp32. K % 128 == 0, N % 128 == 0.
@@ -26,7 +27,7 @@ struct GroupedGemmFp8Problem {
   int num_groups;
   const int32_t* offsets;  // device [E + 1]
   const void* a;           // e4m3 [rows, K]
-  const float* a_scale;    // [K/128, rows]
+  const float* a_scale;    // [rows, K/128]
   const void* b;           // e4m3 [E, N, K]
   const float* b_scale;    // [E, K/128, N/128]
   void* d;                 // bf16 [rows, N]; rows past offsets[E] untouched

@@ -12,7 +12,7 @@ namespace {
 constexpr float kE4m3Max = 448.0f;
 
 __device__ __forceinline__ float BlockScale(float amax, bool pow2) {
-  float s = fmaxf(amax, FLT_MIN) / kE4m3Max;
+  float s = fmaxf(amax, FLT_MIN) * (1.0f / kE4m3Max);
   if (pow2) {  // smallest power of two >= s, exactly (frexp: s = m 2^e, m in [0.5, 1))
     int e;
     const float m = frexpf(s, &e);
@@ -28,7 +28,7 @@ __device__ __forceinline__ uint8_t ToE4m3(float v) {
 // One warp per (row, 128-column block): 4 bf16 per lane.
 __global__ void QuantizeActivationsKernel(const __nv_bfloat16* __restrict__ x, int64_t rows,
                                           int64_t k, bool pow2, uint8_t* __restrict__ q,
-                                          float* __restrict__ scale_t) {
+                                          float* __restrict__ scale) {
   const int64_t kb_count = k / 128;
   const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
@@ -45,7 +45,7 @@ __global__ void QuantizeActivationsKernel(const __nv_bfloat16* __restrict__ x, i
   const uint32_t packed = uint32_t(ToE4m3(a.x / s)) | (uint32_t(ToE4m3(a.y / s)) << 8) |
                           (uint32_t(ToE4m3(b.x / s)) << 16) | (uint32_t(ToE4m3(b.y / s)) << 24);
   *reinterpret_cast<uint32_t*>(q + base) = packed;
-  if (lane == 0) scale_t[kb * rows + r] = s;
+  if (lane == 0) scale[r * kb_count + kb] = s;
 }
 
 // One block of 256 threads per 128 x 128 weight block; writes the block transposed.
@@ -113,13 +113,13 @@ std::string LastError(const char* what) {
 }  // namespace
 
 std::string QuantizeActivations1x128(const void* x, int64_t rows, int64_t k, bool pow2, void* q,
-                                     float* scale_t, cudaStream_t stream) {
+                                     float* scale, cudaStream_t stream) {
   const int64_t warps = rows * (k / 128);
   if (warps == 0) return "";
   const int threads = 256;
   const int64_t blocks = (warps * 32 + threads - 1) / threads;
   QuantizeActivationsKernel<<<dim3(unsigned(blocks)), threads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), rows, k, pow2, static_cast<uint8_t*>(q), scale_t);
+      static_cast<const __nv_bfloat16*>(x), rows, k, pow2, static_cast<uint8_t*>(q), scale);
   return LastError("QuantizeActivations1x128 launch");
 }
 

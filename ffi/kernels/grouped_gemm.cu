@@ -44,12 +44,17 @@ constexpr RunFn kRun[3][kVariants] = {
     {RunGroupedGemmDgradV0, RunGroupedGemmDgradV1, RunGroupedGemmDgradV2},
     {RunGroupedGemmWgradV0, RunGroupedGemmWgradV1, RunGroupedGemmWgradV2}};
 
-// Default variant per kind (fprop, dgrad, wgrad).
-constexpr int kDefaultVariant[3] = {0, 0, 0};
+// Default variant per kind (fprop, dgrad, wgrad), from benchmarks/RESULTS.md (H200, 131,072
+// rows): cooperative 128x256 is fastest for fprop and dgrad at every measured shape; for wgrad
+// ping-pong wins with many small groups (128 experts), cooperative with few large ones (16).
+int DefaultVariant(GemmKind kind, int num_groups) {
+  if (kind == GemmKind::kWgrad) return num_groups >= 64 ? 2 : 0;
+  return 0;
+}
 
-int Variant(GemmKind kind) {
+int Variant(GemmKind kind, int num_groups) {
   static std::once_flag once;
-  static int chosen[3] = {kDefaultVariant[0], kDefaultVariant[1], kDefaultVariant[2]};
+  static int chosen[3] = {-1, -1, -1};  // -1: the default
   std::call_once(once, [] {
     const char* env = std::getenv("MEGAMOE_GROUPED_GEMM_VARIANT");
     if (env == nullptr || *env == '\0') return;
@@ -66,19 +71,21 @@ int Variant(GemmKind kind) {
       }
     }
   });
-  return chosen[static_cast<int>(kind)];
+  const int v = chosen[static_cast<int>(kind)];
+  return v >= 0 ? v : DefaultVariant(kind, num_groups);
 }
 
 }  // namespace
 
 size_t GroupedGemmWorkspaceBytes(GemmKind kind, int num_groups, int sm_count) {
-  return kWorkspace[static_cast<int>(kind)][Variant(kind)](num_groups, sm_count);
+  return kWorkspace[static_cast<int>(kind)][Variant(kind, num_groups)](num_groups, sm_count);
 }
 
 std::string RunGroupedGemm(const GroupedGemmProblem& p, void* workspace, size_t workspace_bytes,
                            int sm_count, cudaStream_t stream) {
-  return kRun[static_cast<int>(p.kind)][Variant(p.kind)](p, workspace, workspace_bytes, sm_count,
-                                                         stream);
+  return kRun[static_cast<int>(p.kind)][Variant(p.kind, p.num_groups)](p, workspace,
+                                                                       workspace_bytes, sm_count,
+                                                                       stream);
 }
 
 }  // namespace megamoe::grouped

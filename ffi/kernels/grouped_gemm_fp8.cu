@@ -1,6 +1,6 @@
 // Blockwise-scaled FP8 grouped GEMM (grouped_fp8.h): CUTLASS sm90 ptr-array kernel with
 // per-128-K promotion of the fp32 accumulators (KernelPtrArrayTmaWarpSpecializedCooperativeFP8
-// Blockwise). A = activations e4m3 [rows, K] with 1x128 scales (M-major, [K/128, rows]),
+// Blockwise). A = activations e4m3 [rows, K] with 1x128 scales (K-major, [rows, K/128]),
 // B = weights e4m3 [E, N, K] (K-major) with 128x128 scales [E, K/128, N/128], D bf16.
 // CUTLASS asserts inside the wgmma consumer loop become function calls that serialise wgmma
 // (ptxas C7510): compile without them whatever the build type.
@@ -28,7 +28,11 @@ struct Fp8Gemm {
   using LayoutD = cutlass::layout::RowMajor;
   using TileShape = Shape<_128, _128, _128>;
   using ClusterShape = Shape<_1, _2, _1>;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128>;
+  // The kernel rebuilds each group's scale layouts from its (M, N, K) (it ignores the layouts
+  // passed in), packed per group: K-major SFA makes a group's scales the contiguous slice
+  // [r0, r0 + M) of the [rows, K/128] matrix; SFB is [K/128, N/128] per expert.
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
+                                                                cute::GMMA::Major::MN>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -92,15 +96,12 @@ __global__ void PrepareFp8(GroupedGemmFp8Problem p, G::Shape3* shapes, const G::
   ptr_a[g] = static_cast<const G::ElementA*>(p.a) + r0 * p.k;
   ptr_b[g] = static_cast<const G::ElementB*>(p.b) + int64_t(g) * p.n * p.k;
   ptr_d[g] = static_cast<G::ElementD*>(p.d) + r0 * p.n;
-  ptr_sfa[g] = p.a_scale + r0;
+  ptr_sfa[g] = p.a_scale + r0 * kbs;
   ptr_sfb[g] = p.b_scale + int64_t(g) * kbs * nbs;
   stride_a[g] = sm90::LeadingStride<G::StrideA>(p.k);
   stride_b[g] = sm90::LeadingStride<G::StrideB>(p.k);
   stride_d[g] = sm90::LeadingStride<G::StrideD>(p.n);
-  // Scales of A: row-major over (k-block, row) of the whole [K/128, rows] matrix.
-  layout_sfa[g] = make_layout(
-      make_shape(make_shape(_1{}, rows), make_shape(_128{}, int(kbs)), 1),
-      make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, int(p.rows)), 0));
+  layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, int(p.n), int(p.k), 1));
   layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, int(p.n), int(p.k), 1));
 }
 

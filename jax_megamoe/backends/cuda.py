@@ -82,6 +82,27 @@ def _check(x_sorted, group_sizes, w_gate_up, w_down) -> tuple[int, int, int, int
   return n, h, f, e
 
 
+def _varying_axes(x) -> frozenset:
+  """The mesh axes x varies over inside shard_map (empty outside)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def _match_varying(value, *like):
+  """ffi_call results carry no varying-axes type inside shard_map: give them the union of the
+  inputs' (what a custom_vjp and shard_map's type check expect)."""
+  want = frozenset().union(*(_varying_axes(a) for a in like))
+  missing = tuple(sorted(want - _varying_axes(value)))
+  if not missing:
+    return value
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(value, missing, to="varying")
+  return jax.lax.pvary(value, missing)
+
+
 def _fwd_call(x, group_sizes, w_gate_up, w_down):
   n, h, f, e = _check(x, group_sizes, w_gate_up, w_down)
   dt = x.dtype
@@ -90,7 +111,8 @@ def _fwd_call(x, group_sizes, w_gate_up, w_down):
       (jax.ShapeDtypeStruct((n, h), dt), jax.ShapeDtypeStruct((n, 2 * f), dt),
        jax.ShapeDtypeStruct((n, f), dt), jax.ShapeDtypeStruct((workspace_bytes(e),), jnp.uint8)))
   y, gate_up, hidden, _ = call(x, group_sizes, w_gate_up, w_down)
-  return y, gate_up, hidden
+  like = (x, group_sizes, w_gate_up, w_down)
+  return tuple(_match_varying(a, *like) for a in (y, gate_up, hidden))
 
 
 def _bwd_call(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden):
@@ -103,13 +125,24 @@ def _bwd_call(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden):
        jax.ShapeDtypeStruct((n, f), dt), jax.ShapeDtypeStruct((workspace_bytes(e),), jnp.uint8)))
   dx, dw_gate_up, dw_down, _, _, _ = call(dy.astype(dt), x, group_sizes, w_gate_up, w_down,
                                           gate_up, hidden)
-  return dx, dw_gate_up, dw_down
+  return (_match_varying(dx, x), _match_varying(dw_gate_up, w_gate_up),
+          _match_varying(dw_down, w_down))
 
 
-@jax.custom_vjp
+def _align_varying(*arrays):
+  """Inside shard_map, casts every operand to vary over the union of their varying axes, so the
+  custom_vjp sees one type and autodiff of the cast sums an invariant weight's gradient."""
+  return tuple(_match_varying(a, *arrays) for a in arrays)
+
+
 def grouped_mlp_ffi(x_sorted, group_sizes, w_gate_up, w_down):
   """The grouped SwiGLU MLP through the FFI handlers, on whatever platform runs it (CUDA: bf16;
   CPU: bf16 or float32). Same contract as reference.grouped_mlp with recipe=None."""
+  return _grouped_mlp_ffi(*_align_varying(x_sorted, group_sizes, w_gate_up, w_down))
+
+
+@jax.custom_vjp
+def _grouped_mlp_ffi(x_sorted, group_sizes, w_gate_up, w_down):
   return _fwd_call(x_sorted, group_sizes, w_gate_up, w_down)[0]
 
 
@@ -124,7 +157,7 @@ def _vjp_bwd(res, dy):
   return dx, None, dw_gate_up, dw_down
 
 
-grouped_mlp_ffi.defvjp(_vjp_fwd, _vjp_bwd)
+_grouped_mlp_ffi.defvjp(_vjp_fwd, _vjp_bwd)
 
 
 def _kernel_supports(x_sorted, w_down) -> bool:
@@ -171,7 +204,7 @@ def grouped_gemm(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, kind: in
     out = jax.ShapeDtypeStruct((a.shape[0], b.shape[2] if kind == 0 else b.shape[1]), a.dtype)
   call = jax.ffi.ffi_call(
       GEMM_TARGET, (out, jax.ShapeDtypeStruct((workspace_bytes(e),), jnp.uint8)))
-  return call(a, group_sizes, b, kind=np.int64(kind))[0]
+  return _match_varying(call(a, group_sizes, b, kind=np.int64(kind))[0], a, group_sizes, b)
 
 
 def grouped_gemm_fp8(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, pow2: bool = False,
@@ -179,7 +212,7 @@ def grouped_gemm_fp8(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, pow2
   """Blockwise-FP8 grouped GEMM a [N, K] bf16, b [E, K, P] bf16 -> [N, P] bf16: a quantised in
   1x128 blocks along K, b in 128x128 blocks (e4m3, fp32 scales, power-of-two with pow2), fp32
   accumulation promoted every 128 of K; padding rows 0. With return_quantized, also returns
-  (a_q [N, K] e4m3, a_scale [K/128, N], b_q [E, P, K] e4m3 (transposed), b_scale [E, K/128, P/128]).
+  (a_q [N, K] e4m3, a_scale [N, K/128], b_q [E, P, K] e4m3 (transposed), b_scale [E, K/128, P/128]).
   """
   n, k = a.shape
   e, _, p = b.shape
@@ -191,10 +224,11 @@ def grouped_gemm_fp8(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, pow2
           jax.ShapeDtypeStruct((workspace_bytes(e),), jnp.uint8))
   d, a_q, a_s, b_q, b_s, _ = jax.ffi.ffi_call(FP8_GEMM_TARGET, outs)(
       a, group_sizes, b, pow2=np.int64(bool(pow2)), stages=np.int64(_stages))
+  d = _match_varying(d, a, group_sizes, b)
   if not return_quantized:
     return d
   as_e4m3 = lambda u, shape: jax.lax.bitcast_convert_type(u, jnp.float8_e4m3fn).reshape(shape)
-  return d, (as_e4m3(a_q, (n, k)), a_s.reshape(k // 128, n), as_e4m3(b_q, (e, p, k)),
+  return d, (as_e4m3(a_q, (n, k)), a_s.reshape(n, k // 128), as_e4m3(b_q, (e, p, k)),
              b_s.reshape(e, k // 128, p // 128))
 
 
@@ -207,10 +241,14 @@ def _fp8_forward(x, group_sizes, w_gate_up, w_down, pow2):
   return y, gate_up, hidden
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def grouped_mlp_fp8(x_sorted, group_sizes, w_gate_up, w_down, pow2=False):
   """Recipe "fp8" (pow2: "fp8_pow2"): forward on the blockwise-FP8 kernels, backward
   straight-through on the bf16 kernels with the unquantised operands (see jax_megamoe.fp8)."""
+  return _grouped_mlp_fp8(*_align_varying(x_sorted, group_sizes, w_gate_up, w_down), bool(pow2))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _grouped_mlp_fp8(x_sorted, group_sizes, w_gate_up, w_down, pow2):
   return _fp8_forward(x_sorted, group_sizes, w_gate_up, w_down, pow2)[0]
 
 
@@ -224,4 +262,4 @@ def _fp8_vjp_bwd(pow2, res, dy):
   return _vjp_bwd(res, dy)
 
 
-grouped_mlp_fp8.defvjp(_fp8_vjp_fwd, _fp8_vjp_bwd)
+_grouped_mlp_fp8.defvjp(_fp8_vjp_fwd, _fp8_vjp_bwd)
