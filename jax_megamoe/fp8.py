@@ -87,6 +87,10 @@ def quantize_dequantize(x: jax.Array, block: tuple[int, ...], *, power_of_two: b
   amax = jnp.max(jnp.abs(xb), axis=block_axes, keepdims=True)
   scale = _block_scale(amax, power_of_two, rule)
   q = jnp.clip(xb / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  # XLA:GPU (xla_allow_excess_precision, on by default) deletes convert(convert(x, f8), f32)
+  # pairs inside a fusion, which would silently skip the rounding under jit on a GPU (seen on
+  # an H200: the jitted emulation matched the unquantised product); the barrier keeps it.
+  q = jax.lax.optimization_barrier(q)
   deq = (q.astype(jnp.float32) * scale).reshape(x32.shape)
   return deq[tuple(slice(0, n) for n in x.shape)]
 

@@ -302,8 +302,12 @@ def test_fp8_mlp_matches_emulation(recipe):
   poison_device_memory(64 << 20)
   fn = lambda x, gs, wgu, wd: cuda.grouped_mlp(x, gs, wgu, wd, recipe=recipe)
   y, (dx, dwgu, dwd) = loss_and_grads(fn, x, gs, wgu, wd, dy)
-  y_o, (dx_o, dwgu_o, dwd_o) = loss_and_grads(fp8_oracle_mlp(recipe), x, gs, wgu, wd, dy)
-  y_ref = reference.grouped_mlp(x, gs, wgu, wd, recipe=recipe)
+  # The oracle on the CPU: exact division, and no XLA:GPU excess-precision rewrites.
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    on_cpu = [jax.device_put(a, cpu) for a in (x, gs, wgu, wd, dy)]
+    y_o, (dx_o, dwgu_o, dwd_o) = loss_and_grads(fp8_oracle_mlp(recipe), *on_cpu)
+    y_ref = reference.grouped_mlp(*on_cpu[:4], recipe=recipe)
   total = int(np.sum(np.asarray(gs)))
   y = np.asarray(y.astype(jnp.float32))
   assert np.all(y[total:] == 0) and np.all(np.isfinite(y[:total]))
@@ -357,7 +361,18 @@ def test_moe_cuda_backend_expert_parallel_two_gpus():
   mesh = jax.make_mesh((2,), ("expert",), axis_types=(AxisType.Auto,), devices=gpus)
   x, ids, w, wgu, wd = _moe_inputs(51)
   y, g = _moe_value_and_grads(mesh, "cuda", x, ids, w, wgu, wd)
-  y_r, g_r = _moe_value_and_grads(None, "reference", x, ids, w, wgu, wd)
-  assert rel_err(y.astype(jnp.float32), y_r.astype(jnp.float32)) < 1e-2
-  for a, b in zip(g, g_r):
-    assert rel_err(a.astype(jnp.float32), b.astype(jnp.float32)) < 2e-2
+  # The kernel's contract: the same exchange with the reference MLP (2026-11-30 on 2 x H200,
+  # before this comparison was split out, EP cuda vs the single-device reference had the right
+  # forward but dx off by 111%: see the report; either the kernel under EP or the ragged
+  # exchange's backward).
+  y_r, g_r = _moe_value_and_grads(mesh, "reference", x, ids, w, wgu, wd)
+  y_1, g_1 = _moe_value_and_grads(None, "reference", x, ids, w, wgu, wd)
+  f32 = lambda a: a.astype(jnp.float32)
+  errs = {"y": rel_err(f32(y), f32(y_r)),
+          **{f"d{n}": rel_err(f32(a), f32(b)) for n, a, b in zip(("x", "w", "wgu", "wd"), g, g_r)},
+          "reference EP vs 1 device y": rel_err(f32(y_r), f32(y_1)),
+          **{f"reference EP vs 1 device d{n}": rel_err(f32(a), f32(b))
+             for n, a, b in zip(("x", "w", "wgu", "wd"), g_r, g_1)}}
+  print(errs)
+  for name, err in errs.items():
+    assert err < 2e-2, f"{name}: {err:.3g} (all: {errs})"
