@@ -82,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out", default="runs/qwen3_moe", help="run directory")
   p.add_argument("--checkpoint-every", type=int, default=100, help="0: never")
   p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  p.add_argument("--stop-at", type=int, default=None,
+                 help="stop after this step as if interrupted (the schedule still spans "
+                      "--steps); with --resume, for testing preemption")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--log-every", type=int, default=25)
   p.add_argument("--peak-tflops", type=float, default=None,
@@ -159,6 +162,15 @@ def make_optimizer(args) -> tuple[optax.GradientTransformation, optax.Schedule]:
       optax.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=args.weight_decay,
                   mask=decay_matrices))
   return tx, schedule
+
+
+def init_optimizer_state(tx, params, mesh):
+  """AdamW moments laid out like their parameters, step counters replicated."""
+  replicated = NamedSharding(mesh, P())
+  shardings = optax.tree_map_params(
+      tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
+      jax.tree.map(lambda x: x.sharding, params), transform_non_params=lambda _: replicated)
+  return jax.jit(tx.init, out_shardings=shardings)(params)
 
 
 def make_train_step(graphdef, tx, aux_coef: float, z_coef: float):
@@ -285,7 +297,7 @@ def main(argv=None) -> dict:
 
   graphdef, params = build_params(args, config, mesh, dtype)
   tx, schedule = make_optimizer(args)
-  opt_state = jax.jit(tx.init)(params)
+  opt_state = init_optimizer_state(tx, params, mesh)
   os.makedirs(args.out, exist_ok=True)
   checkpoints = Checkpoints(os.path.join(args.out, "checkpoints"), args.checkpoint_every)
   metrics_path = os.path.join(args.out, "metrics.jsonl")
@@ -296,6 +308,8 @@ def main(argv=None) -> dict:
     params, opt_state = state["params"], state["opt_state"]
     history = read_metrics(metrics_path, start)
     log(f"resumed from step {start}")
+  elif args.resume:
+    log(f"--resume: no checkpoint in {args.out}/checkpoints yet, starting from step 0")
   if is_main:
     with open(metrics_path, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in history)
@@ -335,7 +349,7 @@ def main(argv=None) -> dict:
     if dt:
       row["tokens_per_s"] = args.batch * args.seq_len / dt
       row["mfu"] = flops_per_step / dt / (peak * jax.device_count()) if peak else None
-    if step % args.log_every == 0 or step in (start + 1, args.steps):
+    if step % args.log_every == 0 or step in (start + 1, stop):
       row["expert_load"] = np.round(load, 5).tolist()
       speed = (f"{row['tokens_per_s']:,.0f} tok/s | MFU "
                + (f"{100 * row['mfu']:.1f}%" if row.get("mfu") else "n/a")) if dt else \
@@ -349,7 +363,8 @@ def main(argv=None) -> dict:
       metrics_file.flush()
     progress.update(f"loss {row['ce']:.3f}")
 
-  for step in range(start + 1, args.steps + 1):
+  stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+  for step in range(start + 1, stop + 1):
     inputs, targets = device_batch(step)
     params, opt_state, metrics = train_step(params, opt_state, inputs, targets)
     if pending is not None:
@@ -372,8 +387,9 @@ def _report(args, config, history, wall_s, compile_s, is_main, log) -> dict:
   steps = [r["step"] for r in history]
   # Single batches are noisy: the first and last ten steps' means summarise the run.
   ce = [r["ce"] for r in history]
-  summary = dict(first_loss=float(np.mean(ce[:10])) if ce else None,
-                 last_loss=float(np.mean(ce[-10:])) if ce else None,
+  window = max(1, min(10, len(ce) // 4))
+  summary = dict(first_loss=float(np.mean(ce[:window])) if ce else None,
+                 last_loss=float(np.mean(ce[-window:])) if ce else None,
                  wall_s=wall_s, compile_s=compile_s, steps=len(steps),
                  out=os.path.abspath(args.out))
   if not is_main or not history:
@@ -395,7 +411,7 @@ def _report(args, config, history, wall_s, compile_s, is_main, log) -> dict:
                               os.path.join(args.out, "expert_load.png"))
   speed = f", {summary['median_tokens_per_s']:,.0f} tok/s median" if speeds else ""
   log(f"done: {summary['steps']} steps in {wall_s:.1f}s (first step incl. compile "
-      f"{compile_s:.1f}s{speed}); loss (mean of 10 steps) {summary['first_loss']:.4f} -> "
+      f"{compile_s:.1f}s{speed}); loss (mean of {window} steps) {summary['first_loss']:.4f} -> "
       f"{summary['last_loss']:.4f}; outputs in {args.out}")
   return summary
 
