@@ -56,6 +56,7 @@ def expert_load_heatmap(steps, loads: np.ndarray, path: str) -> bool:
   im = ax1.imshow(tail, aspect="auto", cmap="viridis", interpolation="nearest")
   ax1.set_xlabel("expert")
   ax1.set_ylabel("MoE layer")
+  ax1.set_yticks(range(tail.shape[0]))
   ax1.set_title("load / balanced load, end of run")
   fig.colorbar(im, ax=ax1)
   im = ax2.imshow(over_time, aspect="auto", cmap="viridis", interpolation="nearest",

@@ -43,3 +43,12 @@ def test_tiny_run_learns_plots_and_resumes(tmp_path):
   assert "resumed from step 6" in stdout
   assert resumed["step"] == list(range(1, 13))
   assert resumed["ce"] == pytest.approx(straight["ce"], rel=1e-6)
+
+  # The loss-parity tool: same curves -> no difference, and a PNG.
+  compare = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "examples", "compare_losses.py"),
+       str(tmp_path / "straight"), str(tmp_path / "resumed"), "--labels", "a,b",
+       "--out", str(tmp_path / "parity.png")], capture_output=True, text=True, timeout=120)
+  assert compare.returncode == 0, compare.stderr
+  assert "b vs a: max |diff| of ce =" in compare.stdout
+  assert os.path.getsize(tmp_path / "parity.png") > 0
