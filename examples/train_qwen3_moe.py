@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--recipe", default="none", choices=["none", *filter(None, RECIPES)])
   p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                  help="compute dtype (master weights are always float32)")
-  p.add_argument("--steps", type=int, default=200)
+  p.add_argument("--steps", type=int, default=150)
   p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
   p.add_argument("--seq-len", type=int, default=128)
   p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -348,11 +348,14 @@ def main(argv=None) -> dict:
                step_s=dt)
     if dt:
       row["tokens_per_s"] = args.batch * args.seq_len / dt
-      row["mfu"] = flops_per_step / dt / (peak * jax.device_count()) if peak else None
+      row["tflops_per_device"] = flops_per_step / dt / jax.device_count() / 1e12
+      row["mfu"] = row["tflops_per_device"] * 1e12 / peak if peak else None
     if step % args.log_every == 0 or step in (start + 1, stop):
       row["expert_load"] = np.round(load, 5).tolist()
-      speed = (f"{row['tokens_per_s']:,.0f} tok/s | MFU "
-               + (f"{100 * row['mfu']:.1f}%" if row.get("mfu") else "n/a")) if dt else \
+      speed = (f"{row['tokens_per_s']:,.0f} tok/s | {row['tflops_per_device']:.3g} "
+               f"TFLOP/s/device | MFU "
+               + (f"{100 * row['mfu']:.1f}%" if row.get("mfu") else "n/a (--peak-tflops)")
+               ) if dt else \
           f"compile+first step {compile_s:.1f}s"
       progress.write(f"step {step:5d} | loss {row['ce']:.4f} | aux {row['aux']:.4f} | "
                      f"z {row['z']:.2f} | grad norm {row['grad_norm']:.3f} | "

@@ -119,3 +119,19 @@ def test_wrong_model_type_is_named(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match="model_type must be 'qwen3_moe', got 'llama'"):
     load_hf_checkpoint(tmp_path)
+
+
+def test_load_onto_a_mesh_with_fsdp(tmp_path):
+  """data=2 x expert=4: experts sharded over `expert`, FSDP over `data`, same logits."""
+  import jax
+  from jax.sharding import AxisType
+
+  _save_random_model(tmp_path, **VARIANTS["dense_layer_untied_norm_topk"])
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+  ids = np.random.default_rng(0).integers(0, BASE["vocab_size"], (8, 6))
+  expected = _jax_logits(load_hf_checkpoint(tmp_path), ids)
+
+  model = load_hf_checkpoint(tmp_path, mesh=mesh, fsdp_axis="data")
+  spec = tuple(model.layers[0].mlp.w_gate_up[...].sharding.spec)
+  assert spec[0] == "expert" and "data" in spec
+  np.testing.assert_allclose(_jax_logits(model, ids), expected, rtol=1e-5, atol=1e-5)
