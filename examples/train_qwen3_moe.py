@@ -138,8 +138,8 @@ def build_params(args, config, mesh, dtype):
   kwargs = dict(dtype=dtype, param_dtype=jnp.float32, backend=args.backend,
                 recipe=args.recipe, mesh=mesh, remat=args.remat)
   if args.init_from:
-    model = load_hf_checkpoint(args.init_from, mesh=mesh, fsdp_axis="data",
-                               num_layers=args.num_layers, **kwargs)
+    model = load_hf_checkpoint(args.init_from, fsdp_axis="data", num_layers=args.num_layers,
+                               **kwargs)
     return nnx.split(model, nnx.Param)
 
   def build():
