@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--z-loss-coef", type=float, default=1e-3, help="router z-loss weight")
   p.add_argument("--remat", default="none", choices=sorted(REMAT_POLICIES),
                  help="rematerialisation policy of every decoder layer")
+  p.add_argument("--attention", default="xla", choices=["xla", "cudnn"],
+                 help="attention kernel: xla (any platform) or cudnn (GPU flash attention, "
+                      "bf16)")
   p.add_argument("--init-from", default=None, help="Hugging Face Qwen3-MoE checkpoint dir")
   p.add_argument("--data", default=None,
                  help="text file (byte tokens) or .npy token ids; default: the Python "
@@ -136,7 +139,7 @@ def build_params(args, config, mesh, dtype):
   """(graphdef, params): float32 parameters laid out by models/sharding.py, initialised or
   read from --init-from."""
   kwargs = dict(dtype=dtype, param_dtype=jnp.float32, backend=args.backend,
-                recipe=args.recipe, mesh=mesh, remat=args.remat)
+                recipe=args.recipe, mesh=mesh, remat=args.remat, attention=args.attention)
   if args.init_from:
     model = load_hf_checkpoint(args.init_from, fsdp_axis="data", num_layers=args.num_layers,
                                **kwargs)

@@ -192,7 +192,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = jnp.float32,
                        param_dtype: Any = jnp.float32, mesh: Mesh | None = None,
                        fsdp_axis: str | None = None, expert_axis: str = "expert",
                        backend: str = "auto", recipe: str | None = None,
-                       remat: str = "none", num_layers: int | None = None) -> Qwen3Moe:
+                       remat: str = "none", attention: str | None = None,
+                       num_layers: int | None = None) -> Qwen3Moe:
   """Builds a Qwen3Moe from a Hugging Face Qwen3-MoE checkpoint directory.
 
   Args:
@@ -201,7 +202,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = jnp.float32,
     mesh: optional device mesh; parameters are placed as models/sharding.py lays them out
       (experts over `expert_axis`, FSDP over `fsdp_axis` when given). Without a mesh they go
       to the default device.
-    backend, recipe, remat: passed to Qwen3Moe.
+    backend, recipe, remat, attention: passed to Qwen3Moe.
     num_layers: keep only the first num_layers decoder layers (e.g. for a one-node test).
 
   Returns:
@@ -217,7 +218,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = jnp.float32,
   def build():
     return Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype,
                     backend=backend, recipe=recipe, mesh=mesh, expert_axis=expert_axis,
-                    remat=remat)
+                    remat=remat, attention=attention)
 
   graphdef, abstract = nnx.split(nnx.eval_shape(build), nnx.Param)
   if mesh is not None:

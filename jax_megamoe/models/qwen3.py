@@ -95,9 +95,10 @@ class Attention(nnx.Module):
   """
 
   def __init__(self, config: Qwen3MoeConfig, *, dtype: Any, param_dtype: Any,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, implementation: str | None = None):
     c = config
     self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+    self.implementation = implementation
     self.rope_theta = c.rope_theta
     kw = dict(config=c, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, **kw)
@@ -113,8 +114,10 @@ class Attention(nnx.Module):
     k = self.k_norm(self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))
     v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    # Handles GQA itself; picks cuDNN flash attention on GPUs when it can, XLA otherwise.
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    # Handles GQA itself. "xla" materialises the [S, S] scores; "cudnn" is flash attention
+    # (GPU, bf16/fp16 only).
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=self.implementation)
     return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
 
 
@@ -137,10 +140,11 @@ class DecoderLayer(nnx.Module):
   """Pre-norm residual block: attention, then MoE (or DenseMlp)."""
 
   def __init__(self, config: Qwen3MoeConfig, layer: int, *, dtype: Any, param_dtype: Any,
-               rngs: nnx.Rngs, moe_kwargs: dict[str, Any]):
+               rngs: nnx.Rngs, moe_kwargs: dict[str, Any], attention: str | None = None):
     c = config
     self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
-    self.attn = Attention(c, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.attn = Attention(c, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                          implementation=attention)
     self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
     self.is_moe = c.is_moe_layer(layer)
     if self.is_moe:
@@ -171,14 +175,19 @@ class Qwen3Moe(nnx.Module):
     backend, recipe: passed to every jax_megamoe.MoE layer.
     mesh, expert_axis: device mesh; tokens sharded over all its axes, experts over expert_axis.
     remat: a REMAT_POLICIES name; every decoder layer is rematerialised with that policy.
+    attention: jax.nn.dot_product_attention's implementation: None / "xla" (any platform) or
+      "cudnn" (flash attention on NVIDIA GPUs, bf16).
   """
 
   def __init__(self, config: Qwen3MoeConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.bfloat16,
                param_dtype: Any = jnp.float32, backend: str = "auto",
                recipe: str | None = None, mesh: Mesh | None = None,
-               expert_axis: str = "expert", remat: str = "none"):
+               expert_axis: str = "expert", remat: str = "none",
+               attention: str | None = None):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+    if attention not in (None, "xla", "cudnn"):
+      raise ValueError(f"attention must be None, 'xla' or 'cudnn', got {attention!r}")
     self.config = config
     self.dtype = dtype
     self.mesh = mesh
@@ -189,7 +198,8 @@ class Qwen3Moe(nnx.Module):
     moe_kwargs = dict(backend=backend, recipe=recipe, mesh=mesh, expert_axis=expert_axis)
     self.layers = nnx.List([
         DecoderLayer(c, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                     moe_kwargs=moe_kwargs) for i in range(c.num_layers)])
+                     moe_kwargs=moe_kwargs, attention=attention)
+        for i in range(c.num_layers)])
     self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
     if not c.tie_word_embeddings:
       self.lm_head = _linear(c.hidden_size, c.vocab_size, config=c, dtype=dtype,
