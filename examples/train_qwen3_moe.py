@@ -182,7 +182,8 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float):
   def loss_fn(params, inputs, targets):
     logits, aux = nnx.merge(graphdef, params)(inputs, return_aux=True)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-    balance, z = jnp.mean(aux.load_balancing_loss), jnp.mean(aux.z_loss)
+    layers = max(1, aux.z_loss.shape[0])  # mean over MoE layers (none: zero, not NaN)
+    balance, z = jnp.sum(aux.load_balancing_loss) / layers, jnp.sum(aux.z_loss) / layers
     loss = ce + aux_coef * balance + z_coef * z
     return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load)
 
@@ -295,7 +296,8 @@ def main(argv=None) -> dict:
       f"layers, hidden {config.hidden_size}, {config.num_experts} experts top-{config.top_k}, "
       f"{config.matmul_params_per_token() / 1e6:.2f}M active matmul params/token | "
       f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices | "
-      f"backend {args.backend}, recipe {args.recipe}, {args.dtype} compute, remat {args.remat}"
+      f"backend {args.backend}, recipe {args.recipe}, {args.dtype} compute, remat {args.remat}, "
+      f"attention {args.attention}"
       f" | data {tokens.size:,} tokens")
 
   graphdef, params = build_params(args, config, mesh, dtype)
