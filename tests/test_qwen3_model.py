@@ -117,3 +117,20 @@ def test_from_hf_reads_both_rope_layouts():
       {**hf, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}).rope_theta == 7.0
   with pytest.raises(NotImplementedError, match="rope_type 'yarn'"):
     Qwen3MoeConfig.from_hf({**hf, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}})
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3-235b-a22b"])
+def test_published_shapes_trace_on_a_mesh(name):
+  """The real configs (two layers) trace abstractly over data=2 x expert=4 with FSDP: no
+  memory, no compile; catches shape or sharding mistakes at those sizes."""
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2)
+  config = get_config(name, num_layers=2)
+  model = nnx.eval_shape(lambda: Qwen3Moe(config, rngs=nnx.Rngs(0), mesh=mesh, remat="full"))
+  graphdef, params = nnx.split(model, nnx.Param)
+  shardings = param_shardings(params, mesh, fsdp_axis="data")
+  assert "data" in jax.tree.leaves(shardings)[0].spec  # embedding [V, H] is FSDP-sharded
+  ids = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+  logits, aux = jax.eval_shape(lambda p, x: nnx.merge(graphdef, p)(x, return_aux=True),
+                               params, ids)
+  assert logits.shape == (8, 256, config.vocab_size)
+  assert aux.expert_load.shape == (2, 128)

@@ -52,3 +52,31 @@ def test_tiny_run_learns_plots_and_resumes(tmp_path):
   assert compare.returncode == 0, compare.stderr
   assert "b vs a: max |diff| of ce =" in compare.stdout
   assert os.path.getsize(tmp_path / "parity.png") > 0
+
+
+def _data_lib():
+  sys.path.insert(0, os.path.join(ROOT, "examples"))
+  try:
+    import data
+  finally:
+    sys.path.pop(0)
+  return data
+
+
+def test_byte_tokenizer_corpus_and_batches(tmp_path):
+  data = _data_lib()
+  tok = data.ByteTokenizer()
+  assert tok.decode(tok.encode("déjà vu")) == "déjà vu"
+  tokens = data.load_tokens(None, vocab_size=tok.vocab_size)
+  assert tokens.size > 1_000_000 and tokens.max() < 256
+  sampler = data.BatchSampler(tokens, batch=4, seq_len=16, seed=3)
+  inputs, targets = sampler(7)
+  assert inputs.shape == targets.shape == (4, 16)
+  assert (inputs[:, 1:] == targets[:, :-1]).all()
+  again, _ = data.BatchSampler(tokens, batch=4, seq_len=16, seed=3)(7)
+  assert (again == inputs).all()  # batches depend on (seed, step) only
+
+  import numpy as np
+  np.save(tmp_path / "ids.npy", np.array([1, 2, 500]))
+  with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=300\)"):
+    data.load_tokens(str(tmp_path / "ids.npy"), vocab_size=300)
