@@ -222,9 +222,8 @@ class Qwen3Moe(nnx.Module):
 
     x = self._shard_batch(self.embed(input_ids))
     run_layer = _run_layer
-    policy = REMAT_POLICIES[self.remat]
     if self.remat != "none":
-      run_layer = nnx.remat(_run_layer, policy=policy)
+      run_layer = nnx.remat(_run_layer, policy=REMAT_POLICIES[self.remat])
     auxes = []
     for layer in self.layers:
       x, aux = run_layer(layer, x, cos, sin)
@@ -259,7 +258,10 @@ def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array
   return layer(x, cos, sin)
 
 
-def load_hf_checkpoint(path, **kwargs):
-  """See jax_megamoe.models.hf_import.load_hf_checkpoint (imported lazily)."""
+def load_hf_checkpoint(path, *, dtype: Any = jnp.float32, **kwargs: Any) -> Qwen3Moe:
+  """Qwen3Moe with the weights of a Hugging Face Qwen3-MoE checkpoint directory (config.json
+  + safetensors). Options (param_dtype, mesh, fsdp_axis, backend, recipe, remat, attention,
+  num_layers): jax_megamoe.models.hf_import.load_hf_checkpoint, imported here lazily because
+  it builds on this module."""
   from jax_megamoe.models.hf_import import load_hf_checkpoint as load
-  return load(path, **kwargs)
+  return load(path, dtype=dtype, **kwargs)
