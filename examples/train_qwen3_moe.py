@@ -197,17 +197,21 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float):
 
 
 class Checkpoints:
-  """Orbax checkpoints of {params, opt_state} under <out>/checkpoints, keyed by step."""
+  """Orbax checkpoints of {params, opt_state} under <out>/checkpoints, keyed by step. Orbax is
+  imported only when checkpoints are saved or resumed."""
 
-  def __init__(self, directory: str, every: int):
+  def __init__(self, directory: str, every: int, resume: bool):
+    self.every, self.manager = every, None
+    if every <= 0 and not resume:
+      return
     import orbax.checkpoint as ocp
-    self._ocp, self.every = ocp, every
+    self._ocp = ocp
     self.manager = ocp.CheckpointManager(
         os.path.abspath(directory),
         options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
 
   def latest_step(self) -> int | None:
-    return self.manager.latest_step()
+    return self.manager.latest_step() if self.manager else None
 
   def restore(self, step: int, like: dict) -> dict:
     abstract = jax.tree.map(
@@ -219,8 +223,9 @@ class Checkpoints:
       self.manager.save(step, args=self._ocp.args.StandardSave(state))
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    if self.manager:
+      self.manager.wait_until_finished()
+      self.manager.close()
 
 
 class Progress:
@@ -304,7 +309,8 @@ def main(argv=None) -> dict:
   tx, schedule = make_optimizer(args)
   opt_state = init_optimizer_state(tx, params, mesh)
   os.makedirs(args.out, exist_ok=True)
-  checkpoints = Checkpoints(os.path.join(args.out, "checkpoints"), args.checkpoint_every)
+  checkpoints = Checkpoints(os.path.join(args.out, "checkpoints"), args.checkpoint_every,
+                            args.resume)
   metrics_path = os.path.join(args.out, "metrics.jsonl")
   start, history = 0, []
   if args.resume and checkpoints.latest_step() is not None:
