@@ -375,7 +375,9 @@ def main(argv=None) -> dict:
     if metrics_file:
       metrics_file.write(json.dumps(row) + "\n")
       metrics_file.flush()
-    progress.update(f"loss {row['ce']:.3f}")
+    progress.update(f"loss {row['ce']:.3f} aux {row['aux']:.3f} "
+                    + (f"{row['tokens_per_s']:,.0f} tok/s " if dt else "")
+                    + f"imbalance {row['imbalance']:.2f}")
 
   stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
   for step in range(start + 1, stop + 1):

@@ -23,12 +23,14 @@ BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediat
 VARIANTS = {
     "dense_layer_untied_norm_topk": dict(mlp_only_layers=[1], norm_topk_prob=True,
                                          tie_word_embeddings=False),
-    "sparse_step2_tied_raw_topk": dict(decoder_sparse_step=2, norm_topk_prob=False,
-                                       tie_word_embeddings=True),
+    # Also saved in several shards with an index (model.safetensors.index.json).
+    "sparse_step2_tied_raw_topk_sharded": dict(decoder_sparse_step=2, norm_topk_prob=False,
+                                               tie_word_embeddings=True,
+                                               max_shard_size="20KB"),
 }
 
 
-def _save_random_model(directory, dtype=torch.float32, **overrides):
+def _save_random_model(directory, dtype=torch.float32, max_shard_size=None, **overrides):
   config = transformers.Qwen3MoeConfig(**{**BASE, **overrides})
   torch.manual_seed(0)
   model = transformers.Qwen3MoeForCausalLM(config).eval()
@@ -41,7 +43,8 @@ def _save_random_model(directory, dtype=torch.float32, **overrides):
       else:
         param.copy_(0.3 * torch.randn_like(param))
   model = model.to(dtype)
-  model.save_pretrained(directory)
+  model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size
+                                      else {}))
   return model
 
 
@@ -56,6 +59,8 @@ def test_logits_match_transformers(tmp_path, variant):
   with torch.no_grad():
     expected = hf_model(ids).logits.numpy()
 
+  if "max_shard_size" in VARIANTS[variant]:
+    assert (tmp_path / "model.safetensors.index.json").exists()
   model = load_hf_checkpoint(tmp_path, dtype=jnp.float32)
   got = _jax_logits(model, ids.numpy())
 
