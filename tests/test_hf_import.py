@@ -148,3 +148,12 @@ def test_load_onto_a_mesh_with_fsdp(tmp_path):
   spec = tuple(model.layers[0].mlp.w_gate_up[...].sharding.spec)
   assert spec[0] == "expert" and "data" in spec
   np.testing.assert_allclose(_jax_logits(model, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shape_mismatch_names_the_parameter(tmp_path):
+  _save_random_model(tmp_path, **VARIANTS["dense_layer_untied_norm_topk"])
+  config = json.loads((tmp_path / "config.json").read_text())
+  config["vocab_size"] = 100  # the checkpoint's embedding has 96 rows
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=r"embed\.embedding has shape \(96, 32\).*\(100, 32\)"):
+    load_hf_checkpoint(tmp_path)

@@ -247,10 +247,14 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = jnp.float32,
 
 
 def _check_shape(path: tuple, read: Reader, shape: tuple[int, ...]):
-  """Compares one leading slice's shape with ours: catches a config/checkpoint mismatch with a
-  message naming the parameter instead of a broadcasting error inside a callback."""
-  index = (slice(0, 1),) + tuple(slice(None) for _ in shape[1:])
+  """Compares the checkpoint tensor's shape with ours before any device reads it, so that a
+  config/checkpoint mismatch names the parameter instead of failing inside a callback. Whole
+  tensors are memory-mapped views (nothing is read); stacked experts are checked on expert 0
+  (their count comes from config.json and a missing expert raises a KeyError naming it)."""
+  stacked = path[-1] in ("w_gate_up", "w_down")
+  index = tuple(slice(0, 1) if stacked and d == 0 else slice(None) for d in range(len(shape)))
   got = read(index).shape
-  if got[1:] != tuple(shape[1:]):
-    raise ValueError(f"checkpoint tensor for {'.'.join(map(str, path))} has trailing shape "
-                     f"{got[1:]}, the model (from config.json) expects {tuple(shape[1:])}")
+  want = ((1,) + tuple(shape[1:])) if stacked else tuple(shape)
+  if tuple(got) != want:
+    raise ValueError(f"checkpoint tensor for {'.'.join(map(str, path))} has shape "
+                     f"{tuple(got)}, the model (from config.json) expects {want}")
