@@ -1,0 +1,55 @@
+"""Backends of jax_megamoe.moe: each computes the same function (DESIGN.md §3).
+
+A backend is a module with
+  NAME: str
+  unavailable_reason(recipe) -> str | None     why it cannot run here, None when it can
+  grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, *, recipe) -> [N, H]
+and optionally
+  expert_parallel_moe(...)                      its own dispatch/combine for EP > 1
+Modules are imported lazily so that a missing or broken native build never breaks "reference".
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# In "auto" preference order, best first.
+_MODULES = {
+    "fused": "jax_megamoe.backends.fused",
+    "cuda": "jax_megamoe.backends.cuda",
+    "reference": "jax_megamoe.backends.reference",
+}
+NAMES = ("auto", *reversed(_MODULES))  # ("auto", "reference", "cuda", "fused")
+
+
+class BackendUnavailableError(RuntimeError):
+  """The requested backend cannot run here; the message says why."""
+
+
+def _load(name: str) -> tuple[ModuleType | None, str | None]:
+  try:
+    module = importlib.import_module(_MODULES[name])
+  except ImportError as e:
+    return None, f"backend {name!r} is not part of this build ({e})"
+  return module, None
+
+
+def unavailable_reason(name: str, recipe: str | None = None) -> str | None:
+  module, reason = _load(name)
+  return reason if module is None else module.unavailable_reason(recipe)
+
+
+def resolve(name: str, recipe: str | None = None) -> ModuleType:
+  """The backend module for `name` ("auto" picks the best available one for `recipe`)."""
+  if name not in NAMES:
+    raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
+  if name == "auto":
+    for candidate in _MODULES:
+      if unavailable_reason(candidate, recipe) is None:
+        return _load(candidate)[0]
+    raise AssertionError("the reference backend is always available")
+  reason = unavailable_reason(name, recipe)
+  if reason is not None:
+    raise BackendUnavailableError(f"backend {name!r} is not available: {reason}")
+  return _load(name)[0]

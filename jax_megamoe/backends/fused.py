@@ -1,0 +1,12 @@
+"""Backend "fused": one overlapping dispatch + grouped GEMM + combine kernel per direction.
+
+Not built yet (see the project's issues); "auto" skips it and asking for it explains why.
+"""
+
+NAME = "fused"
+
+
+def unavailable_reason(recipe: str | None = None) -> str | None:
+  del recipe
+  return ("the fused single-kernel path is not implemented yet; use backend='cuda' "
+          "(separate dispatch | grouped GEMM | combine kernels) or 'reference'")

@@ -1,0 +1,53 @@
+"""Backend "reference": the pure-JAX grouped SwiGLU expert MLP, the oracle for every kernel.
+
+Runs on any platform. Uses lax.ragged_dot over contiguous expert groups; recipes are emulated
+(jax_megamoe.fp8), so fp8 kernels are compared with exactly the rounding they should apply.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_megamoe import fp8
+
+NAME = "reference"
+
+
+def unavailable_reason(recipe: str | None = None) -> str | None:
+  del recipe  # every recipe is emulated
+  return None
+
+
+def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array,
+                w_down: jax.Array, *, recipe: str | None = None) -> jax.Array:
+  """SwiGLU expert MLP over rows grouped by expert.
+
+  Args:
+    x_sorted: [N, H] rows, those of expert e contiguous and in expert order.
+    group_sizes: [E] int32 rows per expert; sum <= N, rows past the sum are padding.
+    w_gate_up: [E, H, 2F] (gate = [..., :F], up = [..., F:]).
+    w_down: [E, F, H].
+    recipe: None, "fp8" or "mxfp8" (emulated).
+
+  Returns:
+    [N, H] in x_sorted's dtype: (silu(x Wg) * (x Wu)) Wd per row, fp32 accumulation, the hidden
+    activation rounded to the compute dtype before the second GEMM; padding rows are zero.
+  """
+  dtype = x_sorted.dtype
+  ffn = w_down.shape[1]
+  spec = fp8.get_recipe(recipe)
+  x, wgu, wd = x_sorted, w_gate_up, w_down
+  if spec is not None:
+    x, wgu, wd = (fp8.emulate_activation(x, spec), fp8.emulate_weight(wgu, spec),
+                  fp8.emulate_weight(wd, spec))
+  precision = jax.lax.Precision.HIGHEST
+  gate_up = jax.lax.ragged_dot(x, wgu, group_sizes, precision=precision,
+                               preferred_element_type=jnp.float32)
+  hidden = (jax.nn.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]).astype(dtype)
+  if spec is not None:
+    hidden = fp8.emulate_activation(hidden, spec)
+  out = jax.lax.ragged_dot(hidden, wd, group_sizes, precision=precision,
+                           preferred_element_type=jnp.float32)
+  valid_rows = jnp.arange(x_sorted.shape[0]) < jnp.sum(group_sizes)
+  return jnp.where(valid_rows[:, None], out, 0.0).astype(dtype)

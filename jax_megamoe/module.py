@@ -1,0 +1,91 @@
+"""Flax NNX module jax_megamoe.MoE: router + SwiGLU experts, parameters with sharding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from jax_megamoe.moe import moe
+from jax_megamoe.router import RouterAux, route
+
+# Qwen3's initializer_range: every linear weight ~ N(0, 0.02^2).
+QWEN3_INIT_STD = 0.02
+
+
+class MoE(nnx.Module):
+  """Mixture-of-experts feed-forward block (Qwen3-MoE style).
+
+  Parameters (all N(0, 0.02^2) as Qwen3 initialises them, stored in `param_dtype`):
+    router     [H, E]       router logits = x @ router, computed in float32
+    w_gate_up  [E, H, 2F]   gate = [..., :F], up = [..., F:]; sharded over `expert_axis`
+    w_down     [E, F, H]    sharded over `expert_axis`
+
+  Call: `y = moe(x)` or `y, aux = moe(x, return_aux=True)` with x [..., H] (any leading dims),
+  y in `dtype`; aux is a RouterAux (load-balancing loss, z-loss, per-expert load).
+
+  With `mesh`, the expert weights are created sharded over `expert_axis` (replicated over the
+  other axes) and tokens are sharded over every mesh axis inside the op; the leading token count
+  must divide evenly over the mesh's devices. Parameters also carry `sharding_names` metadata,
+  so nnx.get_partition_spec gives their PartitionSpecs.
+  """
+
+  def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
+               rngs: nnx.Rngs, norm_topk_prob: bool = True, dtype: Any = jnp.bfloat16,
+               param_dtype: Any = jnp.float32, backend: str = "auto",
+               recipe: str | None = None, mesh: Mesh | None = None,
+               expert_axis: str = "expert"):
+    for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size),
+                        ("num_experts", num_experts)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+      raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    if mesh is not None:
+      if expert_axis not in mesh.axis_names:
+        raise ValueError(f"expert_axis {expert_axis!r} is not an axis of the mesh "
+                         f"(axes {tuple(mesh.axis_names)})")
+      if num_experts % mesh.shape[expert_axis]:
+        raise ValueError(f"num_experts {num_experts} must divide evenly over expert_axis "
+                         f"{expert_axis!r} of size {mesh.shape[expert_axis]}")
+    self.hidden_size, self.ffn_size = hidden_size, ffn_size
+    self.num_experts, self.top_k = num_experts, top_k
+    self.norm_topk_prob = norm_topk_prob
+    self.dtype, self.param_dtype = dtype, param_dtype
+    self.backend, self.recipe = backend, recipe
+    self.mesh, self.expert_axis = mesh, expert_axis
+
+    init = nnx.initializers.normal(QWEN3_INIT_STD)
+    self.router = self._param(init(rngs.params(), (hidden_size, num_experts), param_dtype),
+                              (None, None))
+    expert_sharding = (expert_axis, None, None)
+    self.w_gate_up = self._param(
+        init(rngs.params(), (num_experts, hidden_size, 2 * ffn_size), param_dtype),
+        expert_sharding)
+    self.w_down = self._param(
+        init(rngs.params(), (num_experts, ffn_size, hidden_size), param_dtype),
+        expert_sharding)
+
+  def _param(self, value: jax.Array, sharding: tuple) -> nnx.Param:
+    if self.mesh is None:
+      return nnx.Param(value, sharding_names=sharding, eager_sharding=False)
+    return nnx.Param(value, sharding_names=sharding, mesh=self.mesh)
+
+  def __call__(self, x: jax.Array, *, return_aux: bool = False
+               ) -> jax.Array | tuple[jax.Array, RouterAux]:
+    if x.shape[-1] != self.hidden_size:
+      raise ValueError(f"x's last axis must be hidden_size={self.hidden_size}, got shape "
+                       f"{x.shape}")
+    lead = x.shape[:-1]
+    tokens = x.reshape(-1, self.hidden_size)
+    logits = tokens.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+    topk_weights, topk_ids, aux = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
+    y = moe(tokens.astype(self.dtype), topk_ids, topk_weights,
+            self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),
+            mesh=self.mesh, expert_axis=self.expert_axis, backend=self.backend,
+            recipe=self.recipe)
+    y = y.reshape(*lead, self.hidden_size)
+    return (y, aux) if return_aux else y
