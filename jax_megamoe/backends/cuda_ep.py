@@ -36,7 +36,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_megamoe import symmetric
 
@@ -234,15 +234,24 @@ def _raise_on_bad_stats(stats):
           f"the same token; top-k expert ids must be distinct per token")
 
 
-def default_grouped_mlp() -> Callable:
+def default_grouped_mlp(recipe=None) -> Callable:
+  """The "cuda" backend's grouped MLP when it can run here, else the pure-JAX reference."""
+  try:
+    from jax_megamoe.backends import cuda
+    if cuda.unavailable_reason(recipe) is None:
+      return cuda.grouped_mlp
+  except (ImportError, AttributeError):
+    pass
   from jax_megamoe.backends import reference
   return reference.grouped_mlp
 
 
-def moe_ep(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis: str = "expert",
-           recipe=None, workspace: symmetric.SymmetricWorkspace | None = None,
-           capacity_factor: float | None = None, check_capacity: bool | None = None,
-           grouped_mlp: Callable | None = None):
+def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
+                        expert_axis: str = "expert", recipe=None,
+                        workspace: symmetric.SymmetricWorkspace | None = None,
+                        capacity_factor: float | None = None,
+                        check_capacity: bool | None = None,
+                        grouped_mlp: Callable | None = None):
   """The whole EP MoE layer over `mesh`: y [T_total, H] (see jax_megamoe.moe for the contract).
 
   Tokens are sharded over all mesh axes, experts over `expert_axis`. The symmetric workspace is
@@ -268,7 +277,7 @@ def moe_ep(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis: s
   if check_capacity is None:
     check_capacity = n_cap < dropless_capacity(num_ranks, tokens, top_k, epr)
   if grouped_mlp is None:
-    grouped_mlp = default_grouped_mlp()
+    grouped_mlp = default_grouped_mlp(recipe)
   token_axes = tuple(mesh.axis_names)
 
   def per_device(x, ids, w, w_gu, w_dn):
@@ -279,11 +288,15 @@ def moe_ep(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis: s
     return combine(y_sorted.astype(x.dtype), d, ids, workspace=workspace,
                    num_experts=num_experts)
 
-  fn = _shard_map(per_device, mesh,
-                  in_specs=(P(token_axes), P(token_axes), P(token_axes), P(expert_axis),
-                            P(expert_axis)),
-                  out_specs=P(token_axes))
-  return fn(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
+  in_specs = (P(token_axes), P(token_axes), P(token_axes), P(expert_axis), P(expert_axis))
+  args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
+  if AxisType.Auto not in tuple(getattr(mesh, "axis_types", (AxisType.Auto,))):
+    args = [jax.reshard(a, NamedSharding(mesh, spec)) for a, spec in zip(args, in_specs)]
+  fn = _shard_map(per_device, mesh, in_specs=in_specs, out_specs=P(token_axes))
+  return fn(*args)
+
+
+moe_ep = expert_parallel_moe
 
 
 def _shard_map(f, mesh, in_specs, out_specs):
