@@ -20,6 +20,9 @@ namespace megamoe::ep {
 
 enum Op : int { kOpDispatchFwd = 0, kOpDispatchBwd = 1, kOpCombineFwd = 2, kOpCombineBwd = 3 };
 enum WaitKind : int { kWaitConsumed = 0, kWaitArrive = 1 };
+#ifdef __CUDACC__
+__host__ __device__
+#endif
 inline constexpr int Stage(int op, int wait_kind) { return op * 2 + wait_kind; }
 
 inline const char* OpName(int op) {
@@ -55,13 +58,15 @@ __device__ __forceinline__ unsigned long long GlobalTimerNs() {
   return t;
 }
 
-static __device__ __noinline__ void ReportTimeout(const PeerView& v, int stage, int peer,
-                                           unsigned long long value, unsigned long long expected,
-                                           long long waited_ns) {
-  if (atomicCAS(&v.signals(v.rank)->error_claim, 0u, 1u) != 0u) return;
-  ErrorRecord* e = v.error;
+// Scalars only (no PeerView reference): taking a kernel parameter's address would copy the
+// whole view to local memory in every kernel.
+static __device__ __noinline__ void ReportTimeout(ErrorRecord* e, unsigned int* claim, int rank,
+                                                  int stage, int peer, unsigned long long value,
+                                                  unsigned long long expected,
+                                                  long long waited_ns) {
+  if (atomicCAS(claim, 0u, 1u) != 0u) return;
   if (e != nullptr) {
-    e->rank = v.rank;
+    e->rank = rank;
     e->stage = stage;
     e->peer = peer;
     e->value = value;
@@ -74,7 +79,7 @@ static __device__ __noinline__ void ReportTimeout(const PeerView& v, int stage, 
   const int op = stage / 2;
   printf("jax_megamoe EP timeout: rank %d, op %d (%s), %s: waited %.3f s on peer rank %d, counter "
          "%llu < expected %llu\n",
-         v.rank, op,
+         rank, op,
          op == kOpDispatchFwd ? "dispatch" : op == kOpDispatchBwd ? "dispatch-bwd"
          : op == kOpCombineFwd ? "combine" : "combine-bwd",
          (stage % 2) == kWaitConsumed ? "send/consumed" : "receive/arrive", waited_ns * 1e-9, peer,
@@ -94,7 +99,8 @@ __device__ __forceinline__ bool WaitAtLeast(const PeerView& v, const unsigned lo
     if ((iter & 255u) == 0u) {
       const long long waited = static_cast<long long>(GlobalTimerNs() - start);
       if (waited > v.timeout_ns) {
-        ReportTimeout(v, stage, peer, cur, expected, waited);
+        ReportTimeout(v.error, &v.signals(v.rank)->error_claim, v.rank, stage, peer, cur,
+                      expected, waited);
         return false;
       }
       if (*reinterpret_cast<volatile unsigned int*>(&v.signals(v.rank)->error_claim) != 0u) {

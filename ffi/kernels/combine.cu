@@ -16,7 +16,7 @@ namespace megamoe::ep {
 namespace {
 
 constexpr int kCombineThreads = 512;
-constexpr int kCombineUnroll = 2;
+constexpr int kCombineUnroll = 4;
 
 template <typename T, bool kWeighted, bool kWithMeta>
 __global__ void __launch_bounds__(kCombineThreads)
