@@ -217,8 +217,9 @@ def main():
   parser.add_argument("--experts", type=int, default=128)
   parser.add_argument("--top-k", type=int, default=8)
   parser.add_argument("--hidden", type=int, nargs="+", default=[2048, 4096])
-  parser.add_argument("--comm-blocks", type=int, nargs="+", default=[64, 128])
-  parser.add_argument("--capacity-factor", type=float, default=None)
+  parser.add_argument("--comm-blocks", type=int, nargs="+", default=[128, 264])
+  parser.add_argument("--capacity-factor", type=float, default=1.25,
+                      help="x_sorted rows = factor * T * k (None: dropless, R*T*min(k, E/R))")
   parser.add_argument("--inner", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--layer-tokens", type=int, default=2048)

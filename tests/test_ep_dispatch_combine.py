@@ -187,16 +187,15 @@ def test_fori_loop_of_layers(mesh, ws):
   x, ids, w, wgu, wd = _problem(12)
   layer = _layer(mesh, ws)
 
+  # A residual step keeps the map well conditioned: 30 chained layers must not amplify rounding.
   def body(_, h):
-    y = layer(h, ids, w, wgu, wd)
-    return y / jnp.linalg.norm(y, axis=1, keepdims=True) * jnp.sqrt(HIDDEN)
+    return h + 0.05 * layer(h, ids, w, wgu, wd)
 
   looped = jax.jit(lambda h: jax.lax.fori_loop(0, 30, body, h))(x)
   h = x
   for _ in range(30):
-    y = ep_helpers.dense_moe(h, ids, w, wgu, wd)
-    h = y / jnp.linalg.norm(y, axis=1, keepdims=True) * jnp.sqrt(HIDDEN)
-  assert ep_helpers.rel_err(looped, h) < 1e-4
+    h = h + 0.05 * ep_helpers.dense_moe(h, ids, w, wgu, wd)
+  assert ep_helpers.rel_err(looped, h) < 1e-5
 
 
 def test_scan_of_layers_with_gradients(mesh, ws):
@@ -229,9 +228,11 @@ def test_scan_of_layers_with_gradients(mesh, ws):
 
 
 def test_bitwise_reproducible(mesh, ws):
+  """y, dx and d topk_weights: everything the EP kernels produce or feed. (The test's grouped MLP
+  scatters its weight gradients with float atomics, so the weight gradients are not compared.)"""
   x, ids, w, wgu, wd = _problem(14, jnp.bfloat16)
   probe = jnp.asarray(np.random.default_rng(15).standard_normal(x.shape), jnp.float32)
-  f = jax.jit(jax.value_and_grad(_loss_fn(_layer(mesh, ws), probe), argnums=(0, 1, 2, 3)))
+  f = jax.jit(jax.value_and_grad(_loss_fn(_layer(mesh, ws), probe), argnums=(0, 1)))
   a = jax.tree.map(np.asarray, f(x, w, wgu, wd, ids))
   _poison(mesh)
   b = jax.tree.map(np.asarray, f(x, w, wgu, wd, ids))
@@ -248,9 +249,31 @@ def test_overflow_raises_clear_error(mesh):
   (a failed host callback may leave the group out of step)."""
   own = symmetric.create_workspace(mesh, "expert", max_tokens=T_PER_DEVICE, hidden=HIDDEN,
                                    top_k=8, dtype=jnp.float32, comm_blocks=4, timeout_s=5.0)
-  ids = np.full((2 * T_PER_DEVICE, TOP_K), -1, np.int32)
-  ids[:, 0] = 0
+  # Every token sends all 4 slots to rank 0: 512 rows there, capacity 128 rows.
+  ids = np.tile(np.arange(TOP_K, dtype=np.int32), (2 * T_PER_DEVICE, 1))
   x, ids, w, wgu, wd = _problem(16, ids=ids)
   layer = _layer(mesh, own, capacity_factor=0.05)
+  assert cuda_ep.capacity_rows(2, T_PER_DEVICE, TOP_K, EXPERTS // 2, 0.05) == 128
   with pytest.raises(Exception, match="overflow"):
     jax.block_until_ready(jax.jit(layer)(x, ids, w, wgu, wd))
+
+
+def test_timeout_reports_rank_stage_counters(mesh):
+  """A dispatch run on one GPU of a 2-rank workspace waits for a peer that never sends: the wait
+  gives up after timeout_s, and the next call raises a report naming rank, stage and counters."""
+  own = symmetric.create_workspace(mesh, "expert", max_tokens=T_PER_DEVICE, hidden=HIDDEN,
+                                   top_k=8, dtype=jnp.float32, comm_blocks=4, timeout_s=1.0)
+  single = Mesh(np.array(jax.devices()[:1]), ("expert",))
+  x, ids, w, _, _ = _problem(17, tokens=T_PER_DEVICE)
+
+  def per_device(x, ids, w):
+    return cuda_ep.dispatch(x, ids, w, workspace=own, num_experts=EXPERTS).x_sorted
+
+  f = jax.jit(cuda_ep._shard_map(per_device, single, in_specs=(P("expert"),) * 3,
+                                 out_specs=P("expert")))
+  jax.block_until_ready(f(x, ids, w))  # returns after the timeout, records the error
+  with pytest.raises(RuntimeError, match=r"rank 0 timed out .* dispatch \(forward\), receive.*"
+                                         r"peer rank 1: counter 0, expected >= 4"):
+    own.check()
+  with pytest.raises(Exception, match="rank 0 timed out"):
+    jax.block_until_ready(f(x, ids, w))
