@@ -94,6 +94,9 @@ def test_validation_messages():
     cuda_ep.expert_parallel_moe(x[:63], ids[:63], w[:63], wgu, wd, mesh=mesh, workspace=small)
   with pytest.raises(ValueError, match="num_experts"):
     cuda_ep.expert_parallel_moe(x, ids, w, wgu[:7], wd[:7], mesh=mesh, workspace=small)
+  wrong = _fake_workspace(mesh, device_ids=(1, 0))
+  with pytest.raises(ValueError, match="created for devices"):
+    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, workspace=wrong)
   with pytest.raises(TypeError, match="dtype"):
     cuda_ep.expert_parallel_moe(x.astype(jnp.int32), ids, w, wgu, wd, mesh=mesh, workspace=small)
 

@@ -272,6 +272,11 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
   if workspace is None:
     workspace = symmetric.workspace_for(mesh, expert_axis, max_tokens=tokens, hidden=hidden,
                                         top_k=top_k, dtype=x.dtype)
+  mesh_ids = tuple(int(d.id) for d in symmetric.ep_groups(mesh, expert_axis).reshape(-1))
+  if workspace.device_ids and workspace.device_ids != mesh_ids:
+    raise ValueError(f"the symmetric workspace {workspace.id} was created for devices "
+                     f"{workspace.device_ids} (EP groups in rank order), but this mesh's EP "
+                     f"groups are {mesh_ids}: create the workspace from this mesh and expert_axis")
   epr = num_experts // num_ranks
   n_cap = capacity_rows(num_ranks, tokens, top_k, epr, capacity_factor)
   if check_capacity is None:
