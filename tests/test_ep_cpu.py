@@ -107,3 +107,23 @@ def test_overflow_stats_raise_clear_errors():
   with pytest.raises(RuntimeError, match="distinct"):
     cuda_ep._raise_on_bad_stats(np.array([10, 2048, 0, 2], np.int32))
   cuda_ep._raise_on_bad_stats(np.array([10, 2048, 0, 0], np.int32))
+
+
+def test_data_and_expert_axes_trace():
+  """Tokens over ("data", "expert"), experts over "expert": 4 EP groups of 2 on 8 CPU devices."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "expert"))
+  ws = _fake_workspace(mesh, max_tokens=16,
+                       device_ids=tuple(int(d.id) for d in mesh.devices.reshape(-1)))
+  x, ids, w, wgu, wd = _problem(tokens=128)
+
+  def loss(x, w, wgu, wd):
+    return jnp.sum(cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, workspace=ws,
+                                               grouped_mlp=ep_helpers.dense_grouped_mlp))
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd)
+  assert "megamoe_ep_dispatch_bwd" in str(jaxpr)
+
+
+def test_unavailable_reason_on_cpu():
+  mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+  assert cuda_ep.unavailable_reason(mesh) is not None

@@ -246,6 +246,26 @@ def default_grouped_mlp(recipe=None) -> Callable:
   return reference.grouped_mlp
 
 
+def unavailable_reason(mesh, expert_axis: str = "expert") -> str | None:
+  """Why the NVLink kernels cannot serve this mesh (None when they can): then use the
+  collective-based jax_megamoe.parallel path."""
+  from jax_megamoe import _ffi
+  reason = _ffi.cuda_unavailable_reason()
+  if reason is not None:
+    return reason
+  if not _ffi.has_target("megamoe_ep_dispatch_fwd", "CUDA"):
+    return "the extension has no EP dispatch/combine kernels"
+  if expert_axis not in mesh.axis_names:
+    return f"expert_axis {expert_axis!r} is not an axis of the mesh {mesh.axis_names}"
+  groups = symmetric.ep_groups(mesh, expert_axis)
+  if groups.shape[1] > symmetric.MAX_RANKS:
+    return (f"an EP group of {groups.shape[1]} GPUs is larger than one NVLink domain "
+            f"({symmetric.MAX_RANKS})")
+  if any(d.platform != "gpu" for d in groups.reshape(-1)):
+    return "the mesh has non-GPU devices"
+  return None
+
+
 def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
                         expert_axis: str = "expert", recipe=None,
                         workspace: symmetric.SymmetricWorkspace | None = None,
