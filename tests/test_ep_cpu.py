@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from jax_megamoe import symmetric
 from jax_megamoe.backends import cuda_ep
-from tests import ep_helpers
+import ep_helpers
 
 
 def test_workspace_bytes_formula():
@@ -30,7 +30,8 @@ def test_workspace_layout_matches_native():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_ranks=9), "num_ranks"), (dict(elem_bytes=1), "elem_bytes"),
-    (dict(hidden=3), "multiple of 16"), (dict(top_k=33), "top_k"), (dict(max_tokens=0), "max_tokens")])
+    (dict(hidden=3), "multiple of 16"), (dict(top_k=33), "top_k"),
+    (dict(max_tokens=0), "max_tokens")])
 def test_workspace_size_validation(kwargs, match):
   args = dict(num_ranks=2, max_tokens=8, hidden=64, top_k=2, elem_bytes=2) | kwargs
   with pytest.raises(ValueError, match=match):

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax_megamoe import symmetric
 from jax_megamoe.backends import cuda_ep
-from tests import ep_helpers
+import ep_helpers
 
 pytestmark = pytest.mark.multigpu
 

@@ -44,7 +44,9 @@ inline ffi::Error CheckFits(const PeerView& v, int64_t tokens, int64_t hidden, i
                             ElemType t, int64_t num_experts) {
   const WorkspaceLayout& L = v.layout;
   const int64_t row_bytes = hidden * ByteWidthOf(t);
-  auto fail = [](const std::string& m) { return ffi::Error::InvalidArgument("jax_megamoe EP: " + m); };
+  auto fail = [](const std::string& m) {
+    return ffi::Error::InvalidArgument("jax_megamoe EP: " + m);
+  };
   if (tokens > L.max_tokens)
     return fail("tokens per rank " + std::to_string(tokens) + " > workspace max_tokens " +
                 std::to_string(L.max_tokens));
@@ -54,7 +56,8 @@ inline ffi::Error CheckFits(const PeerView& v, int64_t tokens, int64_t hidden, i
     return fail("a row of " + std::to_string(row_bytes) + " bytes exceeds the workspace rows (" +
                 std::to_string(L.hidden * L.elem_bytes) + " bytes)");
   if (row_bytes % 16 != 0)
-    return fail("hidden * itemsize must be a multiple of 16 bytes, got " + std::to_string(row_bytes));
+    return fail("hidden * itemsize must be a multiple of 16 bytes, got " +
+                std::to_string(row_bytes));
   if (num_experts % v.num_ranks != 0)
     return fail("num_experts " + std::to_string(num_experts) + " is not divisible by the " +
                 std::to_string(v.num_ranks) + " ranks");

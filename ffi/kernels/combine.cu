@@ -64,9 +64,12 @@ __global__ void __launch_bounds__(kCombineThreads)
           const int c = c0 + u * 32 + lane;
           if (c < nvec) {
             float f[N];
-            Unpack(__ldg(ysrc + static_cast<size_t>(p) * nvec + c), f, static_cast<const T*>(nullptr));
+            Unpack(__ldg(ysrc + static_cast<size_t>(p) * nvec + c), f,
+                   static_cast<const T*>(nullptr));
 #pragma unroll
-            for (int q = 0; q < N; ++q) acc[u][q] = kWeighted ? fmaf(w, f[q], acc[u][q]) : acc[u][q] + f[q];
+            for (int q = 0; q < N; ++q) {
+              acc[u][q] = kWeighted ? fmaf(w, f[q], acc[u][q]) : acc[u][q] + f[q];
+            }
           }
         }
       }
