@@ -39,6 +39,7 @@ except ImportError:  # run from a source checkout without installing
 from jax_megamoe import BACKENDS, RECIPES  # noqa: E402
 from jax_megamoe.models import CONFIGS, REMAT_POLICIES, Qwen3Moe, get_config  # noqa: E402
 from jax_megamoe.models.hf_import import load_hf_checkpoint, read_hf_config  # noqa: E402
+from jax_megamoe.models.losses import chunked_cross_entropy  # noqa: E402
 from jax_megamoe.models.sharding import param_shardings  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--aux-loss-coef", type=float, default=None,
                  help="load-balancing loss weight (default: the config's, 1e-3 as Qwen3)")
   p.add_argument("--z-loss-coef", type=float, default=1e-3, help="router z-loss weight")
+  p.add_argument("--ce-chunk", type=int, default=0,
+                 help="compute the cross-entropy this many positions at a time, never holding "
+                      "the full [batch, seq, vocab] logits (for Qwen3's 152k vocabulary); "
+                      "0: full logits")
   p.add_argument("--remat", default="none", choices=sorted(REMAT_POLICIES),
                  help="rematerialisation policy of every decoder layer")
   p.add_argument("--attention", default="xla", choices=["xla", "cudnn"],
@@ -97,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name in ("steps", "batch", "seq_len"):
     if getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+  if args.ce_chunk < 0 or (args.ce_chunk and args.seq_len % args.ce_chunk):
+    p.error(f"--ce-chunk must be 0 or divide --seq-len {args.seq_len}, got {args.ce_chunk}")
   args.recipe = None if args.recipe == "none" else args.recipe
   return args
 
@@ -176,12 +183,17 @@ def init_optimizer_state(tx, params, mesh):
   return jax.jit(tx.init, out_shardings=shardings)(params)
 
 
-def make_train_step(graphdef, tx, aux_coef: float, z_coef: float):
+def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int):
   """(params, opt_state, inputs, targets) -> (params, opt_state, metrics)."""
 
   def loss_fn(params, inputs, targets):
-    logits, aux = nnx.merge(graphdef, params)(inputs, return_aux=True)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    model = nnx.merge(graphdef, params)
+    if ce_chunk:
+      hidden, aux = model(inputs, return_aux=True, return_hidden=True)
+      ce = chunked_cross_entropy(hidden, model.head(), targets, chunk=ce_chunk)
+    else:
+      logits, aux = model(inputs, return_aux=True)
+      ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     layers = max(1, aux.z_loss.shape[0])  # mean over MoE layers (none: zero, not NaN)
     balance, z = jnp.sum(aux.load_balancing_loss) / layers, jnp.sum(aux.z_loss) / layers
     loss = ce + aux_coef * balance + z_coef * z
@@ -327,7 +339,8 @@ def main(argv=None) -> dict:
 
   state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
   batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-  train_step = jax.jit(make_train_step(graphdef, tx, aux_coef, args.z_loss_coef),
+  train_step = jax.jit(make_train_step(graphdef, tx, aux_coef, args.z_loss_coef,
+                                       args.ce_chunk),
                        in_shardings=(*state_shardings, batch_sharding, batch_sharding),
                        out_shardings=(*state_shardings, None), donate_argnums=(0, 1))
 

@@ -134,3 +134,26 @@ def test_published_shapes_trace_on_a_mesh(name):
                                params, ids)
   assert logits.shape == (8, 256, config.vocab_size)
   assert aux.expert_load.shape == (2, 128)
+
+
+def test_chunked_cross_entropy_matches_full_logits():
+  from jax_megamoe.models.losses import chunked_cross_entropy
+  import optax
+
+  model = Qwen3Moe(SMALL, rngs=nnx.Rngs(0), dtype=jnp.float32)
+  ids, targets = _ids(2, 8, seed=1), _ids(2, 8, seed=2)
+
+  def full(m):
+    return optax.softmax_cross_entropy_with_integer_labels(m(ids), targets).mean()
+
+  def chunked(m):
+    return chunked_cross_entropy(m(ids, return_hidden=True), m.head(), targets, chunk=4)
+
+  (loss_a, grad_a), (loss_b, grad_b) = (nnx.jit(nnx.value_and_grad(f))(model)
+                                        for f in (full, chunked))
+  np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(nnx.state(grad_a, nnx.Param)),
+                  jax.tree.leaves(nnx.state(grad_b, nnx.Param))):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
+  with pytest.raises(ValueError, match="chunk must be a positive int dividing seq=8, got 3"):
+    chunked_cross_entropy(jnp.zeros((2, 8, 4)), jnp.zeros((4, 5)), targets, chunk=3)

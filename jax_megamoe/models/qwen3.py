@@ -203,14 +203,16 @@ class Qwen3Moe(nnx.Module):
     self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
     if not c.tie_word_embeddings:
       self.lm_head = _linear(c.hidden_size, c.vocab_size, config=c, dtype=dtype,
-                             param_dtype=param_dtype, rngs=rngs,
-                             preferred_element_type=jnp.float32)
+                             param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-               return_aux: bool = False) -> jax.Array | tuple[jax.Array, ModelAux]:
+               return_aux: bool = False, return_hidden: bool = False
+               ) -> jax.Array | tuple[jax.Array, ModelAux]:
     """input_ids [B, S] int -> logits [B, S, V] float32 (and ModelAux with return_aux).
 
     positions: optional [B, S] or [S] RoPE positions (default 0..S-1).
+    return_hidden: return the final normed hidden states [B, S, H] (compute dtype) instead of
+      the logits, e.g. for models/losses.chunked_cross_entropy with `head()`.
     """
     if input_ids.ndim != 2:
       raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
@@ -232,17 +234,20 @@ class Qwen3Moe(nnx.Module):
         auxes.append(aux)
 
     x = self.final_norm(x)
-    if self.config.tie_word_embeddings:
-      logits = jnp.einsum("bsh,vh->bsv", x, self.embed.embedding[...].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
-    else:
-      logits = self.lm_head(x).astype(jnp.float32)
+    out = x if return_hidden else jnp.einsum("bsh,hv->bsv", x, self.head().astype(x.dtype),
+                                             preferred_element_type=jnp.float32)
     if not return_aux:
-      return logits
+      return out
     if not auxes:  # a model without MoE layers: empty statistics, still well-typed
       e = self.config.num_experts
-      return logits, ModelAux(jnp.zeros((0,)), jnp.zeros((0,)), jnp.zeros((0, e)))
-    return logits, ModelAux(*(jnp.stack(field) for field in zip(*auxes)))
+      return out, ModelAux(jnp.zeros((0,)), jnp.zeros((0,)), jnp.zeros((0, e)))
+    return out, ModelAux(*(jnp.stack(field) for field in zip(*auxes)))
+
+  def head(self) -> jax.Array:
+    """The output projection [H, V] (param_dtype): lm_head, or the embedding when tied."""
+    if self.config.tie_word_embeddings:
+      return self.embed.embedding[...].T
+    return self.lm_head.kernel[...]
 
   def _shard_batch(self, x: jax.Array) -> jax.Array:
     """Keeps activations sharded over the batch on every mesh axis (no-op without a mesh)."""
