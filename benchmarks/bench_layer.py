@@ -1,0 +1,310 @@
+"""Per-layer MoE benchmark: Prime Intellect's published set-up (DESIGN.md §2), every
+implementation side by side in one run.
+
+Expert parallelism over all visible GPUs, 16,384 tokens per GPU, 128 experts, top-8, random
+routing identical for every implementation (same seed; optional Zipf skew), no router; shapes
+30b (H=2048, F=768) and 235b (H=4096, F=1536); recipes bf16 and fp8; passes fwd, bwd and
+2f1b (2 forwards + 1 backward, the cost under full activation checkpointing). Median of
+device-synchronised timings after warm-up.
+
+Implementations: jax_megamoe.moe with backend reference / cuda / fused (each where available),
+the JAX-native layer (benchmarks/baselines/jax_native.py: argsort + ragged_all_to_all +
+ragged_dot) and the PyTorch layer (benchmarks/baselines/torch_layer.py, under torchrun, where
+torch is installed). Every failure is recorded with its message; the run goes on.
+
+  python3 benchmarks/bench_layer.py --out results/layer.json          full run (GPU)
+  python3 benchmarks/bench_layer.py --check                            numerics vs reference
+  python3 benchmarks/bench_layer.py --smoke --out /tmp/smoke.json      tiny, any platform
+
+Writes the JSON (--out), appends a markdown table to --md and draws a PNG chart (--png,
+default: --out with .png), then prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPUs
+
+import numpy as np  # noqa: E402
+
+from benchmarks import problem as problem_lib, report, timing  # noqa: E402
+
+TORCH_SCRIPT = REPO / "benchmarks" / "baselines" / "torch_layer.py"
+ALL_IMPLS = ("megamoe:reference", "megamoe:cuda", "megamoe:fused", "jax_native", "torch")
+
+
+def log(*parts):
+  print(*parts, flush=True)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--tokens", type=int, help="tokens per GPU (default 16384; smoke 32; check 64)")
+  p.add_argument("--shapes", help="comma list of 30b, 235b, tiny (default 30b,235b)")
+  p.add_argument("--recipes", help="comma list of bf16, fp8 (default bf16,fp8)")
+  p.add_argument("--passes", default="fwd,bwd,2f1b")
+  p.add_argument("--impls", default=",".join(ALL_IMPLS))
+  p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: all devices)")
+  p.add_argument("--devices", type=int, default=0, help="use the first N devices (default all)")
+  p.add_argument("--experts", type=int, default=problem_lib.NUM_EXPERTS)
+  p.add_argument("--top-k", type=int, default=problem_lib.TOP_K)
+  p.add_argument("--skew", type=float, default=0.0, help="Zipf exponent of routing (0: uniform)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--reps", type=int, help="timed repetitions per pass (default 20; smoke 3)")
+  p.add_argument("--case-cap", type=float, default=3.0, help="max seconds timing one pass")
+  p.add_argument("--time-budget", type=float, default=220.0,
+                 help="seconds for the whole run; passes past it are recorded as skipped")
+  p.add_argument("--torch-budget", type=float, default=70.0, help="seconds for the torch part")
+  p.add_argument("--out", help="JSON results (default benchmarks/results/layer_<time>.json)")
+  p.add_argument("--md", default=str(REPO / "benchmarks" / "RESULTS.md"),
+                 help="markdown file the table is appended to ('' to skip)")
+  p.add_argument("--png", help="bar chart (default: --out with .png; '' to skip)")
+  p.add_argument("--smoke", action="store_true", help="tiny sizes, few reps (CI, any platform)")
+  p.add_argument("--check", action="store_true",
+                 help="numerics of every implementation against the reference, no timing")
+  args = p.parse_args(argv)
+  small = args.smoke or args.check
+  args.tokens = args.tokens or (32 if args.smoke else 64 if args.check else 16384)
+  args.shapes = (args.shapes or ("tiny" if small else "30b,235b")).split(",")
+  args.recipes = (args.recipes or ("bf16" if small else "bf16,fp8")).split(",")
+  args.passes = args.passes.split(",")
+  args.impls = args.impls.split(",")
+  args.reps = args.reps or (3 if args.smoke else 20)
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
+  kind = "layer_check" if args.check else "layer"
+  args.out = args.out or str(REPO / "benchmarks" / "results" / f"{kind}_{stamp}.json")
+  if args.png is None:
+    args.png = str(pathlib.Path(args.out).with_suffix(".png"))
+  return args
+
+
+def git_commit() -> str:
+  if os.environ.get("JAX_MEGAMOE_COMMIT"):
+    return os.environ["JAX_MEGAMOE_COMMIT"]
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown (no git; set JAX_MEGAMOE_COMMIT)"
+
+
+def torch_installed() -> bool:
+  import importlib.util  # noqa: PLC0415
+  return importlib.util.find_spec("torch") is not None
+
+
+def make_mesh(args):
+  import jax  # noqa: PLC0415
+  from jax.sharding import Mesh  # noqa: PLC0415
+  devices = jax.devices()[:args.devices or None]
+  ep = args.ep or len(devices)
+  if len(devices) % ep:
+    raise SystemExit(f"--ep {ep} must divide the {len(devices)} devices")
+  grid = np.array(devices).reshape(len(devices) // ep, ep)
+  return Mesh(grid, ("data", "expert")), devices
+
+
+def device_inputs(prob, mesh, ids, weights, seed):
+  """Inputs generated on the devices, already sharded (tokens over all axes, experts over
+  'expert'); bf16 values with unit-scale activations."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  tokens = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+  experts = NamedSharding(mesh, P("expert"))
+  keys = jax.random.split(jax.random.key(seed), 4)
+  t, h, f, e = prob.num_tokens, prob.hidden, prob.ffn, prob.num_experts
+
+  def normal(key, shape, scale, sharding):
+    return jax.jit(lambda k: jax.random.normal(k, shape, jnp.bfloat16) * jnp.bfloat16(scale),
+                   out_shardings=sharding)(key)
+
+  x = normal(keys[0], (t, h), 1.0, tokens)
+  wgu = normal(keys[1], (e, h, 2 * f), h ** -0.5, experts)
+  wd = normal(keys[2], (e, f, h), f ** -0.5, experts)
+  dy = normal(keys[3], (t, h), 1.0, tokens)
+  inputs = (x, jax.device_put(ids, tokens), jax.device_put(weights, tokens), wgu, wd)
+  return inputs, dy
+
+
+# --- the parts of a run -------------------------------------------------------------------------
+
+def run_torch(args, num_devices, ep, routing_path, budget_s) -> list[dict]:
+  """The PyTorch layer under torchrun; its records, or one failure record per case."""
+  def every_case(status, error):
+    return [{"impl": "torch", "shape": s, "recipe": r, "pass": p, "status": status,
+             "error": error} for s in args.shapes for r in args.recipes for p in args.passes]
+
+  if not torch_installed():
+    return every_case("not available", "torch is not installed")
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp, "torch.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={num_devices}", str(TORCH_SCRIPT), f"--routing={routing_path}",
+           f"--shapes={','.join(args.shapes)}", f"--recipes={','.join(args.recipes)}",
+           f"--experts={args.experts}", f"--ep={ep}", f"--reps={args.reps}",
+           f"--case-cap={args.case_cap}", f"--time-budget={max(budget_s - 30, 5)}",
+           f"--out={out}"]
+    log(f"[torch] {' '.join(cmd[2:])}")
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s + 60,
+                            check=False)
+    except subprocess.TimeoutExpired:
+      return every_case("failed", f"torchrun timed out after {budget_s + 60:.0f} s")
+    for line in proc.stdout.splitlines()[-20:]:
+      log(f"[torch] {line}")
+    if proc.returncode != 0 or not out.exists():
+      status, message = timing.classify_error(proc.stderr[-3000:] or f"rc {proc.returncode}")
+      return every_case(status, f"torchrun exited {proc.returncode}: {message}")
+    data = json.loads(out.read_text())
+  return [dict(r, torch_meta=data["meta"]) if i == 0 else r
+          for i, r in enumerate(data["results"])]
+
+
+def run_jax(args, mesh, ids, weights, deadline) -> list[dict]:
+  from benchmarks import jax_impls  # noqa: PLC0415
+  records = []
+  impls = [i for i in args.impls if i != "torch"]
+  for shape in args.shapes:
+    prob = problem_lib.make_problem(shape, args.tokens, mesh.devices.size, mesh.shape["expert"],
+                                    args.experts, args.top_k)
+    inputs = dy = None
+    for recipe in args.recipes:
+      for impl in impls:
+        base = {"impl": impl, "shape": shape, "hidden": prob.hidden, "ffn": prob.ffn,
+                "recipe": recipe}
+        reason = jax_impls.unavailable_reason(impl, recipe)
+        if reason is not None:
+          log(f"[{impl}] {shape} {recipe}: not available: {reason}")
+          records += [dict(base, **{"pass": p, "status": "not available", "error": reason})
+                      for p in args.passes]
+          continue
+        log(f"[{impl}] {shape} {recipe}")
+        if inputs is None:
+          try:
+            inputs, dy = device_inputs(prob, mesh, ids, weights, args.seed)
+          except Exception as e:  # noqa: BLE001
+            status, message = timing.classify_error(e)
+            records += [dict(base, **{"pass": p, "status": status,
+                                      "error": f"inputs: {message}"}) for p in args.passes]
+            continue
+        layer = jax_impls.make_layer(impl, recipe, mesh)
+        per_pass = jax_impls.time_passes(layer, inputs, dy, args.passes, reps=args.reps,
+                                         case_cap_s=args.case_cap, deadline=deadline, log=log)
+        records += [dict(base, **{"pass": p}, **r) for p, r in per_pass.items()]
+    del inputs, dy
+  return records
+
+
+def annotate(records, args, ids, num_gpus, ep):
+  """Adds TFLOP/s, NVLink GB/s, floor and speed-ups over the baselines to the ok records."""
+  ok = {(r["impl"], r["shape"], r["recipe"], r["pass"]): r["ms"] for r in records
+        if r.get("status") == "ok"}
+  for r in records:
+    if r.get("status") != "ok" or r["pass"] not in problem_lib.PASSES:
+      continue
+    prob = problem_lib.make_problem(r["shape"], args.tokens, num_gpus, ep, args.experts,
+                                    args.top_k)
+    seconds = r["ms"] / 1e3
+    r["tflops"] = prob.expert_flops_per_gpu(r["pass"]) / seconds / 1e12
+    ceiling_recipe = "fp8" if r["recipe"] == "fp8" else "bf16"
+    r["floor_ms"] = prob.floor_ms(r["pass"], ceiling_recipe)
+    r["floor_fraction"] = r["floor_ms"] / r["ms"]
+    traffic = problem_lib.exchange_bytes_per_gpu(ids, prob, r["pass"])
+    if traffic:
+      r["nvlink_gbps"] = traffic / seconds / 1e9
+    for baseline in ("torch", "jax_native"):
+      base_ms = ok.get((baseline, r["shape"], "bf16", r["pass"]))
+      if base_ms and r["impl"] != baseline:
+        r[f"speedup_vs_{baseline}"] = base_ms / r["ms"]
+  return records
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  deadline = timing.Deadline(args.time_budget)
+  started = time.time()
+  import jax  # noqa: PLC0415
+  mesh, devices = make_mesh(args)
+  num_gpus, ep = len(devices), mesh.shape["expert"]
+  meta = {
+      "kind": "layer_check" if args.check else "layer",
+      "device": f"{len(devices)} x {devices[0].device_kind}",
+      "platform": devices[0].platform, "jax_version": jax.__version__,
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      "commit": git_commit(),
+      "command": " ".join(["python3", "benchmarks/bench_layer.py", *(argv or sys.argv[1:])]),
+      "tokens_per_gpu": args.tokens, "experts": args.experts, "top_k": args.top_k, "ep": ep,
+      "skew": args.skew, "seed": args.seed, "reps": args.reps, "smoke": args.smoke,
+  }
+  log(f"bench_layer: {meta['device']}, EP={ep}, {args.tokens} tokens/GPU, E={args.experts}, "
+      f"k={args.top_k}, skew={args.skew}, shapes {args.shapes}, recipes {args.recipes}")
+  ids, weights = problem_lib.make_routing(args.tokens * num_gpus, args.experts, args.top_k,
+                                          seed=args.seed, skew=args.skew)
+  if args.check:
+    records = run_check(args, mesh, ids, weights)
+  else:
+    records = []
+    if "torch" in args.impls:
+      with tempfile.TemporaryDirectory() as tmp:
+        routing_path = pathlib.Path(tmp, "routing.npz")
+        np.savez(routing_path, topk_ids=ids, topk_weights=weights)
+        records += run_torch(args, num_gpus, ep, routing_path,
+                             min(args.torch_budget, deadline.left()))
+    records += run_jax(args, mesh, ids, weights, deadline)
+    records = annotate(records, args, ids, num_gpus, ep)
+  meta["wall_s"] = round(time.time() - started, 1)
+  result = {"meta": meta, "results": records}
+  write_outputs(result, args)
+  return result
+
+
+def run_check(args, mesh, ids, weights):
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from benchmarks import numerics  # noqa: PLC0415
+  on_gpu = mesh.devices.flat[0].platform == "gpu"
+  dtype_name = "bfloat16" if on_gpu else "float32"
+  records = []
+  for shape in args.shapes:
+    prob = problem_lib.make_problem(shape, args.tokens, mesh.devices.size, mesh.shape["expert"],
+                                    args.experts, args.top_k)
+    host = numerics.make_inputs(prob, ids, weights, jnp.dtype(dtype_name), args.seed)
+    log(f"check {shape} ({dtype_name}, {prob.num_tokens} tokens on {mesh.devices.size} "
+        f"{jax.default_backend()} devices)")
+    records += numerics.check(args.impls, prob, host, mesh, dtype_name,
+                              torch_ok=torch_installed(), log=log)
+  return records
+
+
+def write_outputs(result, args):
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1, default=float))
+  log(f"wrote {out}")
+  if args.md:
+    report.append_markdown(result, pathlib.Path(args.md))
+    log(f"appended the table to {args.md}")
+  if args.png and result["meta"]["kind"] == "layer":
+    try:
+      report.bar_chart(result, pathlib.Path(args.png))
+      log(f"wrote {args.png}")
+    except Exception as e:  # noqa: BLE001  (a missing matplotlib must not lose the numbers)
+      log(f"no chart: {timing.classify_error(e)[1]}")
+  log("")
+  log(report.short_table(result))
+
+
+if __name__ == "__main__":
+  main()
