@@ -96,10 +96,12 @@ def time_passes(layer, inputs, dy, passes, *, reps: int, case_cap_s: float,
 
 
 def layer_outputs(layer, inputs, dy):
-  """(y, (dx, dtopk_weights, dw_gate_up, dw_down)) for numerics checks."""
-  x, ids, w, wgu, wd = inputs
-  y, vjp = jax.vjp(_differentiable(layer, ids), x, w, wgu, wd)
-  return y, vjp(dy.astype(y.dtype))
+  """(y, (dx, dtopk_weights, dw_gate_up, dw_down)) for numerics checks, in one jitted call."""
+  @jax.jit
+  def outputs(x, ids, w, wgu, wd, dy):
+    y, vjp = jax.vjp(_differentiable(layer, ids), x, w, wgu, wd)
+    return y, vjp(dy.astype(y.dtype))
+  return outputs(*inputs, dy)
 
 
 def relative_error(got, want) -> float:

@@ -59,7 +59,7 @@ def layer_markdown(result: dict) -> str:
     for r in sorted(result["results"], key=_layer_key):
       lines.append(
           f"| {r['shape']} | {r['recipe']} | {r['impl']} | {r['pass']} | {_num(r.get('ms'))} | "
-          f"{_num(r.get('tflops'), '{:.0f}')} | {_num(r.get('nvlink_gbps'), '{:.0f}')} | "
+          f"{_num(r.get('tflops'), '{:.3g}')} | {_num(r.get('nvlink_gbps'), '{:.3g}')} | "
           f"{_num(r.get('floor_fraction'), '{:.0%}')} | "
           f"{_num(r.get('speedup_vs_torch'), '{:.2f}x')} | "
           f"{_num(r.get('speedup_vs_jax_native'), '{:.2f}x')} | {_status_cell(r, notes)} |")

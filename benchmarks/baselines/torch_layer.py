@@ -241,13 +241,12 @@ def run_check(args, rank, world, device):
     parts = [torch.empty_like(f32(t)) for _ in range(world)]
     dist.all_gather(parts, f32(t))
     gathered[name] = torch.cat(parts).numpy()
-  # Expert gradients: sum over the data-parallel replicas, gather over the EP group.
+  # Expert gradients: rank r holds expert block r % ep; sum the data-parallel replicas.
   for name, t in (("dw_gate_up", grads[2]), ("dw_down", grads[3])):
-    t = f32(t)
-    dist.all_reduce(t)
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t)
-    gathered[name] = torch.cat(parts[:args.ep]).numpy()
+    parts = [torch.empty_like(f32(t)) for _ in range(world)]
+    dist.all_gather(parts, f32(t))
+    gathered[name] = torch.cat([sum(parts[r] for r in range(e, world, args.ep))
+                                for e in range(args.ep)]).numpy()
   return gathered
 
 
