@@ -30,6 +30,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -42,6 +43,7 @@ from benchmarks import problem as problem_lib, report, timing  # noqa: E402
 
 TORCH_SCRIPT = REPO / "benchmarks" / "baselines" / "torch_layer.py"
 ALL_IMPLS = ("megamoe:reference", "megamoe:cuda", "megamoe:fused", "jax_native", "torch")
+WATCHDOG_GRACE_S = 90.0
 
 
 def log(*parts):
@@ -63,7 +65,7 @@ def parse_args(argv=None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--reps", type=int, help="timed repetitions per pass (default 20; smoke 3)")
   p.add_argument("--case-cap", type=float, default=3.0, help="max seconds timing one pass")
-  p.add_argument("--time-budget", type=float, default=220.0,
+  p.add_argument("--time-budget", type=float, default=200.0,
                  help="seconds for the whole run; passes past it are recorded as skipped")
   p.add_argument("--torch-budget", type=float, default=70.0, help="seconds for the torch part")
   p.add_argument("--out", help="JSON results (default benchmarks/results/layer_<time>.json)")
@@ -172,9 +174,9 @@ def run_torch(args, num_devices, ep, routing_path, budget_s) -> list[dict]:
           for i, r in enumerate(data["results"])]
 
 
-def run_jax(args, mesh, ids, weights, deadline) -> list[dict]:
+def run_jax(args, mesh, ids, weights, deadline, records: list[dict], save=lambda: None):
+  """Appends the JAX implementations' records to `records`, calling save() after each case."""
   from benchmarks import jax_impls  # noqa: PLC0415
-  records = []
   impls = [i for i in args.impls if i != "torch"]
   for shape in args.shapes:
     prob = problem_lib.make_problem(shape, args.tokens, mesh.devices.size, mesh.shape["expert"],
@@ -203,8 +205,8 @@ def run_jax(args, mesh, ids, weights, deadline) -> list[dict]:
         per_pass = jax_impls.time_passes(layer, inputs, dy, args.passes, reps=args.reps,
                                          case_cap_s=args.case_cap, deadline=deadline, log=log)
         records += [dict(base, **{"pass": p}, **r) for p, r in per_pass.items()]
+        save()
     del inputs, dy
-  return records
 
 
 def annotate(records, args, ids, num_gpus, ep):
@@ -252,25 +254,54 @@ def main(argv=None) -> dict:
       f"k={args.top_k}, skew={args.skew}, shapes {args.shapes}, recipes {args.recipes}")
   ids, weights = problem_lib.make_routing(args.tokens * num_gpus, args.experts, args.top_k,
                                           seed=args.seed, skew=args.skew)
-  if args.check:
-    records = run_check(args, mesh, ids, weights)
-  else:
-    records = []
-    if "torch" in args.impls:
-      with tempfile.TemporaryDirectory() as tmp:
-        routing_path = pathlib.Path(tmp, "routing.npz")
-        np.savez(routing_path, topk_ids=ids, topk_weights=weights)
-        records += run_torch(args, num_gpus, ep, routing_path,
-                             min(args.torch_budget, deadline.left()))
-    records += run_jax(args, mesh, ids, weights, deadline)
-    records = annotate(records, args, ids, num_gpus, ep)
-  meta["wall_s"] = round(time.time() - started, 1)
-  result = {"meta": meta, "results": records}
-  write_outputs(result, args)
-  return result
+  records: list[dict] = []
+
+  def result(partial: bool) -> dict:
+    meta["wall_s"] = round(time.time() - started, 1)
+    done = records if args.check else annotate([dict(r) for r in records], args, ids, num_gpus,
+                                                   ep)
+    return {"meta": dict(meta, partial=partial), "results": done}
+
+  def save_partial():
+    _write_json(result(partial=True), args.out)
+
+  # A hung collective or compile must not lose what was measured: past the budget plus a grace
+  # period, write everything so far and exit.
+  watchdog = threading.Timer(args.time_budget + WATCHDOG_GRACE_S,
+                             _give_up, (lambda: result(partial=True), args))
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    if args.check:
+      records += run_check(args, mesh, ids, weights)
+    else:
+      if "torch" in args.impls:
+        with tempfile.TemporaryDirectory() as tmp:
+          routing_path = pathlib.Path(tmp, "routing.npz")
+          np.savez(routing_path, topk_ids=ids, topk_weights=weights)
+          records += run_torch(args, num_gpus, ep, routing_path,
+                               min(args.torch_budget, deadline.left()))
+        save_partial()
+      run_jax(args, mesh, ids, weights, deadline, records, save_partial)
+  finally:
+    watchdog.cancel()
+  final = result(partial=False)
+  write_outputs(final, args)
+  return final
 
 
-def run_check(args, mesh, ids, weights):
+def _give_up(make_result, args):
+  log(f"\nwatchdog: still running {WATCHDOG_GRACE_S:.0f} s past the time budget; "
+      "writing what was measured and exiting")
+  final = make_result()
+  final["meta"]["watchdog"] = True
+  try:
+    write_outputs(final, args)
+  finally:
+    os._exit(3)
+
+
+def run_check(args, mesh, ids, weights) -> list[dict]:
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from benchmarks import numerics  # noqa: PLC0415
@@ -288,11 +319,17 @@ def run_check(args, mesh, ids, weights):
   return records
 
 
-def write_outputs(result, args):
-  out = pathlib.Path(args.out)
+def _write_json(result, path):
+  out = pathlib.Path(path)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1, default=float))
-  log(f"wrote {out}")
+  tmp = out.with_suffix(".tmp")
+  tmp.write_text(json.dumps(result, indent=1, default=float))
+  tmp.replace(out)  # atomic: a reader never sees half a file
+
+
+def write_outputs(result, args):
+  _write_json(result, args.out)
+  log(f"wrote {args.out}")
   if args.md:
     report.append_markdown(result, pathlib.Path(args.md))
     log(f"appended the table to {args.md}")
