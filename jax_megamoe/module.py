@@ -29,7 +29,7 @@ class MoE(nnx.Module):
 
   With `mesh`, the expert weights are created sharded over `expert_axis` (replicated over the
   other axes) and tokens are sharded over every mesh axis inside the op; the leading token count
-  must divide evenly over the mesh's devices. Parameters also carry `sharding_names` metadata,
+  must divide evenly over the mesh's devices. Parameters also carry `out_sharding` metadata,
   so nnx.get_partition_spec gives their PartitionSpecs.
   """
 
@@ -71,8 +71,8 @@ class MoE(nnx.Module):
 
   def _param(self, value: jax.Array, sharding: tuple) -> nnx.Param:
     if self.mesh is None:
-      return nnx.Param(value, sharding_names=sharding, eager_sharding=False)
-    return nnx.Param(value, sharding_names=sharding, mesh=self.mesh)
+      return nnx.Param(value, out_sharding=sharding, eager_sharding=False)
+    return nnx.Param(value, out_sharding=sharding, mesh=self.mesh)
 
   def __call__(self, x: jax.Array, *, return_aux: bool = False
                ) -> jax.Array | tuple[jax.Array, RouterAux]:

@@ -3,19 +3,21 @@ has no dispatch/combine kernels of its own.
 
 Layout (DESIGN.md §3): tokens are sharded over every mesh axis (data and expert alike), experts
 over `expert_axis`. Inside each expert-parallel group (the devices that differ only in their
-`expert_axis` coordinate) every device sends each routed slot to the rank that owns its expert
-through a padded all_to_all, runs the grouped MLP over the rows it received, and sends the
-results back, where the top-k slots are reduced in a fixed order.
+`expert_axis` coordinate) every device sends each routed slot to the rank that owns its expert,
+runs the grouped MLP over the rows it received, and sends the results back, where the top-k
+slots are reduced in a fixed order.
 
-The padded exchange reserves, per destination, room for all T*k slots of the source (so it is
-dropless whatever the routing): memory is EP * T_local * k * H per device. It is the oracle, not
-the fast path; the "cuda" backend replaces it with NVLink kernels.
+Two exchanges, same function: "ragged" (lax.ragged_all_to_all: only the routed rows travel; GPU
+only) and "padded" (lax.all_to_all of [EP, T*k, H] buffers; every platform, XLA:CPU has no
+ragged_all_to_all). Both are dropless whatever the routing: a device's receive buffer holds
+EP * T_local * k rows of H. This is the oracle, not the fast path; the "cuda" backend replaces
+it with NVLink kernels.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +33,28 @@ def token_axes(mesh: Mesh) -> tuple[str, ...]:
   return tuple(mesh.axis_names)
 
 
+EXCHANGES = ("auto", "ragged", "padded")
+
+
+def default_exchange(mesh: Mesh) -> str:
+  """"ragged" where the platform implements ragged_all_to_all (GPUs), else "padded"."""
+  return "ragged" if mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm") else "padded"
+
+
 def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh: Mesh,
-                        expert_axis: str, grouped_mlp: GroupedMlp, recipe: str | None):
+                        expert_axis: str, grouped_mlp: GroupedMlp, recipe: str | None,
+                        exchange: str = "auto"):
   """moe() under a mesh; argument shapes as in jax_megamoe.moe (already validated)."""
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+  if exchange == "auto":
+    exchange = default_exchange(mesh)
   tokens = P(token_axes(mesh))
   experts = P(expert_axis)
   shard_fn = functools.partial(_expert_parallel_shard, expert_axis=expert_axis,
                                ep_size=mesh.shape[expert_axis],
                                num_experts=w_gate_up.shape[0], grouped_mlp=grouped_mlp,
-                               recipe=recipe)
+                               recipe=recipe, exchange=exchange)
   in_specs = (tokens, tokens, tokens, experts, experts)
   args = (x, topk_ids, topk_weights, w_gate_up, w_down)
   if AxisType.Auto not in mesh.axis_types:
@@ -50,42 +65,83 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh: M
 
 
 def _expert_parallel_shard(x, topk_ids, topk_weights, w_gate_up, w_down, *, expert_axis,
-                           ep_size, num_experts, grouped_mlp, recipe):
+                           ep_size, num_experts, grouped_mlp, recipe, exchange):
   """One device: x [T, H], topk_* [T, k], w_* [E / ep_size, ...] (its own experts)."""
   num_tokens, top_k = topk_ids.shape
-  hidden = x.shape[1]
   experts_per_rank = num_experts // ep_size
-  num_slots = num_tokens * top_k
 
   # Sort this device's slots by global expert id: destination ranks become contiguous.
   flat_ids = topk_ids.reshape(-1)
   slots = token_layout.sort_by_expert(flat_ids, num_experts)
   sorted_ids = flat_ids[slots.order]
-  position = jnp.arange(num_slots, dtype=jnp.int32)
-  valid = position < jnp.sum(slots.group_sizes)
-  rank_counts = slots.group_sizes.reshape(ep_size, experts_per_rank).sum(axis=1)
-  rank_offsets = jnp.cumsum(rank_counts) - rank_counts
-  dest = jnp.where(valid, sorted_ids // experts_per_rank, ep_size)  # ep_size: dropped
-  dest_clamped = jnp.minimum(dest, ep_size - 1)
-  row = position - rank_offsets[dest_clamped]
+  valid = jnp.arange(flat_ids.shape[0]) < jnp.sum(slots.group_sizes)
+  route = _SlotRoute(
+      rows=x[slots.order // top_k], local_expert=sorted_ids % experts_per_rank, valid=valid,
+      rank_counts=slots.group_sizes.reshape(ep_size, experts_per_rank).sum(axis=1),
+      dest=jnp.where(valid, sorted_ids // experts_per_rank, ep_size))
 
-  # Dispatch: [ep, T*k] send buffers, padding rows tagged with the sentinel expert.
-  rows = x[slots.order // top_k]
-  send_x = jnp.zeros((ep_size, num_slots, hidden), x.dtype).at[dest, row].set(rows, mode="drop")
-  send_e = jnp.full((ep_size, num_slots), experts_per_rank, jnp.int32).at[dest, row].set(
-      sorted_ids % experts_per_rank, mode="drop")
-  recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0)  # [source rank, slot, H]
-  recv_e = jax.lax.all_to_all(send_e, expert_axis, 0, 0)
+  exchange_fn = _ragged_exchange if exchange == "ragged" else _padded_exchange
 
-  # Local experts over everything received, grouped by local expert.
-  local = token_layout.sort_by_expert(recv_e.reshape(-1), experts_per_rank)
-  out = grouped_mlp(recv_x.reshape(-1, hidden)[local.order], local.group_sizes, w_gate_up,
-                    w_down, recipe=recipe)
-  out = out[local.inverse].reshape(ep_size, num_slots, hidden)
+  def local_experts(rows, local_expert):
+    """Grouped MLP over received rows; padding rows carry local_expert == experts_per_rank."""
+    local = token_layout.sort_by_expert(local_expert, experts_per_rank)
+    out = grouped_mlp(rows[local.order], local.group_sizes, w_gate_up, w_down, recipe=recipe)
+    return out[local.inverse]
 
-  # Combine: results back to their source, then the fixed-order top-k reduction.
-  back = jax.lax.all_to_all(out, expert_axis, 0, 0)  # [expert rank, slot, H]
-  slot_sorted = jnp.where(valid[:, None], back[dest_clamped, row], 0)
-  slot_out = slot_sorted[slots.inverse].reshape(num_tokens, top_k, hidden)
+  slot_sorted = exchange_fn(route, local_experts, expert_axis=expert_axis, ep_size=ep_size,
+                            padding_expert=experts_per_rank)
+  slot_sorted = jnp.where(valid[:, None], slot_sorted, 0)
+  slot_out = slot_sorted[slots.inverse].reshape(num_tokens, top_k, x.shape[1])
   weights = token_layout.masked_weights(topk_ids, topk_weights, num_experts)
   return token_layout.combine_slots(slot_out, weights, x.dtype)
+
+
+class _SlotRoute(NamedTuple):
+  """A device's slots sorted by expert: rows [N, H], local_expert [N] (id on its rank),
+  valid [N] (the first sum(rank_counts) positions), rank_counts [EP], dest [N] (EP if invalid)."""
+
+  rows: jax.Array
+  local_expert: jax.Array
+  valid: jax.Array
+  rank_counts: jax.Array
+  dest: jax.Array
+
+
+def _padded_exchange(route, local_experts, *, expert_axis, ep_size, padding_expert):
+  """all_to_all of [EP, N, H] buffers: slot i goes to row (dest, i - offset[dest])."""
+  num_slots, hidden = route.rows.shape
+  rank_offsets = jnp.cumsum(route.rank_counts) - route.rank_counts
+  dest_clamped = jnp.minimum(route.dest, ep_size - 1)
+  row = jnp.arange(num_slots) - rank_offsets[dest_clamped]
+  send_x = jnp.zeros((ep_size, num_slots, hidden), route.rows.dtype).at[route.dest, row].set(
+      route.rows, mode="drop")
+  send_e = jnp.full((ep_size, num_slots), padding_expert, jnp.int32).at[route.dest, row].set(
+      route.local_expert, mode="drop")
+  recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0)  # [source rank, slot, H]
+  recv_e = jax.lax.all_to_all(send_e, expert_axis, 0, 0)
+  out = local_experts(recv_x.reshape(-1, hidden), recv_e.reshape(-1))
+  back = jax.lax.all_to_all(out.reshape(ep_size, num_slots, hidden), expert_axis, 0, 0)
+  return back[dest_clamped, row]
+
+
+def _ragged_exchange(route, local_experts, *, expert_axis, ep_size, padding_expert):
+  """ragged_all_to_all: only routed rows travel, received rows packed source by source."""
+  num_slots, hidden = route.rows.shape
+  me = jax.lax.axis_index(expert_axis)
+  counts = jax.lax.all_gather(route.rank_counts, expert_axis)  # [source, dest]
+  send_offsets = jnp.cumsum(counts, axis=1) - counts            # in each source's buffer
+  recv_offsets = jnp.cumsum(counts, axis=0) - counts            # in each dest's buffer
+  sent, received = counts[me], counts[:, me]
+
+  def forward(operand, output):
+    return jax.lax.ragged_all_to_all(operand, output, send_offsets[me], sent,
+                                     recv_offsets[me], received, axis_name=expert_axis)
+
+  capacity = ep_size * num_slots  # every source could send all its slots here
+  recv_x = forward(route.rows, jnp.zeros((capacity, hidden), route.rows.dtype))
+  recv_e = forward(route.local_expert, jnp.full((capacity,), padding_expert, jnp.int32))
+  out = local_experts(recv_x, recv_e)
+  # Back: each source's rows return to where they left its sorted buffer.
+  return jax.lax.ragged_all_to_all(out, jnp.zeros((num_slots, hidden), out.dtype),
+                                   recv_offsets[:, me], received, send_offsets[:, me], sent,
+                                   axis_name=expert_axis)

@@ -1,0 +1,111 @@
+"""Every bad argument of moe() and MoE raises a ValueError naming the parameter and value."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import jax_megamoe as jm
+from jax_megamoe import backends
+
+T, H, F, E, K = 8, 16, 8, 8, 2
+
+
+def good_args(**overrides):
+  args = dict(x=jnp.ones((T, H)), topk_ids=jnp.zeros((T, K), jnp.int32),
+              topk_weights=jnp.ones((T, K)), w_gate_up=jnp.ones((E, H, 2 * F)),
+              w_down=jnp.ones((E, F, H)))
+  args.update(overrides)
+  return args
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(x=jnp.ones((T, H, 1))), "x must be"),
+    (dict(x=jnp.ones((T, H), jnp.int32)), "x must be float32"),
+    (dict(topk_ids=jnp.zeros((T + 1, K), jnp.int32)), "topk_ids must be"),
+    (dict(topk_ids=jnp.zeros((T, K))), "topk_ids must be an integer"),
+    (dict(topk_weights=jnp.ones((T, K + 1))), "topk_weights must have"),
+    (dict(topk_weights=jnp.ones((T, K), jnp.int32)), "topk_weights must be floating"),
+    (dict(w_gate_up=jnp.ones((E, H + 1, 2 * F))), "w_gate_up must be"),
+    (dict(w_gate_up=jnp.ones((E, H, 2 * F + 1))), "w_gate_up must be"),
+    (dict(w_down=jnp.ones((E, F + 1, H))), "w_down must be"),
+    (dict(w_down=jnp.ones((E, F, H), jnp.bfloat16)), "w_down must have x's dtype"),
+    (dict(topk_ids=jnp.zeros((T, E + 1), jnp.int32), topk_weights=jnp.ones((T, E + 1))),
+     "top_k"),
+    (dict(topk_ids=jnp.full((T, K), E, jnp.int32)), r"topk_ids must be in \[0, 8\)"),
+    (dict(topk_ids=jnp.full((T, K), -2, jnp.int32)), "-2"),
+])
+def test_bad_arrays(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    jm.moe(**good_args(**overrides))
+
+
+def test_unknown_backend_and_recipe():
+  with pytest.raises(ValueError, match="backend must be one of .* got 'triton'"):
+    jm.moe(**good_args(), backend="triton")
+  with pytest.raises(ValueError, match="recipe must be one of .* got 'int4'"):
+    jm.moe(**good_args(), recipe="int4")
+
+
+def test_mesh_without_expert_axis():
+  mesh = jax.make_mesh((8,), ("data",))
+  with pytest.raises(ValueError, match="expert_axis 'expert' is not an axis"):
+    jm.moe(**good_args(), mesh=mesh)
+
+
+def test_experts_not_divisible_by_expert_axis():
+  mesh = jax.make_mesh((8,), ("expert",))
+  with pytest.raises(ValueError, match="experts 6 must divide evenly over expert_axis"):
+    jm.moe(**good_args(w_gate_up=jnp.ones((6, H, 2 * F)), w_down=jnp.ones((6, F, H))),
+           mesh=mesh)
+
+
+def test_tokens_not_divisible_by_devices():
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  with pytest.raises(ValueError, match="tokens 12 must divide evenly over the mesh's 8"):
+    jm.moe(**good_args(x=jnp.ones((12, H)), topk_ids=jnp.zeros((12, K), jnp.int32),
+                       topk_weights=jnp.ones((12, K))), mesh=mesh)
+
+
+@pytest.mark.parametrize("name", ["cuda", "fused"])
+def test_unavailable_backend_says_why(name):
+  reason = backends.unavailable_reason(name)
+  if reason is None:
+    pytest.skip(f"not run: backend {name!r} is available on this machine")
+  with pytest.raises(backends.BackendUnavailableError, match=f"backend '{name}' is not "
+                     "available: .+"):
+    jm.moe(**good_args(), backend=name)
+
+
+def test_auto_picks_an_available_backend():
+  assert backends.unavailable_reason(backends.resolve("auto").NAME) is None
+
+
+def test_out_of_range_ids_under_jit_are_masked():
+  args = good_args()
+  args["topk_ids"] = args["topk_ids"].at[0, 0].set(E + 3)
+  args["x"] = jax.random.normal(jax.random.PRNGKey(0), (T, H))
+  masked = dict(args, topk_ids=args["topk_ids"].at[0, 0].set(-1))
+  got = jax.jit(lambda a: jm.moe(**a))(args)
+  assert jnp.array_equal(got, jm.moe(**masked))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(top_k=9), "top_k must be an int in"),
+    (dict(num_experts=0), "num_experts must be a positive int"),
+    (dict(hidden_size=-1), "hidden_size must be"),
+    (dict(mesh=jax.make_mesh((8,), ("data",))), "expert_axis 'expert' is not an axis"),
+    (dict(num_experts=4, top_k=2, mesh=jax.make_mesh((8,), ("expert",))),
+     "num_experts 4 must divide evenly"),
+])
+def test_module_validation(kwargs, match):
+  base = dict(hidden_size=H, ffn_size=F, num_experts=E, top_k=K)
+  base.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    jm.MoE(**base, rngs=nnx.Rngs(0))
+
+
+def test_module_rejects_wrong_hidden_size():
+  layer = jm.MoE(H, F, E, K, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="hidden_size=16"):
+    layer(jnp.ones((4, H + 1)))
