@@ -34,7 +34,8 @@ import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:  # run as a script: make `benchmarks` importable. Appended, so an
+  sys.path.append(str(REPO))   # installed jax_megamoe wins over the source tree's
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPUs
 
 import numpy as np  # noqa: E402

@@ -21,8 +21,8 @@ import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-  sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:  # as bench_layer.py: appended, an installed jax_megamoe wins
+  sys.path.append(str(REPO))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402

@@ -20,7 +20,7 @@ import subprocess
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-BAZEL_FILES = ("MODULE.bazel", "BUILD", "bazel/BUILD", "bazel/jaxlib.bzl")
+BAZEL_FILES = ("MODULE.bazel", "BUILD", "bazel/BUILD", "bazel/python_headers.bzl")
 CUDA_ENABLED = "@rules_cuda//cuda:is_enabled"
 HEADER_SUFFIXES = (".h", ".cuh", ".hpp", ".inc")
 EXTENSION_TARGET = "_megamoe"
@@ -94,6 +94,10 @@ class BuildFile:
       return {self.eval(k): self.eval(v) for k, v in zip(node.keys, node.values)}
     if isinstance(node, ast.Name):
       return self.eval(self.constants[node.id])
+    if isinstance(node, ast.IfExp):  # loaded facts (e.g. CUTLASS_FOUND) count as true
+      if self.all_branches:
+        return self.eval(node.body) + self.eval(node.orelse)
+      return self.eval(node.body if self.eval(node.test) else node.orelse)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
       return self.eval(node.left) + self.eval(node.right)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
@@ -159,11 +163,15 @@ _COMMAND = re.compile(r"(\w+)\s*\(((?:[^()]|\([^()]*\))*)\)", re.S)
 
 def _cmake_commands(text: str):
   """(name, args) of each command, with the if() conditions around it."""
+  # Hide parentheses and '#' inside quoted arguments (e.g. Python one-liners), drop comments.
+  hide = str.maketrans({"(": "\x01", ")": "\x02", "#": "\x03"})
+  text = re.sub(r'"(?:[^"\\]|\\.)*"', lambda m: m.group(0).translate(hide), text)
   text = re.sub(r"#[^\n]*", "", text)
+  show = str.maketrans({"\x01": "(", "\x02": ")", "\x03": "#"})
   conditions = []
   for match in _COMMAND.finditer(text):
     name, args = match.group(1).lower(), re.findall(r'"[^"]*"|\S+', match.group(2))
-    args = [a.strip('"') for a in args]
+    args = [a.strip('"').translate(show) for a in args]
     if name == "if":
       conditions.append(" ".join(args))
     elif name == "endif":
@@ -331,6 +339,13 @@ def test_unlisted_headers_defines_and_archs_are_reported(tree):
   assert "header ffi/common/barrier.cuh is not in any Bazel hdrs" in problems
   assert "CMake defines MEGAMOE_WITH_CUDA for _megamoe, Bazel does not" in problems
   assert "GPU targets differ" in problems
+
+
+def test_cmake_reader_survives_quoted_parentheses(tree):
+  cmake = tree / "CMakeLists.txt"
+  cmake.write_text('execute_process(COMMAND python -c "print((1), \'#\')")  # (unbalanced\n'
+                   + cmake.read_text())
+  assert inconsistencies(tree) == []
 
 
 def test_glob_regex_follows_bazel_rules():

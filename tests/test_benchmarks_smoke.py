@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import bench_layer, bench_step, jax_impls, problem, report
+# benchmarks/ is a source-tree tool, not part of the installed package. Appended to the path,
+# so that jax_megamoe still comes from the installation CI tests.
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks import bench_layer, bench_step, jax_impls, problem, report  # noqa: E402
 
 TINY = ["--experts", "8", "--top-k", "2", "--devices", "4", "--ep", "2"]
 HAS_TORCH = importlib.util.find_spec("torch") is not None

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.append(str(pathlib.Path(__file__).resolve().parents[2]))  # for `benchmarks`
 from benchmarks import problem as problem_lib  # noqa: E402
 
 ALIGN = 16  # torch._grouped_mm wants 16-row aligned group offsets (TorchTitan pads likewise)
