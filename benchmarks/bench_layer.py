@@ -30,7 +30,6 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -266,12 +265,13 @@ def main(argv=None) -> dict:
   def save_partial():
     _write_json(result(partial=True), args.out)
 
-  # A hung collective or compile must not lose what was measured: past the budget plus a grace
-  # period, write everything so far and exit.
-  watchdog = threading.Timer(args.time_budget + WATCHDOG_GRACE_S,
-                             _give_up, (lambda: result(partial=True), args))
-  watchdog.daemon = True
-  watchdog.start()
+  def give_up():
+    log(f"\nwatchdog: {WATCHDOG_GRACE_S:.0f} s past the time budget; writing what was measured")
+    final = result(partial=True)
+    final["meta"]["watchdog"] = True
+    write_outputs(final, args)
+
+  watchdog = timing.start_watchdog(args.time_budget + WATCHDOG_GRACE_S, give_up)
   try:
     if args.check:
       records += run_check(args, mesh, ids, weights)
@@ -289,17 +289,6 @@ def main(argv=None) -> dict:
   final = result(partial=False)
   write_outputs(final, args)
   return final
-
-
-def _give_up(make_result, args):
-  log(f"\nwatchdog: still running {WATCHDOG_GRACE_S:.0f} s past the time budget; "
-      "writing what was measured and exiting")
-  final = make_result()
-  final["meta"]["watchdog"] = True
-  try:
-    write_outputs(final, args)
-  finally:
-    os._exit(3)
 
 
 def run_check(args, mesh, ids, weights) -> list[dict]:

@@ -28,7 +28,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import numpy as np  # noqa: E402
 
 from benchmarks import report, timing  # noqa: E402
-from benchmarks.bench_layer import git_commit, log  # noqa: E402
+from benchmarks.bench_layer import WATCHDOG_GRACE_S, git_commit, log  # noqa: E402
 
 H200_BF16_PEAK_TFLOPS = 989.4  # dense bf16 spec; DESIGN.md §2 measured 801 for a plain matmul
 
@@ -37,15 +37,16 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--config", help="tiny, qwen3-30b-a3b, qwen3-235b-a22b (default 30b; smoke tiny)")
   p.add_argument("--layers", type=int, help="decoder layers (default 4; smoke: the config's)")
-  p.add_argument("--batch", type=int, help="sequences per GPU per step (default 4; smoke 2)")
-  p.add_argument("--seq", type=int, help="tokens per sequence (default 4096; smoke 16)")
+  p.add_argument("--batch", type=int, help="sequences per GPU per step (default 2; smoke 2)")
+  p.add_argument("--seq", type=int, help="tokens per sequence (default 2048; smoke 16)")
   p.add_argument("--backends", default="reference,cuda,fused")
   p.add_argument("--recipe", default="bf16", choices=("bf16", "fp8", "mxfp8"))
   p.add_argument("--remat", default="full", help="a Qwen3Moe REMAT_POLICIES name")
   p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: all devices)")
   p.add_argument("--reps", type=int, help="timed steps (default 10; smoke 2)")
   p.add_argument("--case-cap", type=float, default=20.0, help="max seconds timing one backend")
-  p.add_argument("--time-budget", type=float, default=150.0)
+  p.add_argument("--time-budget", type=float, default=120.0,
+                 help="seconds; backends not started by then are recorded as skipped")
   p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
   p.add_argument("--out", help="JSON (default benchmarks/results/step_<time>.json)")
   p.add_argument("--md", default=str(REPO / "benchmarks" / "RESULTS.md"))
@@ -54,8 +55,8 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   args.config = args.config or ("tiny" if args.smoke else "qwen3-30b-a3b")
   args.layers = args.layers if args.layers is not None else (0 if args.smoke else 4)
-  args.batch = args.batch or (2 if args.smoke else 4)
-  args.seq = args.seq or (16 if args.smoke else 4096)
+  args.batch = args.batch or 2
+  args.seq = args.seq or (16 if args.smoke else 2048)
   args.reps = args.reps or (2 if args.smoke else 10)
   args.backends = args.backends.split(",")
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
@@ -172,19 +173,41 @@ def main(argv=None) -> dict:
   }
   log(f"bench_step: {meta['device']}, {args.config} x {meta['layers']} layers, batch "
       f"{meta['batch']} x {args.seq}, EP={ep}, remat {args.remat}")
+  records: list[dict] = []
+
+  def write(partial: bool) -> dict:
+    meta["wall_s"] = round(time.time() - started, 1)
+    result = {"meta": dict(meta, partial=partial), "results": records}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=float))
+    log(f"wrote {out}")
+    return result
+
+  def give_up():
+    log("watchdog: past the time budget; writing what was measured")
+    meta["watchdog"] = True
+    finish(write(partial=True), args)
+
+  watchdog = timing.start_watchdog(args.time_budget + WATCHDOG_GRACE_S, give_up)
   try:
     import jax_megamoe.models  # noqa: F401, PLC0415
-    records = [bench_backend(args, b, mesh, len(devices), deadline) for b in args.backends]
+    for backend in args.backends:
+      records.append(bench_backend(args, backend, mesh, len(devices), deadline))
+      write(partial=True)
   except ImportError as e:
-    records = [{"backend": b, "config": args.config, "status": "not available",
-                "error": f"the example model is not in this checkout ({e})"}
-               for b in args.backends]
-  meta["wall_s"] = round(time.time() - started, 1)
-  result = {"meta": meta, "results": records}
-  out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1, default=float))
-  log(f"wrote {out}")
+    records += [{"backend": b, "config": args.config, "status": "not available",
+                 "error": f"the example model is not in this checkout ({e})"}
+                for b in args.backends]
+  finally:
+    watchdog.cancel()
+  result = write(partial=False)
+  finish(result, args)
+  return result
+
+
+def finish(result, args):
+  """Markdown, chart and the short table, once the JSON is written."""
   if args.md:
     report.append_markdown(result, pathlib.Path(args.md))
   if args.png:
@@ -194,7 +217,6 @@ def main(argv=None) -> dict:
       log(f"no chart: {timing.classify_error(e)[1]}")
   log("")
   log(report.short_table(result))
-  return result
 
 
 if __name__ == "__main__":

@@ -54,3 +54,22 @@ class Deadline:
   @property
   def expired(self) -> bool:
     return self.left() <= 0
+
+
+def start_watchdog(seconds: float, on_timeout: Callable[[], None]):
+  """Calls on_timeout() and exits the process (status 3) if still running after `seconds`: a
+  hung collective or compile must not lose what was already measured. Returns the timer
+  (cancel() it when done)."""
+  import os  # noqa: PLC0415
+  import threading  # noqa: PLC0415
+
+  def fire():
+    try:
+      on_timeout()
+    finally:
+      os._exit(3)
+
+  timer = threading.Timer(seconds, fire)
+  timer.daemon = True
+  timer.start()
+  return timer
