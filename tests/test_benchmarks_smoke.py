@@ -128,3 +128,20 @@ def test_step_smoke(tmp_path):
   assert ref["tokens_per_s_per_gpu"] > 0 and 0 < ref["mfu"] < 1
   assert "| config | backend | step ms |" in (tmp_path / "RESULTS.md").read_text()
   assert _is_png(tmp_path / "step.png")
+
+
+def test_step_report_without_the_model(tmp_path):
+  """bench_step's table and chart from a synthetic result (runs before the model is merged)."""
+  meta = {"kind": "step", "device": "2 x test", "date": "today", "commit": "abc",
+          "command": "bench_step.py", "config": "tiny", "batch": 4, "seq_len": 8, "reps": 2,
+          "peak_tflops": 989.4, "smoke": True}
+  results = [{"backend": "reference", "config": "tiny", "status": "ok", "ms": 12.5,
+              "tokens_per_s_per_gpu": 1280.0, "tflops_per_gpu": 0.01, "mfu": 1e-5},
+             {"backend": "cuda", "config": "tiny", "status": "not available", "error": "why"}]
+  result = {"meta": meta, "results": results}
+  report.append_markdown(result, tmp_path / "RESULTS.md")
+  report.bar_chart(result, tmp_path / "step.png")
+  markdown = (tmp_path / "RESULTS.md").read_text()
+  assert "| tiny | reference | 12.50 |" in markdown and "[1] not available: why" in markdown
+  assert _is_png(tmp_path / "step.png")
+  assert "reference" in report.short_table(result)

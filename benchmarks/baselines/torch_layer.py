@@ -235,16 +235,18 @@ def run_check(args, rank, world, device):
   y = moe_layer(x, ids, w, wgu, wd, group=group, ep=args.ep, num_experts=data["w_gate_up"].shape[0])
   grads = torch.autograd.grad(y, (x, w, wgu, wd), torch.from_numpy(data["dy"]).to(device, dtype)[
       rank * x.shape[0]:(rank + 1) * x.shape[0]])
-  f32 = lambda t: t.detach().float().cpu()  # noqa: E731
+  def gather(t):  # on the device (NCCL gathers device tensors), then to the host
+    t = t.detach().float().contiguous()
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t)
+    return [part.cpu() for part in parts]
+
   gathered = {}
   for name, t in (("y", y), ("dx", grads[0]), ("dtopk_weights", grads[1])):
-    parts = [torch.empty_like(f32(t)) for _ in range(world)]
-    dist.all_gather(parts, f32(t))
-    gathered[name] = torch.cat(parts).numpy()
+    gathered[name] = torch.cat(gather(t)).numpy()
   # Expert gradients: rank r holds expert block r % ep; sum the data-parallel replicas.
   for name, t in (("dw_gate_up", grads[2]), ("dw_down", grads[3])):
-    parts = [torch.empty_like(f32(t)) for _ in range(world)]
-    dist.all_gather(parts, f32(t))
+    parts = gather(t)
     gathered[name] = torch.cat([sum(parts[r] for r in range(e, world, args.ep))
                                 for e in range(args.ep)]).numpy()
   return gathered
