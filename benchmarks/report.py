@@ -56,7 +56,7 @@ def layer_markdown(result: dict) -> str:
   else:
     lines += ["| shape | recipe | impl | pass | ms | TFLOP/s | NVLink GB/s | of floor | "
               "x torch | x jax_native | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(result["results"], key=_layer_key):
+    for r in _collapse_unrun(sorted(result["results"], key=_layer_key)):
       lines.append(
           f"| {r['shape']} | {r['recipe']} | {r['impl']} | {r['pass']} | {_num(r.get('ms'))} | "
           f"{_num(r.get('tflops'), '{:.3g}')} | {_num(r.get('nvlink_gbps'), '{:.3g}')} | "
@@ -89,6 +89,21 @@ def step_markdown(result: dict) -> str:
 
 def _footnotes(notes):
   return [""] + [f"[{i + 1}] {n}" for i, n in enumerate(notes)] if notes else []
+
+
+def _collapse_unrun(rows):
+  """One row with pass "all" where every pass of an implementation did not run, for one reason."""
+  groups = {}
+  for r in rows:
+    groups.setdefault((r["shape"], r["recipe"], r["impl"]), []).append(r)
+  out = []
+  for group in groups.values():
+    reasons = {(r.get("status"), r.get("error")) for r in group}
+    if len(group) > 1 and len(reasons) == 1 and group[0].get("status") != "ok":
+      out.append(dict(group[0], **{"pass": "all"}))
+    else:
+      out += group
+  return out
 
 
 def _layer_key(r):
@@ -126,6 +141,10 @@ def bar_chart(result: dict, png: pathlib.Path) -> None:
       panels.setdefault((r["shape"], r["recipe"]), []).append(r)
     groups, member = list(PASS_ORDER), "impl"
   panels = panels or {("no successful runs", ""): []}
+  # One colour per implementation across panels.
+  palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  colour = {name: palette[i % len(palette)]
+            for i, name in enumerate(sorted({r[member] for r in ok}))}
   fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
   for ax, ((shape, recipe), rows) in zip(axes[0], sorted(panels.items())):
     names = sorted({r[member] for r in rows})
@@ -134,7 +153,7 @@ def bar_chart(result: dict, png: pathlib.Path) -> None:
       values = [next((r["ms"] for r in rows if r[member] == name
                       and r.get("pass", "step") == g), 0.0) for g in groups]
       xs = [g + i * width for g in range(len(groups))]
-      bars = ax.bar(xs, values, width, label=name)
+      bars = ax.bar(xs, values, width, label=name, color=colour[name])
       ax.bar_label(bars, labels=[f"{v:.2f}" if v else "" for v in values], fontsize=7)
     ax.set_xticks([g + width * (len(names) - 1) / 2 for g in range(len(groups))], groups)
     ax.set_ylabel("ms (lower is better)")
