@@ -85,20 +85,23 @@ def make_routing(num_tokens: int, num_experts: int, top_k: int, *, seed: int = 0
 
 
 def remote_rows_per_gpu(topk_ids: np.ndarray, problem: Problem) -> float:
-  """Mean routed slots per GPU whose expert lives on another rank of its EP group."""
+  """Mean (token, remote rank) pairs per GPU: the rows a deduplicating dispatch must send, one
+  per token per other rank of its EP group that holds at least one of its experts."""
   experts_per_rank = problem.num_experts // problem.ep
   tokens = topk_ids.shape[0]
-  gpu = np.arange(tokens) // problem.tokens_per_gpu
-  own_rank = (gpu % problem.ep)[:, None]
-  remote = (topk_ids // experts_per_rank) != own_rank
-  return float(remote.sum()) / problem.num_gpus
+  own_rank = (np.arange(tokens) // problem.tokens_per_gpu) % problem.ep
+  dest = topk_ids // experts_per_rank
+  pairs = 0
+  for rank in range(problem.ep):
+    pairs += int(((dest == rank).any(axis=1) & (own_rank != rank)).sum())
+  return pairs / problem.num_gpus
 
 
 def exchange_bytes_per_gpu(topk_ids: np.ndarray, problem: Problem, pass_name: str,
                            bytes_per_value: int = 2) -> float:
-  """Bytes one GPU sends over NVLink in a pass, counting one H-row per remote routed slot per
-  one-way exchange (what a per-slot dispatch/combine must move; deduplicating kernels move
-  less, padded ones more)."""
+  """The least NVLink traffic one GPU sends in a pass: one H-row of bf16 per (token, remote
+  rank) pair per one-way exchange (dispatch or combine). Per-slot exchanges (the baselines)
+  move up to k / (distinct ranks) times more; the figure is a common yardstick, not their bytes."""
   if problem.ep == 1:
     return 0.0
   rows = remote_rows_per_gpu(topk_ids, problem)

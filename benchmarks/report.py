@@ -65,8 +65,8 @@ def layer_markdown(result: dict) -> str:
           f"{_num(r.get('speedup_vs_jax_native'), '{:.2f}x')} | {_status_cell(r, notes)} |")
     lines += ["", "TFLOP/s: expert FLOPs per GPU (tokens x k x 6 x H x F per forward; backward "
               "2x) over the time. Floor: those FLOPs at 801 TFLOP/s (bf16) or 1446 (fp8), the "
-              "ceilings measured in DESIGN.md §2. NVLink GB/s: one H-row per remote routed slot "
-              "per one-way exchange, per GPU. Speed-ups are over the bf16 baselines."]
+              "ceilings measured in DESIGN.md §2. NVLink GB/s: the least traffic, one bf16 H-row per "
+              "(token, remote rank) pair per one-way exchange, per GPU, over the time. Speed-ups are over the bf16 baselines."]
   return "\n".join(lines + _footnotes(notes)) + "\n"
 
 

@@ -116,6 +116,10 @@ def test_flops_and_floor_match_design_doc():
   assert prob.floor_ms("fwd", "bf16") == pytest.approx(1.545, rel=1e-3)
   assert prob.floor_ms("fwd", "fp8") == pytest.approx(0.856, rel=1e-3)
   assert prob.floor_ms("bwd", "bf16") == pytest.approx(2 * 1.545, rel=1e-3)
+  # DESIGN.md §2: at EP=8 a token reaches ~5.3 distinct ranks, 7/8 of them remote.
+  ids, _ = problem.make_routing(8 * 512, 128, 8, seed=0)
+  ep8 = problem.make_problem("30b", 512, num_gpus=8, ep=8)
+  assert problem.remote_rows_per_gpu(ids, ep8) / 512 == pytest.approx(5.33 * 7 / 8, rel=0.02)
 
 
 def test_step_smoke(tmp_path):
