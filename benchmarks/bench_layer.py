@@ -55,7 +55,8 @@ def log(*parts):
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--tokens", type=int, help="tokens per GPU (default 16384; smoke 32; check 64)")
-  p.add_argument("--shapes", help="comma list of 30b, 235b, tiny (default 30b,235b)")
+  p.add_argument("--shapes", help="comma list of 30b, 235b, small, tiny (default 30b,235b; "
+                 "smoke tiny; check small)")
   p.add_argument("--recipes", help="comma list of bf16, fp8 (default bf16,fp8)")
   p.add_argument("--passes", default="fwd,bwd,2f1b")
   p.add_argument("--impls", default=",".join(ALL_IMPLS))
@@ -80,7 +81,8 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   small = args.smoke or args.check
   args.tokens = args.tokens or (32 if args.smoke else 64 if args.check else 16384)
-  args.shapes = (args.shapes or ("tiny" if small else "30b,235b")).split(",")
+  default_shapes = "small" if args.check else "tiny" if args.smoke else "30b,235b"
+  args.shapes = (args.shapes or default_shapes).split(",")
   args.recipes = (args.recipes or ("bf16" if small else "bf16,fp8")).split(",")
   args.passes = args.passes.split(",")
   args.impls = args.impls.split(",")

@@ -14,6 +14,7 @@ import numpy as np
 SHAPES = {  # name -> (hidden H, expert ffn F)
     "30b": (2048, 768),     # Qwen3-30B-A3B
     "235b": (4096, 1536),   # Qwen3-235B-A22B
+    "small": (512, 256),    # numerics checks: kernel-friendly multiples of 128
     "tiny": (64, 32),       # smoke tests
 }
 NUM_EXPERTS = 128
