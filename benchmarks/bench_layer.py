@@ -75,6 +75,10 @@ def parse_args(argv=None):
   p.add_argument("--md", default=str(REPO / "benchmarks" / "RESULTS.md"),
                  help="markdown file the table is appended to ('' to skip)")
   p.add_argument("--png", help="bar chart (default: --out with .png; '' to skip)")
+  p.add_argument("--isolate", choices=("auto", "on", "off"), default="auto",
+                 help="each JAX implementation in its own process, so that a crash (an XLA "
+                 "abort, a CUDA fault) costs only its own numbers (auto: on for GPUs)")
+  p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # run by --isolate
   p.add_argument("--smoke", action="store_true", help="tiny sizes, few reps (CI, any platform)")
   p.add_argument("--check", action="store_true",
                  help="numerics of every implementation against the reference, no timing")
@@ -214,6 +218,60 @@ def run_jax(args, mesh, ids, weights, deadline, records: list[dict], save=lambda
       del inputs, dy
 
 
+def run_jax_isolated(args, mesh, deadline, records: list[dict], save=lambda: None):
+  """run_jax with each runnable implementation in a child process of this script; the time left
+  is shared among them. A child that dies leaves its saved records plus one failure record for
+  every case it did not finish."""
+  from benchmarks import jax_impls  # noqa: PLC0415
+  impls = [i for i in args.impls if i != "torch"]
+  runnable = [i for i in impls
+              if any(jax_impls.unavailable_reason(i, r) is None for r in args.recipes)]
+  for impl in impls:
+    if impl not in runnable:  # recorded as not available without a process
+      run_jax(_with(args, impls=[impl]), mesh, None, None, deadline, records, save)
+      continue
+    budget = max(deadline.left() / (len(runnable) - runnable.index(impl)), 1.0)
+    with tempfile.TemporaryDirectory() as tmp:
+      out = pathlib.Path(tmp, "child.json")
+      cmd = [sys.executable, str(pathlib.Path(__file__).resolve()),
+             *_child_argv(args, mesh.shape["expert"]),
+             "--impls", impl, "--time-budget", f"{budget:.0f}", "--out", str(out), "--md", "",
+             "--png", "", "--isolate", "off", "--child"]
+      log(f"[{impl}] own process, {budget:.0f} s")
+      try:
+        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, check=False,
+                              timeout=budget + WATCHDOG_GRACE_S + 60)
+        rc, stderr = proc.returncode, proc.stderr
+      except subprocess.TimeoutExpired as e:
+        rc, stderr = "timeout", (e.stderr or b"").decode(errors="replace")
+      got = json.loads(out.read_text())["results"] if out.exists() else []
+    got = [r for r in got if r["impl"] == impl]
+    records += got
+    if rc != 0:
+      status, message = timing.classify_error(stderr[-2000:] or f"exit status {rc}")
+      log(f"[{impl}] process ended with {rc}: {message[-300:]}")
+      done = {(r["shape"], r["recipe"], r["pass"]) for r in got}
+      records += [{"impl": impl, "shape": s, "recipe": r, "pass": p, "status": status,
+                   "error": f"process ended ({rc}): {message}"}
+                  for r in args.recipes for s in args.shapes for p in args.passes
+                  if (s, r, p) not in done]
+    save()
+
+
+def _with(args, **changes):
+  return argparse.Namespace(**{**vars(args), **changes})
+
+
+def _child_argv(args, ep) -> list[str]:
+  """The options that define the problem, for a child process of this script."""
+  argv = ["--tokens", str(args.tokens), "--shapes", ",".join(args.shapes), "--recipes",
+          ",".join(args.recipes), "--passes", ",".join(args.passes), "--ep", str(ep),
+          "--devices", str(args.devices), "--experts", str(args.experts), "--top-k",
+          str(args.top_k), "--skew", str(args.skew), "--seed", str(args.seed), "--reps",
+          str(args.reps), "--case-cap", str(args.case_cap)]
+  return argv + (["--smoke"] if args.smoke else [])
+
+
 def annotate(records, args, ids, num_gpus, ep):
   """Adds TFLOP/s, NVLink GB/s, floor and speed-ups over the baselines to the ok records."""
   ok = {(r["impl"], r["shape"], r["recipe"], r["pass"]): r["ms"] for r in records
@@ -288,7 +346,11 @@ def main(argv=None) -> dict:
           records += run_torch(args, num_gpus, ep, routing_path,
                                min(args.torch_budget, deadline.left()))
         save_partial()
-      run_jax(args, mesh, ids, weights, deadline, records, save_partial)
+      isolate = args.isolate == "on" or (args.isolate == "auto" and meta["platform"] == "gpu")
+      if isolate:
+        run_jax_isolated(args, mesh, deadline, records, save_partial)
+      else:
+        run_jax(args, mesh, ids, weights, deadline, records, save_partial)
   finally:
     watchdog.cancel()
   final = result(partial=False)
@@ -334,8 +396,9 @@ def write_outputs(result, args):
       log(f"wrote {args.png}")
     except Exception as e:  # noqa: BLE001  (a missing matplotlib must not lose the numbers)
       log(f"no chart: {timing.classify_error(e)[1]}")
-  log("")
-  log(report.short_table(result))
+  if not args.child:
+    log("")
+    log(report.short_table(result))
 
 
 if __name__ == "__main__":
