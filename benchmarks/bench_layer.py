@@ -53,13 +53,13 @@ def log(*parts):
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tokens", type=int, help="tokens per GPU (default 16384; smoke 32; check 64)")
   p.add_argument("--shapes", help="comma list of 30b, 235b, small, tiny (default 30b,235b; "
                  "smoke tiny; check small)")
   p.add_argument("--recipes", help="comma list of bf16, fp8 (default bf16,fp8)")
-  p.add_argument("--passes", default="fwd,bwd,2f1b")
-  p.add_argument("--impls", default=",".join(ALL_IMPLS))
+  p.add_argument("--passes", default="fwd,bwd,2f1b", help="comma list of fwd, bwd, 2f1b")
+  p.add_argument("--impls", default=",".join(ALL_IMPLS), help="comma list, run order as given")
   p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: all devices)")
   p.add_argument("--devices", type=int, default=0, help="use the first N devices (default all)")
   p.add_argument("--experts", type=int, default=problem_lib.NUM_EXPERTS)

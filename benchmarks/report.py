@@ -201,7 +201,7 @@ def short_table(result: dict) -> str:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("json", nargs="+")
   parser.add_argument("--md", default=str(pathlib.Path(__file__).with_name("RESULTS.md")))
   parser.add_argument("--png", help="chart for the (last) JSON")

@@ -221,7 +221,7 @@ def bench_case(args, prob, base, ids, weights, rank, world, ep_rank, group, devi
     except Exception as e:  # noqa: BLE001
       status = "oom" if "out of memory" in str(e).lower() else "failed"
       out.append(dict(base, **{"pass": name, "status": status, "error": _short(e)}))
-  del state
+  state.clear()  # frees the last graph before the next case
   return out
 
 
@@ -257,7 +257,7 @@ def _short(e: BaseException) -> str:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--routing", help="npz with topk_ids, topk_weights for all tokens")
   parser.add_argument("--shapes", default="30b,235b")
   parser.add_argument("--recipes", default="bf16")
