@@ -337,7 +337,7 @@ def main(argv=None) -> dict:
   watchdog = timing.start_watchdog(args.time_budget + WATCHDOG_GRACE_S, give_up)
   try:
     if args.check:
-      records += run_check(args, mesh, ids, weights)
+      run_check(args, mesh, ids, weights, records, save_partial)
     else:
       if "torch" in args.impls:
         with tempfile.TemporaryDirectory() as tmp:
@@ -358,22 +358,20 @@ def main(argv=None) -> dict:
   return final
 
 
-def run_check(args, mesh, ids, weights) -> list[dict]:
+def run_check(args, mesh, ids, weights, records: list[dict], save=lambda: None):
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from benchmarks import numerics  # noqa: PLC0415
   on_gpu = mesh.devices.flat[0].platform == "gpu"
   dtype_name = "bfloat16" if on_gpu else "float32"
-  records = []
   for shape in args.shapes:
     prob = problem_lib.make_problem(shape, args.tokens, mesh.devices.size, mesh.shape["expert"],
                                     args.experts, args.top_k)
     host = numerics.make_inputs(prob, ids, weights, jnp.dtype(dtype_name), args.seed)
     log(f"check {shape} ({dtype_name}, {prob.num_tokens} tokens on {mesh.devices.size} "
         f"{jax.default_backend()} devices)")
-    records += numerics.check(args.impls, prob, host, mesh, dtype_name,
-                              torch_ok=torch_installed(), log=log)
-  return records
+    numerics.check(args.impls, prob, host, mesh, dtype_name, torch_ok=torch_installed(), log=log,
+                   records=records, save=save)
 
 
 def _write_json(result, path):

@@ -50,14 +50,17 @@ def _as_dict(y, grads) -> dict:
   return dict(zip(OUTPUT_NAMES, [np.asarray(jnp.asarray(a, jnp.float32)) for a in (y, *grads)]))
 
 
-def check(impls, prob, host: dict, mesh, dtype_name: str, *, torch_ok: bool, log=print):
-  """Records {"impl", "pass": "check", "status", "rel_err": {output: err}, "tolerance"}."""
+def check(impls, prob, host: dict, mesh, dtype_name: str, *, torch_ok: bool, log=print,
+          records: list | None = None, save=lambda: None) -> list[dict]:
+  """Appends to `records` (and returns them) one record per implementation: {"impl",
+  "pass": "check", "status", "rel_err": {output: err}, "tolerance"}; save() after each."""
+  records = [] if records is None else records
   inputs, dy = _on_mesh(host, mesh)
   reference = _as_dict(*jax_impls.layer_outputs(
       jax_impls.make_layer("megamoe:reference", "bf16", mesh), inputs, dy))
   tol = TOLERANCE[dtype_name]
-  records = []
   for impl in impls:
+    save()
     base = {"impl": impl, "shape": prob.shape, "hidden": prob.hidden, "ffn": prob.ffn,
             "recipe": dtype_name, "pass": "check", "tolerance": tol}
     try:
@@ -82,11 +85,11 @@ def check(impls, prob, host: dict, mesh, dtype_name: str, *, torch_ok: bool, log
       status, message = timing.classify_error(e)
       records.append(dict(base, status=status, error=message))
       log(f"  check {impl:18s} {status}: {message[:200]}")
-  if "jax_native" in impls:
-    platform = mesh.devices.flat[0].platform
-    for r in records:
-      if r["impl"] == "jax_native":
-        r["exchange"] = jax_native_exchange(platform)
+  platform = mesh.devices.flat[0].platform
+  for r in records:
+    if r["impl"] == "jax_native":
+      r["exchange"] = jax_native_exchange(platform)
+  save()
   return records
 
 
