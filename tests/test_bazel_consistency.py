@@ -333,7 +333,7 @@ def test_explicit_source_lists_are_compared_too(tree):
 def test_unlisted_headers_defines_and_archs_are_reported(tree):
   build = tree / "BUILD"
   build.write_text(build.read_text().replace('"ffi/**/*.cuh",', "").replace(
-      '"MEGAMOE_WITH_CUDA=1",', ""))
+      '"MEGAMOE_WITH_CUDA=1"', '"MEGAMOE_SOMETHING_ELSE=1"'))
   _plant(tree / "ffi/common/barrier.cuh")
   rc = tree / ".bazelrc"
   rc.write_text(rc.read_text().replace(";compute_100a:compute_100a,sm_100a", "", 1))
