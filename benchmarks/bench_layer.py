@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -167,19 +168,34 @@ def run_torch(args, num_devices, ep, routing_path, budget_s) -> list[dict]:
            f"--case-cap={args.case_cap}", f"--time-budget={max(budget_s - 30, 5)}",
            f"--out={out}"]
     log(f"[torch] {' '.join(cmd[2:])}")
-    try:
-      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s + 60,
-                            check=False)
-    except subprocess.TimeoutExpired:
-      return every_case("failed", f"torchrun timed out after {budget_s + 60:.0f} s")
-    for line in proc.stdout.splitlines()[-20:]:
+    rc, stdout, stderr = run_process(cmd, timeout_s=budget_s + 60, capture_stdout=True)
+    for line in stdout.splitlines()[-20:]:
       log(f"[torch] {line}")
-    if proc.returncode != 0 or not out.exists():
-      status, message = timing.classify_error(proc.stderr[-3000:] or f"rc {proc.returncode}")
-      return every_case(status, f"torchrun exited {proc.returncode}: {message}")
-    data = json.loads(out.read_text())
-  return [dict(r, torch_meta=data["meta"]) if i == 0 else r
-          for i, r in enumerate(data["results"])]
+    data = json.loads(out.read_text()) if out.exists() else {"meta": {}, "results": []}
+  records = [dict(r, torch_meta=data["meta"]) if i == 0 else r
+             for i, r in enumerate(data["results"])]
+  if rc != 0:  # keep what it saved; every other case gets the failure
+    status, message = timing.classify_error(stderr[-3000:] or f"exit status {rc}")
+    log(f"[torch] torchrun ended with {rc}: {message[-300:]}")
+    done = {(r["shape"], r["recipe"], r["pass"]) for r in records}
+    records += [r for r in every_case(status, f"torchrun ended ({rc}): {message}")
+                if (r["shape"], r["recipe"], r["pass"]) not in done]
+  return records
+
+
+def run_process(cmd, *, timeout_s: float, capture_stdout: bool):
+  """(exit status or "timeout after N s", stdout, stderr) of cmd. It runs in its own process
+  group, and a timeout kills the whole group: torchrun's workers must not outlive it holding
+  GPU memory. Without capture_stdout the child's output streams through (progress)."""
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if capture_stdout else None,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    stdout, stderr = proc.communicate(timeout=timeout_s)
+    return proc.returncode, stdout or "", stderr or ""
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate()
+    return f"timeout after {timeout_s:.0f} s", stdout or "", stderr or ""
 
 
 def run_jax(args, mesh, ids, weights, deadline, records: list[dict], save=lambda: None):
@@ -238,12 +254,8 @@ def run_jax_isolated(args, mesh, deadline, records: list[dict], save=lambda: Non
              "--impls", impl, "--time-budget", f"{budget:.0f}", "--out", str(out), "--md", "",
              "--png", "", "--isolate", "off", "--child"]
       log(f"[{impl}] own process, {budget:.0f} s")
-      try:
-        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, check=False,
-                              timeout=budget + WATCHDOG_GRACE_S + 60)
-        rc, stderr = proc.returncode, proc.stderr
-      except subprocess.TimeoutExpired as e:
-        rc, stderr = "timeout", (e.stderr or b"").decode(errors="replace")
+      rc, _, stderr = run_process(cmd, timeout_s=budget + WATCHDOG_GRACE_S + 60,
+                                  capture_stdout=False)
       got = json.loads(out.read_text())["results"] if out.exists() else []
     got = [r for r in got if r["impl"] == impl]
     records += got

@@ -149,6 +149,14 @@ def local_inputs(global_x, global_ids, global_w, wgu, wd, *, rank, world, ep_ran
 
 # --- modes ---------------------------------------------------------------------------------------
 
+def write_results(args, results, device, partial: bool):
+  meta = {"torch_version": torch.__version__, "device": device.type,
+          "world_size": dist.get_world_size(), "backend": dist.get_backend(), "partial": partial}
+  tmp = pathlib.Path(args.out + ".tmp")
+  tmp.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+  tmp.replace(args.out)  # whole files only: the parent may read it after a kill
+
+
 def run_benchmark(args, rank, world, device):
   routing = np.load(args.routing)
   ids, weights = routing["topk_ids"], routing["topk_weights"]
@@ -169,7 +177,10 @@ def run_benchmark(args, rank, world, device):
       results += bench_case(args, prob, base, ids, weights, rank, world, ep_rank, group, device,
                             deadline)
       if rank == 0:
-        print(f"[torch] {shape} {recipe} done", flush=True)
+        write_results(args, results, device, partial=True)
+        print(f"{shape} {recipe}: " + ", ".join(
+            f"{r['pass']} {r['ms']:.2f} ms" if r["status"] == "ok" else f"{r['pass']} {r['status']}"
+            for r in results[-len(problem_lib.PASSES):]), flush=True)
   return results
 
 
@@ -281,10 +292,7 @@ def main(argv=None):
     else:
       results = run_benchmark(args, rank, world, device)
       if rank == 0:
-        meta = {"torch_version": torch.__version__, "device": device.type,
-                "world_size": world, "backend": dist.get_backend()}
-        pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "results": results},
-                                                     indent=1))
+        write_results(args, results, device, partial=False)
   finally:
     dist.destroy_process_group()
 
