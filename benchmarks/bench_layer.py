@@ -164,6 +164,7 @@ def run_torch(args, num_devices, ep, routing_path, budget_s) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={num_devices}", str(TORCH_SCRIPT), f"--routing={routing_path}",
            f"--shapes={','.join(args.shapes)}", f"--recipes={','.join(args.recipes)}",
+           f"--passes={','.join(args.passes)}",
            f"--experts={args.experts}", f"--ep={ep}", f"--reps={args.reps}",
            f"--case-cap={args.case_cap}", f"--time-budget={max(budget_s - 30, 5)}",
            f"--out={out}"]

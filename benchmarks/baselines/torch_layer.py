@@ -172,7 +172,7 @@ def run_benchmark(args, rank, world, device):
       if recipe != "bf16":
         results += [dict(base, **{"pass": p, "status": "not available",
                                   "error": "the PyTorch baseline is bf16 only"})
-                    for p in problem_lib.PASSES]
+                    for p in args.passes.split(",")]
         continue
       results += bench_case(args, prob, base, ids, weights, rank, world, ep_rank, group, device,
                             deadline)
@@ -180,7 +180,7 @@ def run_benchmark(args, rank, world, device):
         write_results(args, results, device, partial=True)
         print(f"{shape} {recipe}: " + ", ".join(
             f"{r['pass']} {r['ms']:.2f} ms" if r["status"] == "ok" else f"{r['pass']} {r['status']}"
-            for r in results[-len(problem_lib.PASSES):]), flush=True)
+            for r in results if r["shape"] == shape and r["recipe"] == recipe), flush=True)
   return results
 
 
@@ -188,7 +188,7 @@ def bench_case(args, prob, base, ids, weights, rank, world, ep_rank, group, devi
   out = []
   if time.monotonic() > deadline:
     return [dict(base, **{"pass": p, "status": "skipped", "error": "time budget"})
-            for p in problem_lib.PASSES]
+            for p in args.passes.split(",")]
   try:
     gen = torch.Generator(device=device).manual_seed(1234 + rank)
     experts = prob.num_experts // args.ep
@@ -208,7 +208,7 @@ def bench_case(args, prob, base, ids, weights, rank, world, ep_rank, group, devi
     params = (x, topk_w, wgu, wd)
   except Exception as e:  # noqa: BLE001  (recorded, not raised)
     return [dict(base, **{"pass": p, "status": "failed", "error": _short(e)})
-            for p in problem_lib.PASSES]
+            for p in args.passes.split(",")]
 
   state = {}
 
@@ -225,6 +225,8 @@ def bench_case(args, prob, base, ids, weights, rank, world, ep_rank, group, devi
 
   timing = dict(warmup=2, reps=args.reps, cap_s=args.case_cap)
   for name, fn in (("fwd", forward), ("bwd", backward_only), ("2f1b", two_forward_one_backward)):
+    if name not in args.passes.split(","):
+      continue
     try:
       if name == "bwd" and "y" not in state:
         forward()
@@ -272,6 +274,7 @@ def main(argv=None):
   parser.add_argument("--routing", help="npz with topk_ids, topk_weights for all tokens")
   parser.add_argument("--shapes", default="30b,235b")
   parser.add_argument("--recipes", default="bf16")
+  parser.add_argument("--passes", default=",".join(problem_lib.PASSES))
   parser.add_argument("--experts", type=int, default=problem_lib.NUM_EXPERTS)
   parser.add_argument("--ep", type=int, default=0, help="expert-parallel size (0: world)")
   parser.add_argument("--reps", type=int, default=20)
