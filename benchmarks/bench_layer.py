@@ -47,6 +47,7 @@ TORCH_SCRIPT = REPO / "benchmarks" / "baselines" / "torch_layer.py"
 # before the baselines and the slow reference last, in case the time budget runs out.
 ALL_IMPLS = ("torch", "megamoe:fused", "megamoe:cuda", "jax_native", "megamoe:reference")
 WATCHDOG_GRACE_S = 90.0
+WATCHDOG_EXIT = 3  # timing.start_watchdog's exit status
 
 
 def log(*parts):
@@ -262,6 +263,8 @@ def run_jax_isolated(args, mesh, deadline, records: list[dict], save=lambda: Non
     records += got
     if rc != 0:
       status, message = timing.classify_error(stderr[-2000:] or f"exit status {rc}")
+      if rc == WATCHDOG_EXIT:
+        status, message = "failed", "watchdog: still running past its budget (hang or slow compile)"
       log(f"[{impl}] process ended with {rc}: {message[-300:]}")
       done = {(r["shape"], r["recipe"], r["pass"]) for r in got}
       records += [{"impl": impl, "shape": s, "recipe": r, "pass": p, "status": status,

@@ -186,6 +186,10 @@ def main(argv=None) -> dict:
   def give_up():
     log("watchdog: past the time budget; writing what was measured")
     meta["watchdog"] = True
+    done = {r["backend"] for r in records}
+    records.extend({"backend": b, "config": args.config, "status": "failed",
+                    "error": "watchdog: still running past the time budget (hung or slow)"}
+                   for b in args.backends if b not in done)
     finish(write(partial=True), args)
 
   watchdog = timing.start_watchdog(args.time_budget + WATCHDOG_GRACE_S, give_up)
