@@ -91,12 +91,10 @@ def moe_layer(x, topk_ids, topk_weights, w_gate_up, w_down, *, group, ep: int,
 
 def init_distributed():
   use_cuda = torch.cuda.is_available()
-  backend = "nccl" if use_cuda else "gloo"
-  dist.init_process_group(backend)
-  rank, world = dist.get_rank(), dist.get_world_size()
-  if use_cuda:
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-  return rank, world, torch.device("cuda" if use_cuda else "cpu")
+  if use_cuda:  # before NCCL creates its communicators
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+  dist.init_process_group("nccl" if use_cuda else "gloo")
+  return dist.get_rank(), dist.get_world_size(), torch.device("cuda" if use_cuda else "cpu")
 
 
 def ep_group(ep: int, world: int):
