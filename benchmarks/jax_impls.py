@@ -17,14 +17,17 @@ from benchmarks.baselines import jax_native
 
 MEGAMOE_BACKENDS = ("reference", "cuda", "fused")
 IMPLS = tuple(f"megamoe:{b}" for b in MEGAMOE_BACKENDS) + ("jax_native",)
-RECIPE_ARG = {"bf16": None, "fp8": "fp8", "mxfp8": "mxfp8"}
+def recipe_arg(recipe: str) -> str | None:
+  """Benchmark recipe name -> jax_megamoe.moe's recipe ("bf16" is None; others pass through,
+  e.g. "fp8", "mxfp8", or any recipe a backend adds)."""
+  return None if recipe == "bf16" else recipe
 
 
 def unavailable_reason(impl: str, recipe: str) -> str | None:
   if impl == "jax_native":
     return None if recipe == "bf16" else "bf16 only (ragged_dot has no blockwise FP8 path)"
   from jax_megamoe import backends  # noqa: PLC0415  (after the platform is set up)
-  return backends.unavailable_reason(impl.split(":")[1], RECIPE_ARG[recipe])
+  return backends.unavailable_reason(impl.split(":")[1], recipe_arg(recipe))
 
 
 def make_layer(impl: str, recipe: str, mesh, expert_axis: str = "expert"):
@@ -32,7 +35,7 @@ def make_layer(impl: str, recipe: str, mesh, expert_axis: str = "expert"):
     return functools.partial(jax_native.moe, mesh=mesh, expert_axis=expert_axis)
   import jax_megamoe  # noqa: PLC0415
   return functools.partial(jax_megamoe.moe, mesh=mesh, expert_axis=expert_axis,
-                           backend=impl.split(":")[1], recipe=RECIPE_ARG[recipe])
+                           backend=impl.split(":")[1], recipe=recipe_arg(recipe))
 
 
 def _differentiable(layer, topk_ids):
