@@ -149,3 +149,12 @@ def test_step_report_without_the_model(tmp_path):
   assert "| tiny | reference | 12.50 |" in markdown and "[1] not available: why" in markdown
   assert _is_png(tmp_path / "step.png")
   assert "reference" in report.short_table(result)
+
+
+@pytest.mark.slow  # one child process: ~10 s
+def test_isolated_implementations_run_in_child_processes(tmp_path):
+  result = bench_layer.main(["--smoke", "--isolate", "on", "--impls", "megamoe:fused,jax_native",
+                             "--passes", "fwd", *TINY, *_outputs(tmp_path, "isolated")])
+  by_impl = {r["impl"]: r for r in result["results"]}
+  assert by_impl["jax_native"]["status"] == "ok", by_impl["jax_native"]
+  assert by_impl["megamoe:fused"]["status"] in ("not available", "ok")
