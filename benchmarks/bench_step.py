@@ -120,7 +120,10 @@ def bench_backend(args, backend, mesh, num_gpus, deadline) -> dict:
   record = {"backend": backend, "config": args.config, "layers": args.layers or "all"}
   if deadline.expired:
     return dict(record, status="skipped", error="time budget")
-  reason = backends.unavailable_reason(backend, None if args.recipe == "bf16" else args.recipe)
+  try:
+    reason = backends.unavailable_reason(backend, None if args.recipe == "bf16" else args.recipe)
+  except Exception as e:  # noqa: BLE001  (a broken backend must not stop the others)
+    reason = f"the backend failed to load: {timing.classify_error(e)[1]}"
   if reason is not None:
     return dict(record, status="not available", error=reason)
   try:

@@ -26,8 +26,11 @@ def recipe_arg(recipe: str) -> str | None:
 def unavailable_reason(impl: str, recipe: str) -> str | None:
   if impl == "jax_native":
     return None if recipe == "bf16" else "bf16 only (ragged_dot has no blockwise FP8 path)"
-  from jax_megamoe import backends  # noqa: PLC0415  (after the platform is set up)
-  return backends.unavailable_reason(impl.split(":")[1], recipe_arg(recipe))
+  try:
+    from jax_megamoe import backends  # noqa: PLC0415  (after the platform is set up)
+    return backends.unavailable_reason(impl.split(":")[1], recipe_arg(recipe))
+  except Exception as e:  # noqa: BLE001  (a broken backend must not stop the others)
+    return f"the backend failed to load: {timing.classify_error(e)[1]}"
 
 
 def make_layer(impl: str, recipe: str, mesh, expert_axis: str = "expert"):
