@@ -8,18 +8,28 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from typing import Any
 
 import jax
 
 
 @functools.cache
-def extension() -> Any | None:
-  """The compiled module jax_megamoe._megamoe, or None when it was not built."""
+def _load_extension() -> tuple[Any | None, str | None]:
   try:
-    return importlib.import_module("jax_megamoe._megamoe")
-  except ImportError:
-    return None
+    return importlib.import_module("jax_megamoe._megamoe"), None
+  except ModuleNotFoundError as e:
+    if e.name != "jax_megamoe._megamoe":
+      raise
+    return None, "the native extension jax_megamoe._megamoe was not built (pip install the package)"
+  except ImportError as e:  # built but broken (e.g. a missing symbol): say so, don't hide it
+    warnings.warn(f"jax_megamoe: the native extension failed to load: {e}", RuntimeWarning)
+    return None, f"the native extension jax_megamoe._megamoe failed to load: {e}"
+
+
+def extension() -> Any | None:
+  """The compiled module jax_megamoe._megamoe, or None when it is missing or failed to load."""
+  return _load_extension()[0]
 
 
 @functools.cache
@@ -80,7 +90,7 @@ def cuda_unavailable_reason() -> str | None:
   """Why the CUDA kernels cannot run here, or None when they can."""
   info = build_info()
   if not info["extension"]:
-    return "the native extension jax_megamoe._megamoe was not built (pip install the package)"
+    return _load_extension()[1]
   if not info["cuda_archs"]:
     return ("the extension was built without CUDA (no nvcc found at build time, or "
             "JAX_MEGAMOE_CUDA=OFF)")

@@ -37,6 +37,7 @@ build() {
     | tee -a "$OUT/summary.txt"
   cmake -S . -B build/device -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DPython_EXECUTABLE="$(command -v python3)" -DJAX_MEGAMOE_CUDA=ON \
+      -DJAX_MEGAMOE_CUDA_ARCHS="${JAX_MEGAMOE_CUDA_ARCHS:-}" \
       -DJAX_MEGAMOE_CUTLASS_INCLUDE="${JAX_MEGAMOE_CUTLASS_INCLUDE:-}" >"$OUT/build.log" 2>&1 \
     && cmake --build build/device -j "$(nproc)" >>"$OUT/build.log" 2>&1
   local rc=$?

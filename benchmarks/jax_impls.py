@@ -1,0 +1,116 @@
+"""The JAX implementations the layer benchmark compares, and how each pass of one is timed.
+
+Implementations share one signature, layer(x, topk_ids, topk_weights, w_gate_up, w_down) -> y,
+under one mesh: jax_megamoe.moe with each backend, and the JAX-native baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import timing
+from benchmarks.baselines import jax_native
+
+MEGAMOE_BACKENDS = ("reference", "cuda", "fused")
+IMPLS = tuple(f"megamoe:{b}" for b in MEGAMOE_BACKENDS) + ("jax_native",)
+def recipe_arg(recipe: str) -> str | None:
+  """Benchmark recipe name -> jax_megamoe.moe's recipe ("bf16" is None; others pass through,
+  e.g. "fp8", "mxfp8", or any recipe a backend adds)."""
+  return None if recipe == "bf16" else recipe
+
+
+def unavailable_reason(impl: str, recipe: str) -> str | None:
+  if impl == "jax_native":
+    return None if recipe == "bf16" else "bf16 only (ragged_dot has no blockwise FP8 path)"
+  try:
+    from jax_megamoe import backends  # noqa: PLC0415  (after the platform is set up)
+    return backends.unavailable_reason(impl.split(":")[1], recipe_arg(recipe))
+  except Exception as e:  # noqa: BLE001  (a broken backend must not stop the others)
+    return f"the backend failed to load: {timing.classify_error(e)[1]}"
+
+
+def make_layer(impl: str, recipe: str, mesh, expert_axis: str = "expert"):
+  if impl == "jax_native":
+    return functools.partial(jax_native.moe, mesh=mesh, expert_axis=expert_axis)
+  import jax_megamoe  # noqa: PLC0415
+  return functools.partial(jax_megamoe.moe, mesh=mesh, expert_axis=expert_axis,
+                           backend=impl.split(":")[1], recipe=recipe_arg(recipe))
+
+
+def _differentiable(layer, topk_ids):
+  """layer as a function of the differentiable inputs (x, topk_weights, w_gate_up, w_down)."""
+  return lambda x, w, wgu, wd: layer(x, topk_ids, w, wgu, wd)
+
+
+def pass_functions(layer):
+  """jitted callables per pass; each takes (inputs, dy) and returns something to block on.
+
+  fwd   y = layer(...)
+  bwd   the backward alone: residuals from one earlier jax.vjp call, then vjp(dy) timed
+  2f1b  jax.vjp of jax.checkpoint(layer) applied to dy: forward, re-forward, backward (the cost
+        under full activation checkpointing; checkpoint keeps XLA from merging the forwards)
+  """
+  fwd = jax.jit(layer)
+  fwd_with_residuals = jax.jit(
+      lambda x, ids, w, wgu, wd: jax.vjp(_differentiable(layer, ids), x, w, wgu, wd))
+  apply_vjp = jax.jit(lambda vjp, dy: vjp(dy))
+
+  @jax.jit
+  def two_forward_one_backward(x, ids, w, wgu, wd, dy):
+    y, vjp = jax.vjp(jax.checkpoint(_differentiable(layer, ids)), x, w, wgu, wd)
+    return y, vjp(dy)
+
+  def bwd_setup(inputs, dy):
+    _, vjp = fwd_with_residuals(*inputs)
+    return lambda: apply_vjp(vjp, dy)
+
+  return {
+      "fwd": lambda inputs, dy: (lambda: fwd(*inputs)),
+      "bwd": bwd_setup,
+      "2f1b": lambda inputs, dy: (lambda: two_forward_one_backward(*inputs, dy)),
+  }
+
+
+def time_passes(layer, inputs, dy, passes, *, reps: int, case_cap_s: float,
+                deadline: timing.Deadline, log=print) -> dict[str, dict]:
+  """{pass: {"status", "ms", "samples", "spread", "compile_s"} or {"status", "error"}}."""
+  fns = pass_functions(layer)
+  out = {}
+  for name in passes:
+    if deadline.expired:
+      out[name] = {"status": "skipped", "error": "time budget"}
+      continue
+    try:
+      t0 = time.perf_counter()
+      call = fns[name](inputs, dy)
+      run = lambda call=call: jax.block_until_ready(call())  # noqa: E731
+      run()  # compile + first run
+      compile_s = time.perf_counter() - t0
+      result = timing.measure_ms(run, warmup=1, reps=reps, cap_s=case_cap_s)
+      out[name] = {"status": "ok", "compile_s": round(compile_s, 2), **result}
+      log(f"    {name:5s} {result['ms']:9.3f} ms  ({result['samples']} reps, "
+          f"compile+first {compile_s:.1f} s)")
+    except Exception as e:  # noqa: BLE001  (recorded, the run goes on)
+      status, message = timing.classify_error(e)
+      out[name] = {"status": status, "error": message}
+      log(f"    {name:5s} {status}: {message[:200]}")
+  return out
+
+
+def layer_outputs(layer, inputs, dy):
+  """(y, (dx, dtopk_weights, dw_gate_up, dw_down)) for numerics checks, in one jitted call."""
+  @jax.jit
+  def outputs(x, ids, w, wgu, wd, dy):
+    y, vjp = jax.vjp(_differentiable(layer, ids), x, w, wgu, wd)
+    return y, vjp(dy.astype(y.dtype))
+  return outputs(*inputs, dy)
+
+
+def relative_error(got, want) -> float:
+  got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+  scale = float(jnp.max(jnp.abs(want)))
+  return float(jnp.max(jnp.abs(got - want))) / (scale if scale > 0 else 1.0)

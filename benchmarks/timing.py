@@ -1,0 +1,75 @@
+"""Median wall-clock timing of device-synchronised calls, and failure classification.
+
+Every timed call must return only once the device has finished (JAX: jax.block_until_ready;
+PyTorch: torch.cuda.synchronize), so a wall-clock interval is the device time of the call plus
+its host dispatch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+
+def measure_ms(call: Callable[[], object], *, warmup: int = 2, reps: int = 20,
+               cap_s: float = 5.0, min_reps: int = 3) -> dict:
+  """Median ms of `call()` after `warmup` calls; stops early after `cap_s` of timing (keeping
+  at least min_reps samples). Returns {"ms", "samples", "spread"} (spread: (p90-p10)/median)."""
+  for _ in range(warmup):
+    call()
+  times = []
+  start = time.perf_counter()
+  for i in range(reps):
+    t0 = time.perf_counter()
+    call()
+    times.append((time.perf_counter() - t0) * 1e3)
+    if i + 1 >= min_reps and time.perf_counter() - start > cap_s:
+      break
+  median = statistics.median(times)
+  p10, p90 = np.percentile(times, [10, 90])
+  return {"ms": median, "samples": len(times), "spread": float((p90 - p10) / median)}
+
+
+def classify_error(err: BaseException | str) -> tuple[str, str]:
+  """(status, short message): status "oom" for out-of-memory, else "failed"."""
+  text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+  text = " ".join(text.split())
+  oom_markers = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OutOfMemory")
+  status = "oom" if any(m in text for m in oom_markers) else "failed"
+  return status, text[:600]
+
+
+class Deadline:
+  """The run's time budget: `expired` once `budget_s` seconds have passed since creation."""
+
+  def __init__(self, budget_s: float | None):
+    self.end = None if budget_s is None else time.monotonic() + budget_s
+
+  def left(self) -> float:
+    return float("inf") if self.end is None else self.end - time.monotonic()
+
+  @property
+  def expired(self) -> bool:
+    return self.left() <= 0
+
+
+def start_watchdog(seconds: float, on_timeout: Callable[[], None]):
+  """Calls on_timeout() and exits the process (status 3) if still running after `seconds`: a
+  hung collective or compile must not lose what was already measured. Returns the timer
+  (cancel() it when done)."""
+  import os  # noqa: PLC0415
+  import threading  # noqa: PLC0415
+
+  def fire():
+    try:
+      on_timeout()
+    finally:
+      os._exit(3)
+
+  timer = threading.Timer(seconds, fire)
+  timer.daemon = True
+  timer.start()
+  return timer

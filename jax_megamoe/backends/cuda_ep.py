@@ -1,0 +1,331 @@
+"""Expert-parallel backend "cuda" for EP > 1: dispatch -> grouped MLP -> combine over NVLink.
+
+Per device (inside `jax.shard_map` over the mesh), with R ranks along the expert axis, T tokens
+per device, E experts (E / R per rank):
+
+  dispatch(x, topk_ids, topk_weights)
+      each token travels once to every rank that holds one of its experts (CUDA kernels write
+      straight into the peers' symmetric workspace, jax_megamoe.symmetric); the receiver sorts
+      what it got by local expert -> x_sorted [n_cap, H] (groups in (expert, source rank, token)
+      order, rows past the total zero), group_sizes [E/R], slot_pos [R*T, k] (row of x_sorted of
+      received slot (source s, token t, slot j), -1 not here, -2 dropped), recv_w [R*T, k]
+  grouped_mlp(x_sorted, group_sizes, w_gate_up_local, w_down_local) -> y_sorted
+  combine(y_sorted, ...)
+      the expert rank sums each token's local slots weighted by the routing weights (fp32, slot
+      order), sends the partial back in x's dtype; the source adds its ranks' partials in rank
+      order -> y [T, H]. Deterministic: bitwise identical run to run.
+
+Backward: dispatch's VJP is combine-shaped (dx rows summed over slots, sent back, d_recv_w
+returned to the source as d topk_weights); combine's VJP is dispatch-shaped (d_out travels to the
+expert ranks, which form dy_sorted = w * d_out and d_recv_w = <d_out, y_sorted>).
+
+Capacity: x_sorted has n_cap rows. By default n_cap = R * T * min(k, E/R), the most any routing can
+send to one rank (dropless, but a large buffer); `capacity_factor` c sets n_cap = ceil(c * T * k)
+(rounded up to 128 rows, at most the dropless size). More rows than n_cap is detected on the
+device (`stats`) and raised as an error by a host callback when `check_capacity` (default: on
+whenever overflow is possible); the surplus slots are dropped, never written out of bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jax_megamoe import symmetric
+
+_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpConfig:
+  """Static configuration of one EP op (hashable: a nondiff argument of the custom VJPs)."""
+  workspace_id: int
+  num_ranks: int
+  num_experts: int
+
+  @property
+  def experts_per_rank(self) -> int:
+    return self.num_experts // self.num_ranks
+
+  def attrs(self) -> dict[str, Any]:
+    return dict(workspace_id=np.int64(self.workspace_id), num_experts=np.int64(self.num_experts))
+
+
+class Dispatched(NamedTuple):
+  x_sorted: jax.Array     # [n_cap, H]
+  group_sizes: jax.Array  # [E/R] int32
+  slot_pos: jax.Array     # [R*T, k] int32
+  recv_w: jax.Array       # [R*T, k] float32
+  stats: jax.Array        # [4] int32: rows needed, n_cap, overflow, repeated expert ids
+
+
+def dropless_capacity(num_ranks: int, tokens: int, top_k: int, experts_per_rank: int) -> int:
+  """Rows one rank can receive at most: every token of every rank sends all its slots here."""
+  return num_ranks * tokens * min(top_k, experts_per_rank)
+
+
+def capacity_rows(num_ranks: int, tokens: int, top_k: int, experts_per_rank: int,
+                  capacity_factor: float | None) -> int:
+  """Rows of x_sorted on each rank (see the module doc)."""
+  worst = dropless_capacity(num_ranks, tokens, top_k, experts_per_rank)
+  if capacity_factor is None:
+    return worst
+  if capacity_factor <= 0:
+    raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+  rows = math.ceil(capacity_factor * tokens * top_k)
+  rows = (rows + 127) // 128 * 128
+  return max(1, min(rows, worst))
+
+
+def _scratch_ints(num_rows: int, experts_per_rank: int) -> int:
+  return ((num_rows + 31) // 32) * experts_per_rank + experts_per_rank
+
+
+# --- raw FFI calls (per device) ---------------------------------------------------------------
+
+
+def _dispatch_call(x, ids, w, cfg: EpConfig, n_cap: int) -> Dispatched:
+  tokens, hidden = x.shape
+  k = ids.shape[1]
+  rows = cfg.num_ranks * tokens
+  epr = cfg.experts_per_rank
+  out_types = (
+      jax.ShapeDtypeStruct((n_cap, hidden), x.dtype),
+      jax.ShapeDtypeStruct((epr,), jnp.int32),
+      jax.ShapeDtypeStruct((rows, k), jnp.int32),
+      jax.ShapeDtypeStruct((rows, k), jnp.float32),
+      jax.ShapeDtypeStruct((4,), jnp.int32),
+      jax.ShapeDtypeStruct((_scratch_ints(rows, epr),), jnp.int32),
+  )
+  outs = jax.ffi.ffi_call("megamoe_ep_dispatch_fwd", out_types)(x, ids, w, **cfg.attrs())
+  return Dispatched(*outs[:5])
+
+
+def _dispatch_bwd_call(dx_sorted, d_recv_w, slot_pos, ids, cfg: EpConfig):
+  tokens, k = ids.shape
+  out_types = (jax.ShapeDtypeStruct((tokens, dx_sorted.shape[1]), dx_sorted.dtype),
+               jax.ShapeDtypeStruct((tokens, k), jnp.float32))
+  return jax.ffi.ffi_call("megamoe_ep_dispatch_bwd", out_types)(
+      dx_sorted, d_recv_w, slot_pos, ids, **cfg.attrs())
+
+
+def _combine_call(y_sorted, slot_pos, recv_w, ids, cfg: EpConfig):
+  out_type = jax.ShapeDtypeStruct((ids.shape[0], y_sorted.shape[1]), y_sorted.dtype)
+  return jax.ffi.ffi_call("megamoe_ep_combine_fwd", out_type)(
+      y_sorted, slot_pos, recv_w, ids, **cfg.attrs())
+
+
+def _combine_bwd_call(d_out, y_sorted, slot_pos, recv_w, ids, group_sizes, cfg: EpConfig):
+  out_types = (jax.ShapeDtypeStruct(y_sorted.shape, y_sorted.dtype),
+               jax.ShapeDtypeStruct(recv_w.shape, jnp.float32))
+  return jax.ffi.ffi_call("megamoe_ep_combine_bwd", out_types)(
+      d_out, y_sorted, slot_pos, recv_w, ids, group_sizes, **cfg.attrs())
+
+
+# --- differentiable per-device ops ------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dispatch(x, ids, w, cfg, n_cap):
+  return _dispatch_call(x, ids, w, cfg, n_cap)
+
+
+def _dispatch_fwd(x, ids, w, cfg, n_cap):
+  out = _dispatch_call(x, ids, w, cfg, n_cap)
+  return out, (out.slot_pos, ids)
+
+
+def _dispatch_bwd(cfg, n_cap, res, cts):
+  slot_pos, ids = res
+  dx_sorted, _, _, d_recv_w, _ = cts
+  dx, dw = _dispatch_bwd_call(dx_sorted, d_recv_w.astype(jnp.float32), slot_pos, ids, cfg)
+  return dx, None, dw
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _combine(y_sorted, slot_pos, recv_w, ids, group_sizes, cfg):
+  return _combine_call(y_sorted, slot_pos, recv_w, ids, cfg)
+
+
+def _combine_fwd(y_sorted, slot_pos, recv_w, ids, group_sizes, cfg):
+  out = _combine_call(y_sorted, slot_pos, recv_w, ids, cfg)
+  return out, (y_sorted, slot_pos, recv_w, ids, group_sizes)
+
+
+def _combine_bwd(cfg, res, d_out):
+  y_sorted, slot_pos, recv_w, ids, group_sizes = res
+  dy_sorted, d_recv_w = _combine_bwd_call(d_out.astype(y_sorted.dtype), y_sorted, slot_pos,
+                                          recv_w, ids, group_sizes, cfg)
+  return dy_sorted, None, d_recv_w, None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _check_inputs(x, topk_ids, topk_weights):
+  if x.ndim != 2:
+    raise ValueError(f"x must be [tokens, hidden], got shape {x.shape}")
+  if x.dtype not in _SUPPORTED_DTYPES:
+    raise TypeError(f"x dtype must be float32, bfloat16 or float16 for the EP kernels, got "
+                    f"{x.dtype}")
+  if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+    raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both "
+                     f"be [tokens={x.shape[0]}, top_k]")
+  if topk_ids.shape[1] > 32:
+    raise ValueError(f"top_k must be <= 32 for the EP kernels, got {topk_ids.shape[1]}")
+
+
+def dispatch(x, topk_ids, topk_weights, *, workspace: symmetric.SymmetricWorkspace,
+             num_experts: int, n_cap: int | None = None) -> Dispatched:
+  """Per-device dispatch (call inside shard_map over the workspace's mesh); differentiable in x
+  and topk_weights."""
+  _check_inputs(x, topk_ids, topk_weights)
+  cfg = _config(workspace, num_experts, x, topk_ids)
+  if n_cap is None:
+    n_cap = dropless_capacity(cfg.num_ranks, x.shape[0], topk_ids.shape[1], cfg.experts_per_rank)
+  return _dispatch(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), cfg, n_cap)
+
+
+def combine(y_sorted, dispatched: Dispatched, topk_ids, *, workspace: symmetric.SymmetricWorkspace,
+            num_experts: int):
+  """Per-device combine of the expert outputs (rows of y_sorted as laid out by `dispatch`)."""
+  cfg = EpConfig(workspace.id, workspace.num_ranks, num_experts)
+  return _combine(y_sorted, dispatched.slot_pos, dispatched.recv_w, topk_ids.astype(jnp.int32),
+                  dispatched.group_sizes, cfg)
+
+
+def _config(workspace, num_experts, x, topk_ids) -> EpConfig:
+  tokens, hidden = x.shape
+  elem = jnp.dtype(x.dtype).itemsize
+  if num_experts % workspace.num_ranks:
+    raise ValueError(f"num_experts={num_experts} must divide evenly over the "
+                     f"{workspace.num_ranks} ranks of the expert axis")
+  if not workspace.fits(num_ranks=workspace.num_ranks, max_tokens=tokens, hidden=hidden,
+                        top_k=topk_ids.shape[1], elem_bytes=elem):
+    raise ValueError(
+        f"the symmetric workspace {workspace.id} (max_tokens={workspace.max_tokens}, hidden="
+        f"{workspace.hidden}, top_k={workspace.top_k}, {workspace.elem_bytes}-byte elements"
+        f"{', closed' if workspace.closed else ''}) cannot hold {tokens} tokens x {hidden} of "
+        f"{x.dtype} with top_k={topk_ids.shape[1]} per rank")
+  return EpConfig(workspace.id, workspace.num_ranks, num_experts)
+
+
+def _raise_on_bad_stats(stats):
+  stats = np.asarray(stats).reshape(-1, 4)
+  for rank, (needed, cap, overflow, repeated) in enumerate(stats):
+    if overflow:
+      raise RuntimeError(
+          f"jax_megamoe EP dispatch overflow: a rank received {int(needed)} (token, expert) rows "
+          f"but its capacity is {int(cap)} rows; the surplus was dropped. Raise capacity_factor "
+          f"(None = dropless).")
+    if repeated:
+      raise RuntimeError(
+          f"jax_megamoe EP dispatch: {int(repeated)} slots repeat an expert id already chosen by "
+          f"the same token; top-k expert ids must be distinct per token")
+
+
+def default_grouped_mlp(recipe=None) -> Callable:
+  """The "cuda" backend's grouped MLP when it can run here, else the pure-JAX reference."""
+  try:
+    from jax_megamoe.backends import cuda
+    if cuda.unavailable_reason(recipe) is None:
+      return cuda.grouped_mlp
+  except (ImportError, AttributeError):
+    pass
+  from jax_megamoe.backends import reference
+  return reference.grouped_mlp
+
+
+def unavailable_reason(mesh, expert_axis: str = "expert") -> str | None:
+  """Why the NVLink kernels cannot serve this mesh (None when they can): then use the
+  collective-based jax_megamoe.parallel path."""
+  from jax_megamoe import _ffi
+  reason = _ffi.cuda_unavailable_reason()
+  if reason is not None:
+    return reason
+  if not _ffi.has_target("megamoe_ep_dispatch_fwd", "CUDA"):
+    return "the extension has no EP dispatch/combine kernels"
+  if expert_axis not in mesh.axis_names:
+    return f"expert_axis {expert_axis!r} is not an axis of the mesh {mesh.axis_names}"
+  groups = symmetric.ep_groups(mesh, expert_axis)
+  if groups.shape[1] > symmetric.MAX_RANKS:
+    return (f"an EP group of {groups.shape[1]} GPUs is larger than one NVLink domain "
+            f"({symmetric.MAX_RANKS})")
+  if any(d.platform != "gpu" for d in groups.reshape(-1)):
+    return "the mesh has non-GPU devices"
+  return None
+
+
+def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
+                        expert_axis: str = "expert", recipe=None,
+                        workspace: symmetric.SymmetricWorkspace | None = None,
+                        capacity_factor: float | None = None,
+                        check_capacity: bool | None = None,
+                        grouped_mlp: Callable | None = None):
+  """The whole EP MoE layer over `mesh`: y [T_total, H] (see jax_megamoe.moe for the contract).
+
+  Tokens are sharded over all mesh axes, experts over `expert_axis`. The symmetric workspace is
+  created (cached) at trace time when not given.
+  """
+  _check_inputs(x, topk_ids, topk_weights)
+  if expert_axis not in mesh.axis_names:
+    raise ValueError(f"expert_axis {expert_axis!r} is not an axis of the mesh {mesh.axis_names}")
+  num_experts = w_gate_up.shape[0]
+  num_ranks = mesh.shape[expert_axis]
+  if num_experts % num_ranks:
+    raise ValueError(f"num_experts={num_experts} must divide evenly over expert axis "
+                     f"{expert_axis!r} of size {num_ranks}")
+  if x.shape[0] % mesh.size:
+    raise ValueError(f"tokens={x.shape[0]} must divide evenly over the mesh's {mesh.size} devices")
+  tokens = x.shape[0] // mesh.size
+  hidden, top_k = x.shape[1], topk_ids.shape[1]
+  if workspace is None:
+    workspace = symmetric.workspace_for(mesh, expert_axis, max_tokens=tokens, hidden=hidden,
+                                        top_k=top_k, dtype=x.dtype)
+  mesh_ids = tuple(int(d.id) for d in symmetric.ep_groups(mesh, expert_axis).reshape(-1))
+  if workspace.device_ids and workspace.device_ids != mesh_ids:
+    raise ValueError(f"the symmetric workspace {workspace.id} was created for devices "
+                     f"{workspace.device_ids} (EP groups in rank order), but this mesh's EP "
+                     f"groups are {mesh_ids}: create the workspace from this mesh and expert_axis")
+  epr = num_experts // num_ranks
+  n_cap = capacity_rows(num_ranks, tokens, top_k, epr, capacity_factor)
+  if check_capacity is None:
+    check_capacity = n_cap < dropless_capacity(num_ranks, tokens, top_k, epr)
+  if grouped_mlp is None:
+    grouped_mlp = default_grouped_mlp(recipe)
+  token_axes = tuple(mesh.axis_names)
+
+  def per_device(x, ids, w, w_gu, w_dn):
+    d = dispatch(x, ids, w, workspace=workspace, num_experts=num_experts, n_cap=n_cap)
+    if check_capacity:
+      jax.debug.callback(_raise_on_bad_stats, d.stats)
+    y_sorted = grouped_mlp(d.x_sorted, d.group_sizes, w_gu, w_dn, recipe=recipe)
+    return combine(y_sorted.astype(x.dtype), d, ids, workspace=workspace,
+                   num_experts=num_experts)
+
+  in_specs = (P(token_axes), P(token_axes), P(token_axes), P(expert_axis), P(expert_axis))
+  args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
+  if AxisType.Auto not in tuple(getattr(mesh, "axis_types", (AxisType.Auto,))):
+    args = [jax.reshard(a, NamedSharding(mesh, spec)) for a, spec in zip(args, in_specs)]
+  fn = _shard_map(per_device, mesh, in_specs=in_specs, out_specs=P(token_axes))
+  return fn(*args)
+
+
+moe_ep = expert_parallel_moe
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+  try:
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  except TypeError:  # older spelling
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)

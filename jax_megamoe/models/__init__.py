@@ -1,0 +1,8 @@
+"""Models built on jax_megamoe.MoE: Qwen3-MoE (qwen3), its config (config), Hugging Face import
+(hf_import) and the FSDP + expert-parallel parameter layout used for training (sharding)."""
+
+from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
+from jax_megamoe.models.qwen3 import REMAT_POLICIES, ModelAux, Qwen3Moe, load_hf_checkpoint
+
+__all__ = ["CONFIGS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe", "Qwen3MoeConfig", "get_config",
+           "load_hf_checkpoint"]

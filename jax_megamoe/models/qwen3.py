@@ -1,0 +1,272 @@
+"""Qwen3-MoE decoder in Flax NNX on jax_megamoe.MoE, plus its Hugging Face checkpoint import.
+
+Architecture (as transformers' Qwen3MoeForCausalLM): token embedding -> L x [RMSNorm ->
+grouped-query attention with per-head RMSNorm on q and k and RoPE -> residual -> RMSNorm ->
+MoE (or dense SwiGLU) -> residual] -> RMSNorm -> LM head (tied to the embedding or not).
+
+  model = Qwen3Moe(get_config("tiny"), rngs=nnx.Rngs(0))
+  logits = model(input_ids)                       # [B, S] int -> [B, S, V] float32
+  logits, aux = model(input_ids, return_aux=True)  # aux: ModelAux, one row per MoE layer
+
+Under `mesh` (axis types Auto or Explicit) the batch is sharded over every mesh axis (data and
+expert alike, as jax_megamoe.moe expects) and the experts over `expert_axis`; the other
+parameters carry no sharding of their own (the training script adds FSDP, models/sharding.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jax_megamoe.module import MoE
+from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
+
+__all__ = ["CONFIGS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe", "Qwen3MoeConfig", "get_config",
+           "load_hf_checkpoint"]
+
+# --remat names -> what each decoder layer keeps for the backward pass (None: no remat).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class ModelAux(NamedTuple):
+  """Router statistics of every MoE layer, stacked (M = number of MoE layers).
+
+  load_balancing_loss: [M] float32, 1.0 when balanced (jax_megamoe.RouterAux).
+  z_loss: [M] float32.
+  expert_load: [M, E] float32, fraction of routed slots per expert (rows sum to one).
+  """
+
+  load_balancing_loss: jax.Array
+  z_loss: jax.Array
+  expert_load: jax.Array
+
+
+class RMSNorm(nnx.Module):
+  """x / rms(x) * scale over the last axis, in float32, rounded to x's dtype before the scale
+  (as HF's Qwen3MoeRMSNorm)."""
+
+  def __init__(self, dim: int, *, eps: float, param_dtype: Any):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float
+                 ) -> tuple[jax.Array, jax.Array]:
+  """positions [..., S] -> cos, sin [..., S, D] float32 (HF layout: both halves repeat)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+  angles = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [B, S, N, D]; cos, sin [B or 1, S, D]. Rotates the two halves of D (not interleaved)."""
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+  return x * cos + rotated * sin
+
+
+def _linear(in_features: int, out_features: int, *, config: Qwen3MoeConfig, dtype: Any,
+            param_dtype: Any, rngs: nnx.Rngs, **kwargs: Any) -> nnx.Linear:
+  return nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype,
+                    param_dtype=param_dtype, rngs=rngs,
+                    kernel_init=nnx.initializers.normal(config.init_std), **kwargs)
+
+
+class Attention(nnx.Module):
+  """Causal grouped-query self-attention with Qwen3's per-head q/k RMSNorm and RoPE.
+
+  Kernels: q_proj [H, N*D], k_proj / v_proj [H, K*D], o_proj [N*D, H]; q_norm, k_norm [D].
+  """
+
+  def __init__(self, config: Qwen3MoeConfig, *, dtype: Any, param_dtype: Any,
+               rngs: nnx.Rngs, implementation: str | None = None):
+    c = config
+    self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+    self.implementation = implementation
+    self.rope_theta = c.rope_theta
+    kw = dict(config=c, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, **kw)
+    self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, **kw)
+    self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, **kw)
+    self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, **kw)
+    self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
+    self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    batch, seq, _ = x.shape
+    q = self.q_norm(self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim))
+    k = self.k_norm(self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))
+    v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # Handles GQA itself. "xla" materialises the [S, S] scores; "cudnn" is flash attention
+    # (GPU, bf16/fp16 only).
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=self.implementation)
+    return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+class DenseMlp(nnx.Module):
+  """SwiGLU MLP for the dense layers: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, config: Qwen3MoeConfig, *, dtype: Any, param_dtype: Any,
+               rngs: nnx.Rngs):
+    kw = dict(config=config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    h, f = config.hidden_size, config.dense_ffn_size
+    self.gate_proj = _linear(h, f, **kw)
+    self.up_proj = _linear(h, f, **kw)
+    self.down_proj = _linear(f, h, **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm residual block: attention, then MoE (or DenseMlp)."""
+
+  def __init__(self, config: Qwen3MoeConfig, layer: int, *, dtype: Any, param_dtype: Any,
+               rngs: nnx.Rngs, moe_kwargs: dict[str, Any], attention: str | None = None):
+    c = config
+    self.input_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+    self.attn = Attention(c, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                          implementation=attention)
+    self.post_attn_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+    self.is_moe = c.is_moe_layer(layer)
+    if self.is_moe:
+      self.mlp = MoE(c.hidden_size, c.moe_ffn_size, c.num_experts, c.top_k, rngs=rngs,
+                     norm_topk_prob=c.norm_topk_prob, dtype=dtype, param_dtype=param_dtype,
+                     **moe_kwargs)
+    else:
+      self.mlp = DenseMlp(c, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """x [B, S, H] -> (x [B, S, H], RouterAux or None for a dense layer)."""
+    x = x + self.attn(self.input_norm(x), cos, sin)
+    h = self.post_attn_norm(x)
+    if self.is_moe:
+      y, aux = self.mlp(h, return_aux=True)
+      return x + y, aux
+    return x + self.mlp(h), None
+
+
+class Qwen3Moe(nnx.Module):
+  """Qwen3-MoE causal language model.
+
+  Args:
+    config: shapes (Qwen3MoeConfig; see get_config).
+    rngs: parameter initialisation (every weight N(0, config.init_std^2), norms one).
+    dtype: compute dtype (bfloat16 for training, float32 for exact comparisons).
+    param_dtype: storage dtype of the parameters (float32 master weights).
+    backend, recipe: passed to every jax_megamoe.MoE layer.
+    mesh, expert_axis: device mesh; tokens sharded over all its axes, experts over expert_axis.
+    remat: a REMAT_POLICIES name; every decoder layer is rematerialised with that policy.
+    attention: jax.nn.dot_product_attention's implementation: None / "xla" (any platform) or
+      "cudnn" (flash attention on NVIDIA GPUs, bf16).
+  """
+
+  def __init__(self, config: Qwen3MoeConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.bfloat16,
+               param_dtype: Any = jnp.float32, backend: str = "auto",
+               recipe: str | None = None, mesh: Mesh | None = None,
+               expert_axis: str = "expert", remat: str = "none",
+               attention: str | None = None):
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+    if attention not in (None, "xla", "cudnn"):
+      raise ValueError(f"attention must be None, 'xla' or 'cudnn', got {attention!r}")
+    self.config = config
+    self.dtype = dtype
+    self.mesh = mesh
+    self.remat = remat
+    c = config
+    self.embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=param_dtype,
+                           embedding_init=nnx.initializers.normal(c.init_std), rngs=rngs)
+    moe_kwargs = dict(backend=backend, recipe=recipe, mesh=mesh, expert_axis=expert_axis)
+    self.layers = nnx.List([
+        DecoderLayer(c, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                     moe_kwargs=moe_kwargs, attention=attention)
+        for i in range(c.num_layers)])
+    self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+    if not c.tie_word_embeddings:
+      self.lm_head = _linear(c.hidden_size, c.vocab_size, config=c, dtype=dtype,
+                             param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+               return_aux: bool = False, return_hidden: bool = False
+               ) -> jax.Array | tuple[jax.Array, ModelAux]:
+    """input_ids [B, S] int -> logits [B, S, V] float32 (and ModelAux with return_aux).
+
+    positions: optional [B, S] or [S] RoPE positions (default 0..S-1).
+    return_hidden: return the final normed hidden states [B, S, H] (compute dtype) instead of
+      the logits, e.g. for models/losses.chunked_cross_entropy with `head()`.
+    """
+    if input_ids.ndim != 2:
+      raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+    seq = input_ids.shape[1]
+    if positions is None:
+      positions = jnp.arange(seq, dtype=jnp.int32)
+    positions = jnp.broadcast_to(positions, (1, seq) if positions.ndim == 1 else positions.shape)
+    cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+
+    x = self._shard_batch(self.embed(input_ids))
+    run_layer = _run_layer
+    if self.remat != "none":
+      run_layer = nnx.remat(_run_layer, policy=REMAT_POLICIES[self.remat])
+    auxes = []
+    for layer in self.layers:
+      x, aux = run_layer(layer, x, cos, sin)
+      x = self._shard_batch(x)
+      if aux is not None:
+        auxes.append(aux)
+
+    x = self.final_norm(x)
+    out = x if return_hidden else jnp.einsum("bsh,hv->bsv", x, self.head().astype(x.dtype),
+                                             preferred_element_type=jnp.float32)
+    if not return_aux:
+      return out
+    if not auxes:  # a model without MoE layers: empty statistics, still well-typed
+      e = self.config.num_experts
+      return out, ModelAux(jnp.zeros((0,)), jnp.zeros((0,)), jnp.zeros((0, e)))
+    return out, ModelAux(*(jnp.stack(field) for field in zip(*auxes)))
+
+  def head(self) -> jax.Array:
+    """The output projection [H, V] (param_dtype): lm_head, or the embedding when tied."""
+    if self.config.tie_word_embeddings:
+      return self.embed.embedding[...].T
+    return self.lm_head.kernel[...]
+
+  def _shard_batch(self, x: jax.Array) -> jax.Array:
+    """Keeps activations sharded over the batch on every mesh axis (no-op without a mesh)."""
+    if self.mesh is None:
+      return x
+    sharding = NamedSharding(self.mesh, P(tuple(self.mesh.axis_names)))
+    if all(t == AxisType.Explicit for t in self.mesh.axis_types):
+      return jax.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array):
+  return layer(x, cos, sin)
+
+
+def load_hf_checkpoint(path, *, dtype: Any = jnp.float32, **kwargs: Any) -> Qwen3Moe:
+  """Qwen3Moe with the weights of a Hugging Face Qwen3-MoE checkpoint directory (config.json
+  + safetensors). Options (param_dtype, mesh, fsdp_axis, backend, recipe, remat, attention,
+  num_layers): jax_megamoe.models.hf_import.load_hf_checkpoint, imported here lazily because
+  it builds on this module."""
+  from jax_megamoe.models.hf_import import load_hf_checkpoint as load
+  return load(path, dtype=dtype, **kwargs)

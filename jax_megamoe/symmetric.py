@@ -1,0 +1,309 @@
+"""Symmetric workspaces for expert-parallel dispatch/combine over NVLink.
+
+One workspace serves every expert-parallel (EP) group of a mesh: each GPU of a group gets one
+`cudaMalloc` allocation of identical layout (see `workspace_bytes`), zeroed, mapped on every other
+GPU of its group -- through peer access when one process drives the GPUs (JAX's default on a
+host), through CUDA IPC handles exchanged with `multihost_utils.process_allgather` when each GPU
+has its own process (`jax.distributed`). Kernels find their GPU's view by (workspace id, device
+ordinal): the id travels into the compiled program as a static int64 attribute of the custom
+calls, the rank of a GPU is its position along the expert axis of the mesh.
+
+Lifecycle: create outside `jax.jit` (or let `jax_megamoe.backends.cuda_ep` create one while
+tracing, cached per mesh and shape), use from any number of compiled programs, `close()` when no
+program that uses it will run again. A workspace is never resized: a larger problem gets a new
+one. Memory per GPU, R ranks, T max tokens per rank, H hidden, k top-k, b bytes per element:
+  2 * R * T * H * b      (dispatch-shaped and combine-shaped row pools)
++ 3 * R * T * k * 4      (routing ids, weights, per-slot scalars)
++ 512                    (signal counters)
+e.g. R=2, T=16384, H=2048, k=8, bf16: 256 MiB + 3 MiB; R=8, H=4096: 2 GiB.
+
+Receive slots are (source rank, token): a token travels at most once to each rank, so the pools
+cannot overflow for any routing; `max_tokens` is checked against the shapes at trace time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+MAX_RANKS = 8
+SIGNAL_BYTES = 512  # sizeof(megamoe::ep::SignalArea)
+IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+# Blocks of the send/receive kernels. 264 (two per SM) was faster for combine (0.375 vs 0.474 ms
+# at H=2048) but fills every SM of an H200 with blocks that may spin on a peer: a collective XLA
+# runs on another stream at the same time could then find no room. 128 leaves room on each SM.
+DEFAULT_COMM_BLOCKS = 128
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def _align(value: int, alignment: int = 256) -> int:
+  return (value + alignment - 1) // alignment * alignment
+
+
+def workspace_layout(num_ranks: int, max_tokens: int, hidden: int, top_k: int,
+                     elem_bytes: int) -> dict[str, int]:
+  """Byte offsets of one rank's workspace (mirror of ffi/common/symmetric_memory.h)."""
+  slots = num_ranks * max_tokens
+  layout = {"signals": 0}
+  off = _align(SIGNAL_BYTES)
+  for name, size in (("meta_ids", slots * top_k * 4), ("meta_w", slots * top_k * 4),
+                     ("pool_d", slots * hidden * elem_bytes), ("meta_c", slots * top_k * 4),
+                     ("pool_c", slots * hidden * elem_bytes)):
+    layout[name] = off
+    off = _align(off + size)
+  layout["total_bytes"] = off
+  return layout
+
+
+def workspace_bytes(num_ranks: int, max_tokens: int, hidden: int, top_k: int,
+                    elem_bytes: int) -> int:
+  """Bytes one GPU allocates for a workspace of this size."""
+  _check_sizes(num_ranks, max_tokens, hidden, top_k, elem_bytes)
+  return workspace_layout(num_ranks, max_tokens, hidden, top_k, elem_bytes)["total_bytes"]
+
+
+def _check_sizes(num_ranks, max_tokens, hidden, top_k, elem_bytes):
+  if not 1 <= num_ranks <= MAX_RANKS:
+    raise ValueError(f"num_ranks must be in [1, {MAX_RANKS}] (one NVLink domain), got {num_ranks}")
+  if max_tokens < 1:
+    raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+  if elem_bytes not in (2, 4):
+    raise ValueError(f"elem_bytes must be 2 (bf16/fp16) or 4 (fp32), got {elem_bytes}")
+  if hidden < 1 or (hidden * elem_bytes) % 16:
+    raise ValueError(f"hidden * elem_bytes must be a positive multiple of 16 bytes, got hidden="
+                     f"{hidden}, elem_bytes={elem_bytes}")
+  if not 1 <= top_k <= 32:
+    raise ValueError(f"top_k must be in [1, 32], got {top_k}")
+
+
+# --- native library ---------------------------------------------------------------------------
+
+_lib_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def _library() -> ctypes.CDLL:
+  """The extension's C ABI for workspaces (ffi/handlers/ep_workspace.cu), loaded once."""
+  global _lib
+  with _lib_lock:
+    if _lib is not None:
+      return _lib
+    from jax_megamoe import _ffi
+    ext = _ffi.extension()
+    if ext is None:
+      raise RuntimeError("jax_megamoe: the native extension was not built; EP workspaces need it")
+    lib = ctypes.CDLL(ext.__file__)
+    if not hasattr(lib, "megamoe_ep_ws_new"):
+      raise RuntimeError("jax_megamoe: the extension was built without CUDA; EP workspaces need "
+                         "the CUDA build")
+    i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
+    lib.megamoe_ep_ws_layout.argtypes = [i64, i64, i64, i64, i64, ctypes.POINTER(i64)]
+    lib.megamoe_ep_ws_new.argtypes = [i64, i64, i64, i64, i64, i32, ctypes.c_double,
+                                      ctypes.POINTER(i64), p, i32]
+    lib.megamoe_ep_ws_alloc.argtypes = [i64, i32, i32, ctypes.c_void_p, p, i32]
+    lib.megamoe_ep_ws_connect.argtypes = [i64, i32, i32, i32, ctypes.c_void_p, p, i32]
+    for name in ("megamoe_ep_ws_finalize", "megamoe_ep_ws_error", "megamoe_ep_ws_close_peers",
+                 "megamoe_ep_ws_free"):
+      getattr(lib, name).argtypes = [i64, p, i32]
+    _lib = lib
+    return lib
+
+
+def _call(fn, *args) -> None:
+  msg = ctypes.create_string_buffer(1024)
+  if fn(*args, msg, len(msg)) != 0:
+    raise RuntimeError(f"jax_megamoe symmetric workspace: {msg.value.decode(errors='replace')}")
+
+
+def native_layout(num_ranks, max_tokens, hidden, top_k, elem_bytes) -> dict[str, int]:
+  """The layout as the compiled extension computes it (to check the Python mirror)."""
+  out = (ctypes.c_int64 * 7)()
+  _library().megamoe_ep_ws_layout(num_ranks, max_tokens, hidden, top_k, elem_bytes, out)
+  names = ("signals", "meta_ids", "meta_w", "pool_d", "meta_c", "pool_c", "total_bytes")
+  return dict(zip(names, list(out)))
+
+
+# --- workspaces -------------------------------------------------------------------------------
+
+
+def _ordinal(device) -> int:
+  """The CUDA device ordinal of a local JAX device."""
+  hardware_id = getattr(device, "local_hardware_id", None)
+  return int(hardware_id) if hardware_id is not None else int(device.id)
+
+
+def ep_groups(mesh, expert_axis: str) -> np.ndarray:
+  """Devices of `mesh` as [num_groups, R]: row g is one EP group in rank order."""
+  names = tuple(mesh.axis_names)
+  if expert_axis not in names:
+    raise ValueError(f"expert_axis {expert_axis!r} is not an axis of the mesh {names}")
+  axis = names.index(expert_axis)
+  devices = np.moveaxis(np.asarray(mesh.devices), axis, -1)
+  return devices.reshape(-1, devices.shape[-1])
+
+
+@dataclasses.dataclass(eq=False)
+class SymmetricWorkspace:
+  """A symmetric workspace allocated on every GPU of a mesh's EP groups (see module doc)."""
+  id: int
+  num_ranks: int
+  max_tokens: int
+  hidden: int
+  top_k: int
+  elem_bytes: int
+  comm_blocks: int
+  timeout_s: float
+  device_ids: tuple[int, ...]
+  expert_axis: str
+  bytes_per_device: int
+  multiprocess: bool
+  closed: bool = False
+
+  def fits(self, *, num_ranks: int, max_tokens: int, hidden: int, top_k: int,
+           elem_bytes: int) -> bool:
+    return (not self.closed and num_ranks == self.num_ranks and max_tokens <= self.max_tokens
+            and top_k <= self.top_k and hidden * elem_bytes <= self.hidden * self.elem_bytes)
+
+  def check(self) -> None:
+    """Raises RuntimeError when a kernel of this workspace recorded an error (a timeout)."""
+    if self.closed:
+      return
+    _call(_library().megamoe_ep_ws_error, self.id)
+
+  def close(self) -> None:
+    """Frees the workspace on every GPU of this process (a collective with several processes).
+
+    No compiled program that uses it may run afterwards (its calls then fail with a clear error).
+    """
+    if self.closed:
+      return
+    lib = _library()
+    if self.multiprocess:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"megamoe_ws_{self.id}_close")
+      _call(lib.megamoe_ep_ws_close_peers, self.id)
+      multihost_utils.sync_global_devices(f"megamoe_ws_{self.id}_free")
+    else:
+      _call(lib.megamoe_ep_ws_close_peers, self.id)
+    _call(lib.megamoe_ep_ws_free, self.id)
+    self.closed = True
+    with _cache_lock:
+      for key, ws in list(_cache.items()):
+        if ws is self:
+          del _cache[key]
+
+
+def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidden: int,
+                     top_k: int, dtype: Any = "bfloat16", comm_blocks: int | None = None,
+                     timeout_s: float | None = None) -> SymmetricWorkspace:
+  """Allocates and maps a workspace on every GPU of `mesh` (call outside jit).
+
+  max_tokens: tokens per GPU (per rank) the workspace must hold; hidden, top_k, dtype: of the
+  activations that travel (the element size of `dtype` sizes the pools). comm_blocks: thread
+  blocks of every send kernel (default MEGAMOE_EP_COMM_BLOCKS or 128); timeout_s: longest wait on a
+  peer before a kernel gives up and reports (default MEGAMOE_EP_TIMEOUT_S or 60).
+  With several processes every process must call this, in the same order.
+  """
+  import jax
+  elem_bytes = int(np.dtype(dtype).itemsize)
+  groups = ep_groups(mesh, expert_axis)
+  num_ranks = groups.shape[1]
+  _check_sizes(num_ranks, max_tokens, hidden, top_k, elem_bytes)
+  if comm_blocks is None:
+    comm_blocks = int(os.environ.get("MEGAMOE_EP_COMM_BLOCKS", DEFAULT_COMM_BLOCKS))
+  if timeout_s is None:
+    timeout_s = float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+  lib = _library()
+  ws_id = ctypes.c_int64(0)
+  _call(lib.megamoe_ep_ws_new, num_ranks, max_tokens, hidden, top_k, elem_bytes, comm_blocks,
+        timeout_s, ctypes.byref(ws_id))
+  ws_id = ws_id.value
+
+  me = jax.process_index()
+  local = [(g, r, d) for g in range(groups.shape[0]) for r in range(num_ranks)
+           for d in [groups[g, r]] if d.process_index == me]
+  if not local:
+    raise ValueError("create_workspace: no device of the mesh belongs to this process")
+  handles: dict[int, bytes] = {}
+  for _, rank, dev in local:
+    buf = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
+    _call(lib.megamoe_ep_ws_alloc, ws_id, _ordinal(dev), rank, buf)
+    handles[dev.id] = buf.raw
+  multiprocess = jax.process_count() > 1 and any(
+      d.process_index != me for d in groups.reshape(-1))
+  if multiprocess:
+    from jax.experimental import multihost_utils
+    rows = np.zeros((len(local), 8 + IPC_HANDLE_BYTES), np.uint8)
+    for n, (_, _, dev) in enumerate(local):
+      rows[n, :8] = np.frombuffer(np.int64(dev.id).tobytes(), np.uint8)
+      rows[n, 8:] = np.frombuffer(handles[dev.id], np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, rows.shape[1])
+    for row in gathered:
+      dev_id = int(np.frombuffer(row[:8].tobytes(), np.int64)[0])
+      handles.setdefault(dev_id, row[8:].tobytes())
+  for g, rank, dev in local:
+    for q in range(num_ranks):
+      peer = groups[g, q]
+      if q == rank:
+        continue
+      if peer.process_index == me:
+        _call(lib.megamoe_ep_ws_connect, ws_id, _ordinal(dev), q, _ordinal(peer), None)
+      else:
+        if peer.id not in handles:
+          raise RuntimeError(f"create_workspace: no IPC handle from device {peer.id}")
+        _call(lib.megamoe_ep_ws_connect, ws_id, _ordinal(dev), q, -1, handles[peer.id])
+  _call(lib.megamoe_ep_ws_finalize, ws_id)
+  if multiprocess:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(f"megamoe_ws_{ws_id}_ready")
+  return SymmetricWorkspace(
+      id=ws_id, num_ranks=num_ranks, max_tokens=max_tokens, hidden=hidden, top_k=top_k,
+      elem_bytes=elem_bytes, comm_blocks=comm_blocks, timeout_s=timeout_s,
+      device_ids=tuple(int(d.id) for d in groups.reshape(-1)), expert_axis=expert_axis,
+      bytes_per_device=workspace_bytes(num_ranks, max_tokens, hidden, top_k, elem_bytes),
+      multiprocess=multiprocess)
+
+
+_cache_lock = threading.Lock()
+_cache: dict[tuple, SymmetricWorkspace] = {}
+_retired: list[SymmetricWorkspace] = []
+
+
+def workspace_for(mesh, expert_axis: str, *, max_tokens: int, hidden: int, top_k: int,
+                  dtype: Any) -> SymmetricWorkspace:
+  """A cached workspace of this mesh that fits the request, created on first use.
+
+  Called while tracing (host side, before the program runs): the allocation happens once per
+  mesh and size and stays until `close_all()` or `SymmetricWorkspace.close()`.
+  """
+  elem_bytes = int(np.dtype(dtype).itemsize)
+  groups = ep_groups(mesh, expert_axis)
+  key = (tuple(int(d.id) for d in groups.reshape(-1)), groups.shape, expert_axis)
+  request = dict(num_ranks=groups.shape[1], max_tokens=max_tokens, hidden=hidden, top_k=top_k,
+                 elem_bytes=elem_bytes)
+  with _cache_lock:
+    ws = _cache.get(key)
+    if ws is not None and ws.fits(**request):
+      return ws
+  ws = create_workspace(mesh, expert_axis, max_tokens=max_tokens, hidden=hidden, top_k=top_k,
+                        dtype=dtype)
+  with _cache_lock:
+    # An older, smaller one stays allocated (compiled programs may still use it) until close_all.
+    if key in _cache:
+      _retired.append(_cache[key])
+    _cache[key] = ws
+  return ws
+
+
+def close_all() -> None:
+  """Closes every workspace `workspace_for` created (no program may use them afterwards)."""
+  with _cache_lock:
+    workspaces = list(_cache.values()) + list(_retired)
+    _retired.clear()
+  for ws in workspaces:
+    ws.close()

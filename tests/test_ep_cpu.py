@@ -1,0 +1,130 @@
+"""CPU tests of the expert-parallel backend's Python side: workspace sizing, capacity, validation,
+and that the layer and its gradient trace to the four EP custom calls (no GPU needed)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from jax_megamoe import symmetric
+from jax_megamoe.backends import cuda_ep
+import ep_helpers
+
+
+def test_workspace_bytes_formula():
+  R, T, H, k = 2, 16384, 2048, 8
+  got = symmetric.workspace_bytes(R, T, H, k, 2)
+  expected = 512 + 3 * R * T * k * 4 + 2 * R * T * H * 2
+  assert expected <= got < expected + 6 * 256
+  assert symmetric.workspace_bytes(8, 16384, 4096, 8, 2) > 2 * 2**30
+
+
+def test_workspace_layout_matches_native():
+  try:
+    native = symmetric.native_layout(3, 1000, 136, 6, 4)
+  except RuntimeError as e:
+    pytest.skip(f"not run: {e}")
+  assert native == symmetric.workspace_layout(3, 1000, 136, 6, 4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_ranks=9), "num_ranks"), (dict(elem_bytes=1), "elem_bytes"),
+    (dict(hidden=3), "multiple of 16"), (dict(top_k=33), "top_k"),
+    (dict(max_tokens=0), "max_tokens")])
+def test_workspace_size_validation(kwargs, match):
+  args = dict(num_ranks=2, max_tokens=8, hidden=64, top_k=2, elem_bytes=2) | kwargs
+  with pytest.raises(ValueError, match=match):
+    symmetric.workspace_bytes(**args)
+
+
+def test_capacity_rows():
+  assert cuda_ep.dropless_capacity(2, 100, 8, 64) == 1600
+  assert cuda_ep.dropless_capacity(2, 100, 8, 4) == 800
+  assert cuda_ep.capacity_rows(2, 100, 8, 64, None) == 1600
+  assert cuda_ep.capacity_rows(2, 100, 8, 64, 1.0) == 896  # 800 rounded up to 128 rows
+  assert cuda_ep.capacity_rows(2, 100, 8, 64, 100.0) == 1600  # never above dropless
+  with pytest.raises(ValueError, match="capacity_factor"):
+    cuda_ep.capacity_rows(2, 100, 8, 64, 0.0)
+
+
+def _fake_workspace(mesh, **kw):
+  args = dict(id=424242, num_ranks=mesh.shape["expert"], max_tokens=32, hidden=64, top_k=4,
+              elem_bytes=4, comm_blocks=8, timeout_s=1.0, device_ids=(), expert_axis="expert",
+              bytes_per_device=0, multiprocess=False)
+  args.update(kw)
+  return symmetric.SymmetricWorkspace(**args)
+
+
+def _problem(tokens=64, hidden=64, ffn=32, experts=8, top_k=4, dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  ids, w = ep_helpers.routing(rng, tokens, experts, top_k)
+  x = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
+  wgu, wd = ep_helpers.weights_for(rng, experts, hidden, ffn, dtype)
+  return x, jnp.asarray(ids), jnp.asarray(w), wgu, wd
+
+
+def test_layer_and_gradient_trace_to_ep_custom_calls():
+  mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+  ws = _fake_workspace(mesh)
+  x, ids, w, wgu, wd = _problem()
+
+  def loss(x, w, wgu, wd):
+    y = cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, workspace=ws,
+                                    grouped_mlp=ep_helpers.dense_grouped_mlp)
+    return jnp.sum(y * y)
+
+  text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd))
+  for target in ("megamoe_ep_dispatch_fwd", "megamoe_ep_combine_fwd", "megamoe_ep_combine_bwd",
+                 "megamoe_ep_dispatch_bwd"):
+    assert target in text, target
+  assert "424242" in text
+
+
+def test_validation_messages():
+  mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+  x, ids, w, wgu, wd = _problem()
+  small = _fake_workspace(mesh, max_tokens=8)
+  with pytest.raises(ValueError, match="cannot hold 32 tokens"):
+    jax.make_jaxpr(lambda x: cuda_ep.expert_parallel_moe(
+        x, ids, w, wgu, wd, mesh=mesh, workspace=small,
+        grouped_mlp=ep_helpers.dense_grouped_mlp))(x)
+  with pytest.raises(ValueError, match="expert_axis"):
+    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="ep", workspace=small)
+  with pytest.raises(ValueError, match="divide evenly"):
+    cuda_ep.expert_parallel_moe(x[:63], ids[:63], w[:63], wgu, wd, mesh=mesh, workspace=small)
+  with pytest.raises(ValueError, match="num_experts"):
+    cuda_ep.expert_parallel_moe(x, ids, w, wgu[:7], wd[:7], mesh=mesh, workspace=small)
+  wrong = _fake_workspace(mesh, device_ids=(1, 0))
+  with pytest.raises(ValueError, match="created for devices"):
+    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, workspace=wrong)
+  with pytest.raises(TypeError, match="dtype"):
+    cuda_ep.expert_parallel_moe(x.astype(jnp.int32), ids, w, wgu, wd, mesh=mesh, workspace=small)
+
+
+def test_overflow_stats_raise_clear_errors():
+  with pytest.raises(RuntimeError, match="overflow.*3000.*capacity is 2048"):
+    cuda_ep._raise_on_bad_stats(np.array([3000, 2048, 1, 0], np.int32))
+  with pytest.raises(RuntimeError, match="distinct"):
+    cuda_ep._raise_on_bad_stats(np.array([10, 2048, 0, 2], np.int32))
+  cuda_ep._raise_on_bad_stats(np.array([10, 2048, 0, 0], np.int32))
+
+
+def test_data_and_expert_axes_trace():
+  """Tokens over ("data", "expert"), experts over "expert": 4 EP groups of 2 on 8 CPU devices."""
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "expert"))
+  ws = _fake_workspace(mesh, max_tokens=16,
+                       device_ids=tuple(int(d.id) for d in mesh.devices.reshape(-1)))
+  x, ids, w, wgu, wd = _problem(tokens=128)
+
+  def loss(x, w, wgu, wd):
+    return jnp.sum(cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, workspace=ws,
+                                               grouped_mlp=ep_helpers.dense_grouped_mlp))
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd)
+  assert "megamoe_ep_dispatch_bwd" in str(jaxpr)
+
+
+def test_unavailable_reason_on_cpu():
+  mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+  assert cuda_ep.unavailable_reason(mesh) is not None
