@@ -186,6 +186,25 @@ def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Arra
   return grouped_mlp_ffi(x_sorted, group_sizes, w_gate_up, w_down)
 
 
+def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis,
+                        recipe=None):
+  """moe() under a mesh with backend "cuda": the NVLink dispatch/combine kernels
+  (backends.cuda_ep) around this module's grouped MLP where they can serve the mesh, else the
+  collective exchange of jax_megamoe.parallel around it."""
+  from jax_megamoe import parallel
+  try:
+    from jax_megamoe.backends import cuda_ep
+  except ImportError:
+    cuda_ep = None
+  if cuda_ep is not None and cuda_ep.unavailable_reason(mesh, expert_axis) is None:
+    return cuda_ep.expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, mesh=mesh,
+                                       expert_axis=expert_axis, recipe=recipe,
+                                       grouped_mlp=grouped_mlp)
+  return parallel.expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, mesh=mesh,
+                                      expert_axis=expert_axis, grouped_mlp=grouped_mlp,
+                                      recipe=recipe)
+
+
 def grouped_gemm(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, kind: int | str
                  ) -> jax.Array:
   """One grouped GEMM on the CUDA kernels (bf16 in and out, fp32 accumulation):
