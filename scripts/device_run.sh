@@ -7,8 +7,8 @@
 # Needs: python3 with jax[cuda], nanobind, cmake, ninja, nvcc (the device image has them).
 # CUTLASS headers: a nvidia-cutlass wheel under .whl/ (carried; see scripts/fetch_device_deps.sh)
 # or JAX_MEGAMOE_CUTLASS_INCLUDE pointing at an include dir.
-# Extra pytest args: PYTEST_ARGS; test paths: PYTEST_PATHS (default tests); benchmark commands:
-# BENCH_CMDS (one per line).
+# Extra pytest args: PYTEST_ARGS (split on spaces); test paths: PYTEST_PATHS (default tests);
+# a -k expression with spaces: PYTEST_K; benchmark commands: BENCH_CMDS (one per line).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
@@ -49,7 +49,8 @@ build() {
 
 tests() {
   log "tests"
-  python3 -m pytest -q -rs -m "gpu or multigpu" ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests} \
+  python3 -m pytest -q -rs -m "gpu or multigpu" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} \
+    ${PYTEST_PATHS:-tests} \
     2>&1 | tee "$OUT/tests.log" | tail -40
   local rc=${PIPESTATUS[0]}
   tail -1 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
