@@ -33,6 +33,7 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
                            ShapeString(group_sizes.dimensions()));
   }
   const int64_t e = group_sizes.dimensions()[0];
+  if (e > 65535) return InvalidArgument("group_sizes has E=", e, " groups, at most 65535");
   auto ad = a.dimensions(), bd = b.dimensions(), dd = d->dimensions();
   if (ad.size() != 2) return InvalidArgument("a must be 2-D, got ", ShapeString(ad));
   const int64_t n = ad[0];
