@@ -18,10 +18,11 @@ What runs where:
                              Needs H and F multiples of 128 (else the reference emulation runs).
   recipe "mxfp8"             sm_100 only; no Blackwell GPU here: `unavailable_reason` says so and
                              "auto" picks the reference backend, which emulates the recipe.
+Under a mesh, `expert_parallel_moe` puts this grouped MLP between the NVLink dispatch/combine
+kernels (backends.cuda_ep) where they serve the mesh, else between parallel's collectives.
 """
 
 from __future__ import annotations
-
 
 import functools
 
