@@ -95,14 +95,6 @@ def quantize_dequantize(x: jax.Array, block: tuple[int, ...], *, power_of_two: b
   return deq[tuple(slice(0, n) for n in x.shape)]
 
 
-def _straight_through(fn):
-  @jax.custom_vjp
-  def wrapped(x):
-    return fn(x)
-  wrapped.defvjp(lambda x: (fn(x), None), lambda _, g: (g,))
-  return wrapped
-
-
 def _rule(recipe: Recipe) -> str:
   return "ocp" if recipe.name == "mxfp8" else "ceil"
 
@@ -117,16 +109,6 @@ def quantize_weight(w: jax.Array, recipe: Recipe) -> jax.Array:
   """[..., K, N] rounded in weight_block blocks over (K, N) (float32 out; no custom gradient)."""
   return quantize_dequantize(w, recipe.weight_block, power_of_two=recipe.power_of_two_scales,
                              rule=_rule(recipe))
-
-
-def emulate_activation(x: jax.Array, recipe: Recipe) -> jax.Array:
-  """[..., K] activation operand rounded in 1 x act_block blocks along K (float32 out)."""
-  return _straight_through(lambda v: quantize_activation(v, recipe))(x)
-
-
-def emulate_weight(w: jax.Array, recipe: Recipe) -> jax.Array:
-  """[..., K, N] weight operand rounded in weight_block blocks over (K, N) (float32 out)."""
-  return _straight_through(lambda v: quantize_weight(v, recipe))(w)
 
 
 def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Recipe) -> jax.Array:

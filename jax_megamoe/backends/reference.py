@@ -37,17 +37,15 @@ def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Arra
   dtype = x_sorted.dtype
   ffn = w_down.shape[1]
   spec = fp8.get_recipe(recipe)
-  x, wgu, wd = x_sorted, w_gate_up, w_down
-  if spec is not None:
-    x, wgu, wd = (fp8.emulate_activation(x, spec), fp8.emulate_weight(wgu, spec),
-                  fp8.emulate_weight(wd, spec))
-  precision = jax.lax.Precision.HIGHEST
-  gate_up = jax.lax.ragged_dot(x, wgu, group_sizes, precision=precision,
-                               preferred_element_type=jnp.float32)
+  if spec is None:
+    def product(a, b):
+      return jax.lax.ragged_dot(a, b, group_sizes, precision=jax.lax.Precision.HIGHEST,
+                                preferred_element_type=jnp.float32)
+  else:  # operands rounded as the FP8 kernels round them; backward on the unquantised ones
+    def product(a, b):
+      return fp8.ragged_dot(a, b, group_sizes, spec)
+  gate_up = product(x_sorted, w_gate_up)
   hidden = (jax.nn.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]).astype(dtype)
-  if spec is not None:
-    hidden = fp8.emulate_activation(hidden, spec)
-  out = jax.lax.ragged_dot(hidden, wd, group_sizes, precision=precision,
-                           preferred_element_type=jnp.float32)
+  out = product(hidden, w_down)
   valid_rows = jnp.arange(x_sorted.shape[0]) < jnp.sum(group_sizes)
   return jnp.where(valid_rows[:, None], out, 0.0).astype(dtype)
