@@ -130,22 +130,52 @@ def _padded_exchange(route, local_experts, *, expert_axis, ep_size, padding_expe
 
 def _ragged_exchange(route, local_experts, *, expert_axis, ep_size, padding_expert):
   """ragged_all_to_all: only routed rows travel, received rows packed source by source."""
-  num_slots, hidden = route.rows.shape
-  me = jax.lax.axis_index(expert_axis)
+  del ep_size
+  num_slots = route.rows.shape[0]
   counts = jax.lax.all_gather(route.rank_counts, expert_axis)  # [source, dest]
-  send_offsets = jnp.cumsum(counts, axis=1) - counts            # in each source's buffer
-  recv_offsets = jnp.cumsum(counts, axis=0) - counts            # in each dest's buffer
-  sent, received = counts[me], counts[:, me]
-
-  def forward(operand, output):
-    return jax.lax.ragged_all_to_all(operand, output, send_offsets[me], sent,
-                                     recv_offsets[me], received, axis_name=expert_axis)
-
-  capacity = ep_size * num_slots  # every source could send all its slots here
-  recv_x = forward(route.rows, jnp.zeros((capacity, hidden), route.rows.dtype))
-  recv_e = forward(route.local_expert, jnp.full((capacity,), padding_expert, jnp.int32))
+  capacity = counts.shape[0] * num_slots  # every source could send all its slots here
+  recv_x = _ragged_transfer(route.rows, counts, capacity, 0, False, expert_axis)
+  recv_e = _ragged_transfer(route.local_expert, counts, capacity, padding_expert, False,
+                            expert_axis)
   out = local_experts(recv_x, recv_e)
   # Back: each source's rows return to where they left its sorted buffer.
-  return jax.lax.ragged_all_to_all(out, jnp.zeros((num_slots, hidden), out.dtype),
-                                   recv_offsets[:, me], received, send_offsets[:, me], sent,
-                                   axis_name=expert_axis)
+  return _ragged_transfer(out, counts, num_slots, 0, True, expert_axis)
+
+
+# The collective _ragged_transfer uses; tests on CPU (no ragged_all_to_all in XLA:CPU) swap in
+# an emulation.
+ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _ragged_transfer(operand, counts, out_rows, fill, reverse, axis_name):
+  """Moves rows between the ranks of `axis_name`; counts [source, dest] rows.
+
+  Forward: my rows, sorted by destination, into every destination's buffer [out_rows, ...],
+  packed by source rank (rows no one wrote hold `fill`). Reverse: exactly the inverse. Each
+  direction's VJP is the other direction: JAX 0.11.2's own transpose of ragged_all_to_all gave
+  wrong gradients here (2 x H200, benchmarks/RESULTS.md).
+  """
+  me = jax.lax.axis_index(axis_name)
+  send_offsets = jnp.cumsum(counts, axis=1) - counts  # row offsets in each source's buffer
+  recv_offsets = jnp.cumsum(counts, axis=0) - counts  # row offsets in each dest's buffer
+  if reverse:
+    offsets = (recv_offsets[:, me], counts[:, me], send_offsets[:, me], counts[me])
+  else:
+    offsets = (send_offsets[me], counts[me], recv_offsets[me], counts[:, me])
+  output = jnp.full((out_rows, *operand.shape[1:]), fill, operand.dtype)
+  return ragged_all_to_all(operand, output, *offsets, axis_name=axis_name)
+
+
+def _ragged_transfer_fwd(operand, counts, out_rows, fill, reverse, axis_name):
+  out = _ragged_transfer(operand, counts, out_rows, fill, reverse, axis_name)
+  return out, (counts, operand.shape[0])
+
+
+def _ragged_transfer_bwd(out_rows, fill, reverse, axis_name, residuals, cotangent):
+  del out_rows, fill
+  counts, in_rows = residuals
+  return _ragged_transfer(cotangent, counts, in_rows, 0, not reverse, axis_name), None
+
+
+_ragged_transfer.defvjp(_ragged_transfer_fwd, _ragged_transfer_bwd)
