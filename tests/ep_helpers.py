@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_oracles import dense_moe, rel_err  # noqa: F401  (re-exported for the EP tests)
+
 
 def routing(rng, tokens, num_experts, top_k, *, mask_fraction=0.0):
   """Distinct expert ids per token (as top-k gives), some slots masked with -1; fp32 weights."""
@@ -22,19 +24,6 @@ def weights_for(rng, num_experts, hidden, ffn, dtype):
   return jnp.asarray(w_gate_up, dtype), jnp.asarray(w_down, dtype)
 
 
-def dense_moe(x, topk_ids, topk_weights, w_gate_up, w_down):
-  """Every expert on every token (fp32, HIGHEST), then the routed mix; -1 masks a slot."""
-  ffn = w_down.shape[1]
-  num_experts = w_gate_up.shape[0]
-  hp = jax.lax.Precision.HIGHEST
-  x32 = x.astype(jnp.float32)
-  gate_up = jnp.einsum("th,ehf->etf", x32, w_gate_up.astype(jnp.float32), precision=hp)
-  hidden = jax.nn.silu(gate_up[..., :ffn]) * gate_up[..., ffn:]
-  out = jnp.einsum("etf,efh->eth", hidden, w_down.astype(jnp.float32), precision=hp)
-  mix = jnp.sum(jax.nn.one_hot(topk_ids, num_experts) * topk_weights[..., None], axis=1)
-  return jnp.einsum("te,eth->th", mix, out, precision=hp)
-
-
 def dense_grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, *, recipe=None):
   """Per-row expert MLP (gathers each row's weights): same contract as reference.grouped_mlp."""
   del recipe
@@ -51,8 +40,3 @@ def dense_grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, *, recipe=None):
   out = jnp.einsum("nf,nfh->nh", hidden.astype(jnp.float32), w_down[expert].astype(jnp.float32),
                    precision=hp)
   return jnp.where(valid[:, None], out, 0.0).astype(x_sorted.dtype)
-
-
-def rel_err(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
