@@ -36,13 +36,11 @@ def token_axes(mesh: Mesh) -> tuple[str, ...]:
 EXCHANGES = ("auto", "ragged", "padded")
 
 
-def default_exchange(mesh: Mesh) -> str:
-  """"padded" everywhere: XLA:CPU has no ragged_all_to_all, and on 2 x H200 (jax 0.11.2,
-  2026-11-30, benchmarks/RESULTS.md) ragged_all_to_all moved the same rows ~50x slower than
-  all_to_all (24.7 ms vs 0.43 ms at 16,384 tokens x top-8, H=2048). "ragged" stays selectable
-  (and tested on GPUs) for when XLA's implementation catches up."""
-  del mesh
-  return "padded"
+# "auto" means "padded" on every platform: XLA:CPU has no ragged_all_to_all, and on 2 x H200
+# (jax 0.11.2, 2026-11-30, benchmarks/RESULTS.md) ragged_all_to_all moved the same rows ~50x
+# slower than all_to_all (24.7 ms vs 0.43 ms at 16,384 tokens x top-8, H=2048). "ragged" stays
+# selectable for when XLA's implementation catches up.
+DEFAULT_EXCHANGE = "padded"
 
 
 def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh: Mesh,
@@ -52,7 +50,7 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh: M
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
   if exchange == "auto":
-    exchange = default_exchange(mesh)
+    exchange = DEFAULT_EXCHANGE
   tokens = P(token_axes(mesh))
   experts = P(expert_axis)
   shard_fn = functools.partial(_expert_parallel_shard, expert_axis=expert_axis,
@@ -80,7 +78,7 @@ def _expert_parallel_shard(x, topk_ids, topk_weights, w_gate_up, w_down, *, expe
   sorted_ids = flat_ids[slots.order]
   valid = jnp.arange(flat_ids.shape[0]) < jnp.sum(slots.group_sizes)
   route = _SlotRoute(
-      rows=x[slots.order // top_k], local_expert=sorted_ids % experts_per_rank, valid=valid,
+      rows=x[slots.order // top_k], local_expert=sorted_ids % experts_per_rank,
       rank_counts=slots.group_sizes.reshape(ep_size, experts_per_rank).sum(axis=1),
       dest=jnp.where(valid, sorted_ids // experts_per_rank, ep_size))
 
@@ -102,11 +100,10 @@ def _expert_parallel_shard(x, topk_ids, topk_weights, w_gate_up, w_down, *, expe
 
 class _SlotRoute(NamedTuple):
   """A device's slots sorted by expert: rows [N, H], local_expert [N] (id on its rank),
-  valid [N] (the first sum(rank_counts) positions), rank_counts [EP], dest [N] (EP if invalid)."""
+  rank_counts [EP] (the first sum(rank_counts) slots are valid), dest [N] (EP if invalid)."""
 
   rows: jax.Array
   local_expert: jax.Array
-  valid: jax.Array
   rank_counts: jax.Array
   dest: jax.Array
 
