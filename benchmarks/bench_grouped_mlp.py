@@ -101,13 +101,21 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
   cases["MLP fwd"] = (lambda: fwd(x, gs, wgu, wd), 6 * n * h * f)
   cases["MLP bwd"] = (lambda: bwd(dy, x, gs, wgu, wd, gate_up, hidden), 12 * n * h * f)
   if with_fp8 and h % 128 == 0 and f % 128 == 0:
-    fp8_gemm = jax.jit(cuda.grouped_gemm_fp8, static_argnames=("pow2", "_stages"))
-    fp8_fwd = jax.jit(cuda._fp8_forward, static_argnums=4)
-    cases["fp8 L1 quant+GEMM"] = (lambda: fp8_gemm(x, gs, wgu), 2 * n * h * 2 * f)
-    cases["fp8 L1 quant only"] = (lambda: fp8_gemm(x, gs, wgu, _stages=3), 2 * n * h * 2 * f)
-    cases["fp8 L2 quant+GEMM"] = (lambda: fp8_gemm(hid, gs, wd), 2 * n * f * h)
-    cases["fp8 L2 quant only"] = (lambda: fp8_gemm(hid, gs, wd, _stages=3), 2 * n * f * h)
-    cases["fp8 MLP fwd"] = (lambda: fp8_fwd(x, gs, wgu, wd, False), 6 * n * h * f)
+    from jax_megamoe.backends import cuda_fp8 as fp8k
+    quant_rows = jax.jit(fp8k.quantize_rows)
+    quant_weights = jax.jit(fp8k.quantize_weights)
+    fp8_gemm = jax.jit(fp8k.grouped_gemm_quantized)
+    x_q, hid_q = quant_rows(x), quant_rows(hid)
+    wgu_q, wd_q = quant_weights(wgu), quant_weights(wd)
+    fp8_fwd = jax.jit(fp8k.mlp_forward, static_argnums=4)
+    move = lambda elems: 3 * elems  # quantiser traffic: 2 bytes read + 1 written per element
+    cases["fp8 L1 GEMM"] = (lambda: fp8_gemm(x_q, gs, wgu_q), 2 * n * h * 2 * f)
+    cases["fp8 L2 GEMM"] = (lambda: fp8_gemm(hid_q, gs, wd_q), 2 * n * f * h)
+    # "tflops" of a quantiser = its TB/s (bytes / ms / 1e9).
+    cases["fp8 quantize x (TB/s)"] = (lambda: quant_rows(x), move(n * h))
+    cases["fp8 quantize w_gate_up (TB/s)"] = (lambda: quant_weights(wgu), move(e * h * 2 * f))
+    cases["fp8 MLP fwd from quantized x"] = (lambda: fp8_fwd(x_q, gs, wgu, wd, False),
+                                             6 * n * h * f)
   only = os.environ.get("MEGAMOE_BENCH_ONLY", "")
   for name, (fn, flops) in cases.items():
     if only and not name.startswith(only):
@@ -120,15 +128,6 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
       results.append({**key, "impl": f"megamoe v{variant}", "op": name,
                       "error": str(ex).splitlines()[0][:300]})
     print(results[-1], flush=True)
-  # GEMM-only FP8 time = (quantise + GEMM) - (quantise only), both medians.
-  by_op = {r["op"]: r for r in results if r.get("impl") == f"megamoe v{variant}"
-           and r.get("shape") == key["shape"] and r.get("experts") == key["experts"] and "ms" in r}
-  for layer, flops in (("L1", 2 * n * h * 2 * f), ("L2", 2 * n * f * h)):
-    full, quant = by_op.get(f"fp8 {layer} quant+GEMM"), by_op.get(f"fp8 {layer} quant only")
-    if full and quant and full["ms"] > quant["ms"]:
-      ms = full["ms"] - quant["ms"]
-      results.append({**key, "impl": f"megamoe v{variant}", "op": f"fp8 {layer} GEMM (derived)",
-                      "ms": ms, "tflops": flops / ms / 1e9})
 
 
 def bench_ragged_dot(h, f, sizes, results, key):

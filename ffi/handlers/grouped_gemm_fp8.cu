@@ -1,15 +1,15 @@
-// XLA FFI handler (CUDA) of the blockwise-FP8 grouped GEMM (recipe "fp8", forward layout):
-//   a [N, K] bf16, group_sizes [E] int32, b [E, K, P] bf16  ->  d [N, P] bf16
-// quantising a in 1x128 blocks along K and b in 128x128 blocks inside the call. The quantised
-// operands come back as results (a_q u8[N*K], a_scale f32[N*K/128] (row-major), b_q u8[E*P*K]
-// (b transposed, K-major), b_scale f32[E*K/128*P/128]) so tests can check them bit for bit; then
-// the workspace. Attribute pow2 (0/1): power-of-two scales. Rows past sum(group_sizes) are 0.
-// Attribute stages (benchmarks only; 7 = everything): bit 1 quantise a, bit 2 quantise b, bit 4
-// the GEMM (with stages = 3 the quantisation alone is timed, d is left unwritten).
+// XLA FFI handler (CUDA) of the blockwise-FP8 grouped GEMM on operands quantised beforehand
+// (ffi/handlers/fp8_quantize.cu, or rows dispatched already in FP8):
+//   a_q [N, K] e4m3, a_scale [N, K/128] f32 (1x128 blocks along K),
+//   group_sizes [E] int32,
+//   b_q [E, P, K] e4m3 (the weights transposed: K-major), b_scale [E, K/128, P/128] f32
+//   -> d [N, P] bf16 (rows past sum(group_sizes) are 0), workspace u8[W].
+// fp32 accumulation promoted every 128 of K.
 #include <cuda_runtime.h>
 
 #include "ffi/common/checks.h"
 #include "ffi/common/device_info.h"
+#include "ffi/handlers/grouped_mlp_args.h"
 #include "ffi/kernels/grouped_fp8.h"
 #include "ffi/kernels/grouped_swiglu.h"
 #include "ffi/registry.h"
@@ -17,47 +17,33 @@
 namespace megamoe::grouped {
 namespace {
 
-ffi::Error CheckBytes(const char* name, ffi::Result<ffi::AnyBuffer>& buf, ffi::DataType t,
-                      size_t elems) {
-  if (buf->element_type() != t || buf->element_count() != elems) {
-    return InvalidArgument(name, " must be ", DataTypeName(t), "[", elems, "], got ",
-                           DataTypeName(buf->element_type()), ShapeString(buf->dimensions()));
+ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
+                              ffi::AnyBuffer group_sizes, ffi::AnyBuffer b_q,
+                              ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer> d,
+                              ffi::Result<ffi::AnyBuffer> workspace) {
+  auto gd = group_sizes.dimensions();
+  if (gd.size() != 1 || gd[0] < 1) {
+    return InvalidArgument("group_sizes must be [E] with E >= 1, got ", ShapeString(gd));
   }
-  return ffi::Error::Success();
-}
-
-ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer group_sizes,
-                              ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
-                              ffi::Result<ffi::AnyBuffer> a_q, ffi::Result<ffi::AnyBuffer> a_scale,
-                              ffi::Result<ffi::AnyBuffer> b_q, ffi::Result<ffi::AnyBuffer> b_scale,
-                              ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2,
-                              int64_t stages) {
-  for (auto [name, t] : {std::pair{"a", a.element_type()}, {"b", b.element_type()},
-                         {"d", d->element_type()}}) {
-    if (t != ffi::DataType::BF16) {
-      return InvalidArgument(name, " has dtype ", DataTypeName(t), ", expected bfloat16");
-    }
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("group_sizes", group_sizes.element_type(), ffi::DataType::S32));
+  auto ad = a_q.dimensions(), bd = b_q.dimensions();
+  if (ad.size() != 2 || bd.size() != 3) {
+    return InvalidArgument("FP8 grouped GEMM got a_q ", ShapeString(ad), ", b_q ", ShapeString(bd),
+                           ": expected a_q [N, K], b_q [E, P, K]");
   }
-  if (group_sizes.element_type() != ffi::DataType::S32 || group_sizes.dimensions().size() != 1 ||
-      group_sizes.dimensions()[0] < 1) {
-    return InvalidArgument("group_sizes must be [E] int32 with E >= 1");
-  }
-  const int64_t e = group_sizes.dimensions()[0];
-  auto ad = a.dimensions(), bd = b.dimensions(), dd = d->dimensions();
-  if (ad.size() != 2 || bd.size() != 3 || bd[0] != e || bd[1] != ad[1] || dd.size() != 2 ||
-      dd[0] != ad[0] || dd[1] != bd[2]) {
-    return InvalidArgument("FP8 grouped GEMM got a ", ShapeString(ad), ", b ", ShapeString(bd),
-                           ", d ", ShapeString(dd), ", E=", e,
-                           ": expected a [N, K], b [E, K, P], d [N, P]");
-  }
-  const int64_t n = ad[0], k = ad[1], p = bd[2];
+  const int64_t e = gd[0], n = ad[0], k = ad[1], p = bd[1];
   if (k % 128 != 0) return InvalidArgument("FP8 needs K % 128 == 0, got K=", k);
   if (p % 128 != 0) return InvalidArgument("FP8 needs P % 128 == 0, got P=", p);
-  MEGAMOE_RETURN_IF_ERROR(CheckBytes("a_q", a_q, ffi::DataType::U8, size_t(n * k)));
-  MEGAMOE_RETURN_IF_ERROR(CheckBytes("a_scale", a_scale, ffi::DataType::F32, size_t(k / 128 * n)));
-  MEGAMOE_RETURN_IF_ERROR(CheckBytes("b_q", b_q, ffi::DataType::U8, size_t(e * p * k)));
-  MEGAMOE_RETURN_IF_ERROR(
-      CheckBytes("b_scale", b_scale, ffi::DataType::F32, size_t(e * (k / 128) * (p / 128))));
+  if (n > INT32_MAX) return InvalidArgument("a_q has ", n, " rows, more than 2^31-1");
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("a_q", a_q.element_type(), ffi::DataType::F8E4M3FN));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("b_q", b_q.element_type(), ffi::DataType::F8E4M3FN));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("a_scale", a_scale.element_type(), ffi::DataType::F32));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("b_scale", b_scale.element_type(), ffi::DataType::F32));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("d", d->element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("b_q", bd, {e, p, k}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("a_scale", a_scale.dimensions(), {n, k / 128}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("b_scale", b_scale.dimensions(), {e, k / 128, p / 128}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("d", d->dimensions(), {n, p}));
   const int sm = CurrentDeviceSmCount();
   const size_t offsets_bytes = ((e + 1) * 4 + 255) / 256 * 256;
   const size_t need = offsets_bytes + GroupedGemmFp8WorkspaceBytes(int(e), sm);
@@ -69,26 +55,16 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
   int32_t* offsets = reinterpret_cast<int32_t*>(ws);
   std::string err = GroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()), int(e),
                                  n, offsets, stream);
-  if (err.empty() && (stages & 1)) {
-    err = QuantizeActivations1x128(a.untyped_data(), n, k, pow2 != 0, a_q->untyped_data(),
-                                   static_cast<float*>(a_scale->untyped_data()), stream);
-  }
-  if (err.empty() && (stages & 2)) {
-    err = QuantizeWeights128x128(b.untyped_data(), e, k, p, pow2 != 0, b_q->untyped_data(),
-                                 static_cast<float*>(b_scale->untyped_data()), stream);
-  }
-  if (err.empty() && n > 0 && (stages & 4)) {
-    GroupedGemmFp8Problem prob{int(e), offsets, a_q->untyped_data(),
-                               static_cast<const float*>(a_scale->untyped_data()),
-                               b_q->untyped_data(),
-                               static_cast<const float*>(b_scale->untyped_data()),
+  if (err.empty() && n > 0) {
+    GroupedGemmFp8Problem prob{int(e), offsets, a_q.untyped_data(),
+                               static_cast<const float*>(a_scale.untyped_data()),
+                               b_q.untyped_data(),
+                               static_cast<const float*>(b_scale.untyped_data()),
                                d->untyped_data(), n, p, k};
     err = RunGroupedGemmFp8(prob, ws + offsets_bytes, workspace->size_bytes() - offsets_bytes, sm,
                             stream);
   }
-  if (err.empty() && (stages & 4)) {
-    err = ZeroPaddingRows(d->untyped_data(), n, p, offsets, int(e), stream);
-  }
+  if (err.empty()) err = ZeroPaddingRows(d->untyped_data(), n, p, offsets, int(e), stream);
   if (!err.empty()) return Internal(err);
   return ffi::Error::Success();
 }
@@ -98,17 +74,14 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuf
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cuda, GroupedGemmFp8Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // a
+                                  .Arg<ffi::AnyBuffer>()  // a_q
+                                  .Arg<ffi::AnyBuffer>()  // a_scale
                                   .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Arg<ffi::AnyBuffer>()  // b
+                                  .Arg<ffi::AnyBuffer>()  // b_q
+                                  .Arg<ffi::AnyBuffer>()  // b_scale
                                   .Ret<ffi::AnyBuffer>()  // d
-                                  .Ret<ffi::AnyBuffer>()  // a_q
-                                  .Ret<ffi::AnyBuffer>()  // a_scale
-                                  .Ret<ffi::AnyBuffer>()  // b_q
-                                  .Ret<ffi::AnyBuffer>()  // b_scale
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<int64_t>("pow2")
-                                  .Attr<int64_t>("stages"));
+                                  .Ret<ffi::AnyBuffer>(),  // workspace
+                              {ffi::Traits::kCmdBufferCompatible});
 
 MEGAMOE_REGISTER_FFI("megamoe_grouped_gemm_fp8", "CUDA", GroupedGemmFp8Cuda);
 

@@ -48,32 +48,40 @@ __global__ void QuantizeActivationsKernel(const __nv_bfloat16* __restrict__ x, i
   if (lane == 0) scale[r * kb_count + kb] = s;
 }
 
-// One block of 256 threads per 128 x 128 weight block; writes the block transposed.
+// One block of 256 threads per 128 x 128 weight block; writes the block transposed. The tile is
+// staged in shared memory as (k, k+1) pairs per column n, so that the transposed read is one
+// conflict-free 4-byte load per two values (a warp reads 32 consecutive columns).
 __global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16* __restrict__ w,
                                                              int64_t k, int64_t n, bool pow2,
                                                              uint8_t* __restrict__ q,
                                                              float* __restrict__ scale) {
-  constexpr int kPad = 8;
-  __shared__ __nv_bfloat16 tile[128][128 + kPad];
+  __shared__ __align__(16) __nv_bfloat162 pairs[64][128 + 4];  // [k / 2][n]: (w[k][n], w[k + 1][n])
   __shared__ float warp_max[8];
   const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
   const int64_t nbs = n / 128, kbs = k / 128;
   const int t = threadIdx.x;
   const __nv_bfloat16* src = w + g * k * n + (kb * 128) * n + nb * 128;
   float amax = 0.0f;
-  // Load: thread t reads row t/2, columns (t%2)*64 .. +64 as 8 x 16 bytes.
+  // Load: 64 row pairs x 16 column octets; thread t takes octet t % 16 of row pairs
+  // t / 16 + 16 i (i < 4): two 16-byte loads (rows 2p and 2p + 1), interleaved into pairs.
   {
-    const int row = t / 2, col0 = (t % 2) * 64;
+    const int oct = t % 16;
 #pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(src + int64_t(row) * n + col0 + v * 8);
-      *reinterpret_cast<uint4*>(&tile[row][col0 + v * 8]) = raw;
-      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    for (int i = 0; i < 4; ++i) {
+      const int pr = t / 16 + 16 * i;
+      const uint4 lo = *reinterpret_cast<const uint4*>(src + int64_t(2 * pr) * n + oct * 8);
+      const uint4 hi = *reinterpret_cast<const uint4*>(src + int64_t(2 * pr + 1) * n + oct * 8);
+      const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(&lo);
+      const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&hi);
+      __nv_bfloat162 interleaved[8];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(p[i]);
-        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      for (int j = 0; j < 8; ++j) {
+        interleaved[j] = __halves2bfloat162(a[j], b[j]);
+        amax = fmaxf(amax, fmaxf(fabsf(__bfloat162float(a[j])), fabsf(__bfloat162float(b[j]))));
       }
+      uint4* dst = reinterpret_cast<uint4*>(&pairs[pr][oct * 8]);
+      dst[0] = *reinterpret_cast<const uint4*>(&interleaved[0]);
+      dst[1] = *reinterpret_cast<const uint4*>(&interleaved[4]);
     }
   }
 #pragma unroll
@@ -85,23 +93,22 @@ __global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16
   for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
   const float s = BlockScale(amax, pow2);
   if (t == 0) scale[(g * kbs + kb) * nbs + nb] = s;
-  // Store transposed: thread t writes output row (n index) t/2, k columns (t%2)*64 .. +64.
-  const int nrow = t / 2, k0 = (t % 2) * 64;
-  uint8_t* dst = q + g * n * k + (nb * 128 + nrow) * k + kb * 128 + k0;
+  // Store transposed: output row (column n of w) has 128 k bytes = 8 chunks of 16; warp lanes
+  // take 32 consecutive n, the 8 warps the 8 chunks, 4 rounds over the 128 columns.
+  const int lane = t % 32, chunk = t / 32;
 #pragma unroll
-  for (int v = 0; v < 4; ++v) {
+  for (int round = 0; round < 4; ++round) {
+    const int col = round * 32 + lane;
     uint32_t words[4];
 #pragma unroll
     for (int wi = 0; wi < 4; ++wi) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int byte = 0; byte < 4; ++byte) {
-        const float f = __bfloat162float(tile[k0 + v * 16 + wi * 4 + byte][nrow]);
-        word |= uint32_t(ToE4m3(f / s)) << (8 * byte);
-      }
-      words[wi] = word;
+      const float2 v0 = __bfloat1622float2(pairs[chunk * 8 + wi * 2][col]);
+      const float2 v1 = __bfloat1622float2(pairs[chunk * 8 + wi * 2 + 1][col]);
+      words[wi] = uint32_t(ToE4m3(v0.x / s)) | (uint32_t(ToE4m3(v0.y / s)) << 8) |
+                  (uint32_t(ToE4m3(v1.x / s)) << 16) | (uint32_t(ToE4m3(v1.y / s)) << 24);
     }
-    *reinterpret_cast<uint4*>(dst + v * 16) = make_uint4(words[0], words[1], words[2], words[3]);
+    uint8_t* dst = q + g * n * k + (nb * 128 + col) * k + kb * 128 + chunk * 16;
+    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
   }
 }
 

@@ -11,8 +11,8 @@ What runs where:
   bfloat16 / float32 on CPU  `grouped_mlp_ffi` reaches the CPU FFI handler (plain loops, the
                              same contract) so CI exercises the binding.
   float32 on a GPU           the pure-JAX reference (the CUDA kernels are bf16 only).
-  recipe "fp8" / "fp8_pow2"  forward on the blockwise-FP8 kernels (operands quantised in the
-                             call: activations 1x128, weights 128x128, e4m3 + fp32 scales, fp32
+  recipe "fp8" / "fp8_pow2"  forward on the blockwise-FP8 kernels (backends.cuda_fp8:
+                             activations 1x128, weights 128x128, e4m3 + fp32 scales, fp32
                              accumulation promoted every 128 of K), backward straight-through on
                              the bf16 kernels with the unquantised operands (jax_megamoe.fp8).
                              Needs H and F multiples of 128 (else the reference emulation runs).
@@ -31,14 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_megamoe import _ffi
-from jax_megamoe.backends import reference
+from jax_megamoe.backends import cuda_fp8, reference
 
 NAME = "cuda"
 FWD_TARGET = "megamoe_grouped_mlp_fwd"
 BWD_TARGET = "megamoe_grouped_mlp_bwd"
 GEMM_TARGET = "megamoe_grouped_gemm"
 GEMM_KINDS = {"fprop": 0, "dgrad": 1, "wgrad": 2}
-FP8_GEMM_TARGET = "megamoe_grouped_gemm_fp8"
 FP8_RECIPES = ("fp8", "fp8_pow2")
 
 
@@ -52,8 +51,9 @@ def unavailable_reason(recipe: str | None = None) -> str | None:
   if recipe is not None and recipe not in FP8_RECIPES:
     return (f"recipe {recipe!r} has no CUDA kernel for this GPU (MXFP8 is sm_100 only); backend "
             "'reference' emulates it")
-  if recipe is not None and not _ffi.has_target(FP8_GEMM_TARGET, "CUDA"):
-    return f"the extension has no CUDA target {FP8_GEMM_TARGET!r} (rebuild the package)"
+  missing = [t for t in cuda_fp8.TARGETS if not _ffi.has_target(t, "CUDA")]
+  if recipe is not None and missing:
+    return f"the extension has no CUDA target {missing[0]!r} (rebuild the package)"
   return None
 
 
@@ -181,7 +181,7 @@ def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Arra
     h, f = x_sorted.shape[1], w_down.shape[1]
     if x_sorted.dtype != jnp.bfloat16 or h % 128 or f % 128:
       return reference.grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, recipe=recipe)
-    return grouped_mlp_fp8(x_sorted, group_sizes, w_gate_up, w_down, recipe == "fp8_pow2")
+    return cuda_fp8.grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, recipe == "fp8_pow2")
   if not _kernel_supports(x_sorted, w_down):
     return reference.grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down)
   return grouped_mlp_ffi(x_sorted, group_sizes, w_gate_up, w_down)
@@ -199,8 +199,7 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, e
     cuda_ep = None
   if cuda_ep is not None and cuda_ep.unavailable_reason(mesh, expert_axis) is None:
     return cuda_ep.expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, mesh=mesh,
-                                       expert_axis=expert_axis, recipe=recipe,
-                                       grouped_mlp=grouped_mlp)
+                                       expert_axis=expert_axis, recipe=recipe)
   return parallel.expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, mesh=mesh,
                                       expert_axis=expert_axis, grouped_mlp=grouped_mlp,
                                       recipe=recipe)
@@ -225,61 +224,3 @@ def grouped_gemm(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, kind: in
   call = jax.ffi.ffi_call(
       GEMM_TARGET, (out, jax.ShapeDtypeStruct((workspace_bytes(e),), jnp.uint8)))
   return _match_varying(call(a, group_sizes, b, kind=np.int64(kind))[0], a, group_sizes, b)
-
-
-def grouped_gemm_fp8(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, pow2: bool = False,
-                     return_quantized: bool = False, _stages: int = 7):
-  """Blockwise-FP8 grouped GEMM a [N, K] bf16, b [E, K, P] bf16 -> [N, P] bf16: a quantised in
-  1x128 blocks along K, b in 128x128 blocks (e4m3, fp32 scales, power-of-two with pow2), fp32
-  accumulation promoted every 128 of K; padding rows 0. With return_quantized, also returns
-  (a_q [N, K] e4m3, a_scale [N, K/128], b_q [E, P, K] e4m3 (transposed), b_scale [E, K/128, P/128]).
-  """
-  n, k = a.shape
-  e, _, p = b.shape
-  outs = (jax.ShapeDtypeStruct((n, p), jnp.bfloat16),
-          jax.ShapeDtypeStruct((n * k,), jnp.uint8),
-          jax.ShapeDtypeStruct((k // 128 * n,), jnp.float32),
-          jax.ShapeDtypeStruct((e * p * k,), jnp.uint8),
-          jax.ShapeDtypeStruct((e * (k // 128) * (p // 128),), jnp.float32),
-          jax.ShapeDtypeStruct((workspace_bytes(e),), jnp.uint8))
-  d, a_q, a_s, b_q, b_s, _ = jax.ffi.ffi_call(FP8_GEMM_TARGET, outs)(
-      a, group_sizes, b, pow2=np.int64(bool(pow2)), stages=np.int64(_stages))
-  d = _match_varying(d, a, group_sizes, b)
-  if not return_quantized:
-    return d
-  as_e4m3 = lambda u, shape: jax.lax.bitcast_convert_type(u, jnp.float8_e4m3fn).reshape(shape)
-  return d, (as_e4m3(a_q, (n, k)), a_s.reshape(n, k // 128), as_e4m3(b_q, (e, p, k)),
-             b_s.reshape(e, k // 128, p // 128))
-
-
-def _fp8_forward(x, group_sizes, w_gate_up, w_down, pow2):
-  f = w_down.shape[1]
-  gate_up = grouped_gemm_fp8(x, group_sizes, w_gate_up, pow2=pow2)
-  g32 = gate_up.astype(jnp.float32)
-  hidden = (jax.nn.silu(g32[:, :f]) * g32[:, f:]).astype(x.dtype)
-  y = grouped_gemm_fp8(hidden, group_sizes, w_down, pow2=pow2)
-  return y, gate_up, hidden
-
-
-def grouped_mlp_fp8(x_sorted, group_sizes, w_gate_up, w_down, pow2=False):
-  """Recipe "fp8" (pow2: "fp8_pow2"): forward on the blockwise-FP8 kernels, backward
-  straight-through on the bf16 kernels with the unquantised operands (see jax_megamoe.fp8)."""
-  return _grouped_mlp_fp8(*_align_varying(x_sorted, group_sizes, w_gate_up, w_down), bool(pow2))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _grouped_mlp_fp8(x_sorted, group_sizes, w_gate_up, w_down, pow2):
-  return _fp8_forward(x_sorted, group_sizes, w_gate_up, w_down, pow2)[0]
-
-
-def _fp8_vjp_fwd(x_sorted, group_sizes, w_gate_up, w_down, pow2):
-  y, gate_up, hidden = _fp8_forward(x_sorted, group_sizes, w_gate_up, w_down, pow2)
-  return y, (x_sorted, group_sizes, w_gate_up, w_down, gate_up, hidden)
-
-
-def _fp8_vjp_bwd(pow2, res, dy):
-  del pow2
-  return _vjp_bwd(res, dy)
-
-
-_grouped_mlp_fp8.defvjp(_fp8_vjp_fwd, _fp8_vjp_bwd)

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_megamoe import symmetric
+from jax_megamoe.backends import cuda_fp8
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -172,6 +173,61 @@ def _combine_bwd(cfg, res, d_out):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
+# --- recipe "fp8": rows travel in FP8 ---------------------------------------------------------
+#
+# The sender quantises its T token rows (1x128 blocks along H: a token's blocks are the same
+# whichever expert it goes to) and dispatch moves e4m3 values + fp32 scales packed into one row
+# (H + H/32 bytes instead of 2H); the receiver's grouped L1 GEMM reads them as they arrived.
+# Backward (straight-through): the bf16 MLP kernels, dW_gate_up from the dequantised rows (the
+# only copy of x the expert rank has, as the reference emulation of the recipe uses), and the
+# bf16 dispatch backward for dx.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _dispatch_mlp_fp8(x, ids, w, w_gate_up, w_down, cfg, n_cap, pow2):
+  return _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, pow2)[0]
+
+
+def _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, pow2):
+  """-> (y_sorted, group_sizes, slot_pos, recv_w, stats), residuals."""
+  packed = cuda_fp8.pack_rows(cuda_fp8.quantize_rows(x, pow2=pow2))
+  d = _dispatch_call(packed, ids, w, cfg, n_cap)
+  x_rows = cuda_fp8.unpack_rows(d.x_sorted, x.shape[1])
+  y, gate_up, hidden = cuda_fp8.mlp_forward(x_rows, d.group_sizes, w_gate_up, w_down, pow2)
+  out = (y, d.group_sizes, d.slot_pos, d.recv_w, d.stats)
+  return out, (x_rows, d.group_sizes, d.slot_pos, ids, w_gate_up, w_down, gate_up, hidden)
+
+
+def _dispatch_mlp_fp8_bwd(cfg, n_cap, pow2, res, cts):
+  del n_cap, pow2
+  from jax_megamoe.backends import cuda
+  x_rows, group_sizes, slot_pos, ids, w_gate_up, w_down, gate_up, hidden = res
+  dy_sorted, _, _, d_recv_w, _ = cts
+  x_sorted = cuda_fp8.dequantize_rows(x_rows, jnp.bfloat16)
+  dx_sorted, dw_gate_up, dw_down = cuda._bwd_call(dy_sorted, x_sorted, group_sizes, w_gate_up,
+                                                  w_down, gate_up, hidden)
+  dx, dw = _dispatch_bwd_call(dx_sorted, d_recv_w.astype(jnp.float32), slot_pos, ids, cfg)
+  return dx, None, dw, dw_gate_up, dw_down
+
+
+_dispatch_mlp_fp8.defvjp(_dispatch_mlp_fp8_fwd, _dispatch_mlp_fp8_bwd)
+
+
+def fp8_dispatch_unavailable_reason(x, w_down, recipe) -> str | None:
+  """Why dispatching rows in FP8 cannot serve this layer (None when it can)."""
+  if recipe not in ("fp8", "fp8_pow2"):
+    return f"recipe {recipe!r} is not blockwise fp8"
+  from jax_megamoe.backends import cuda
+  reason = cuda.unavailable_reason(recipe)
+  if reason is not None:
+    return reason
+  if x.dtype != jnp.bfloat16:
+    return f"x is {x.dtype}, the FP8 kernels take bfloat16"
+  if x.shape[1] % 128 or w_down.shape[1] % 128:
+    return f"H={x.shape[1]} and F={w_down.shape[1]} must be multiples of 128"
+  return None
+
+
 def _check_inputs(x, topk_ids, topk_weights):
   if x.ndim != 2:
     raise ValueError(f"x must be [tokens, hidden], got shape {x.shape}")
@@ -271,11 +327,14 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
                         workspace: symmetric.SymmetricWorkspace | None = None,
                         capacity_factor: float | None = None,
                         check_capacity: bool | None = None,
-                        grouped_mlp: Callable | None = None):
+                        grouped_mlp: Callable | None = None,
+                        fp8_dispatch: bool | None = None):
   """The whole EP MoE layer over `mesh`: y [T_total, H] (see jax_megamoe.moe for the contract).
 
   Tokens are sharded over all mesh axes, experts over `expert_axis`. The symmetric workspace is
-  created (cached) at trace time when not given.
+  created (cached) at trace time when not given. `grouped_mlp` (x_sorted, group_sizes, w_gate_up,
+  w_down, recipe=) -> y_sorted replaces the default expert MLP. fp8_dispatch: rows travel in FP8
+  (recipe "fp8"/"fp8_pow2" with the default grouped MLP); None = whenever that is possible.
   """
   _check_inputs(x, topk_ids, topk_weights)
   if expert_axis not in mesh.axis_names:
@@ -301,15 +360,28 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
   n_cap = capacity_rows(num_ranks, tokens, top_k, epr, capacity_factor)
   if check_capacity is None:
     check_capacity = n_cap < dropless_capacity(num_ranks, tokens, top_k, epr)
+  fp8_reason = fp8_dispatch_unavailable_reason(x, w_down, recipe)
+  if grouped_mlp is not None:
+    fp8_reason = fp8_reason or "a grouped_mlp was given (it takes bf16 rows)"
+  if fp8_dispatch and fp8_reason:
+    raise ValueError(f"fp8_dispatch=True cannot be served: {fp8_reason}")
+  fp8_rows = fp8_reason is None if fp8_dispatch is None else fp8_dispatch
   if grouped_mlp is None:
     grouped_mlp = default_grouped_mlp(recipe)
   token_axes = tuple(mesh.axis_names)
 
   def per_device(x, ids, w, w_gu, w_dn):
-    d = dispatch(x, ids, w, workspace=workspace, num_experts=num_experts, n_cap=n_cap)
+    if fp8_rows:
+      _check_inputs(x, ids, w)
+      cfg = _config(workspace, num_experts, x, ids)
+      y_sorted, group_sizes, slot_pos, recv_w, stats = _dispatch_mlp_fp8(
+          x, ids, w, w_gu, w_dn, cfg, n_cap, recipe == "fp8_pow2")
+      d = Dispatched(None, group_sizes, slot_pos, recv_w, stats)
+    else:
+      d = dispatch(x, ids, w, workspace=workspace, num_experts=num_experts, n_cap=n_cap)
+      y_sorted = grouped_mlp(d.x_sorted, d.group_sizes, w_gu, w_dn, recipe=recipe)
     if check_capacity:
       jax.debug.callback(_raise_on_bad_stats, d.stats)
-    y_sorted = grouped_mlp(d.x_sorted, d.group_sizes, w_gu, w_dn, recipe=recipe)
     return combine(y_sorted.astype(x.dtype), d, ids, workspace=workspace,
                    num_experts=num_experts)
 

@@ -1,0 +1,225 @@
+// Blockwise-scaled FP8 grouped GEMM (grouped_fp8.h), templated over its tile schedule: CUTLASS
+// sm90 ptr-array kernel with per-128-K promotion of the fp32 accumulators (FP8Blockwise kernel
+// schedules). A = activations e4m3 [rows, K] with 1x128 scales (K-major, [rows, K/128]),
+// B = weights e4m3 [E, N, K] (K-major) with 128x128 scales [E, K/128, N/128], D bf16.
+// Each grouped_gemm_fp8_v<N>.cu instantiates one schedule (they compile in parallel);
+// grouped_gemm_fp8.cu picks one at run time.
+// CUTLASS asserts inside the wgmma consumer loop become function calls that serialise wgmma
+// (ptxas C7510): every including TU defines NDEBUG before any include.
+#pragma once
+
+#include "ffi/kernels/grouped_gemm_sm90.cuh"
+#include "ffi/kernels/grouped_fp8.h"
+
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+
+namespace megamoe::grouped::fp8 {
+
+using namespace cute;
+
+// Tile schedules: CTA tile, cluster, kernel and epilogue schedule.
+struct Cooperative128x128Cluster1x2 {
+  using TileShape = Shape<_128, _128, _128>;
+  using ClusterShape = Shape<_1, _2, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Cooperative128x128Cluster2x1 {
+  using TileShape = Shape<_128, _128, _128>;
+  using ClusterShape = Shape<_2, _1, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+// 64-row tiles: half the padding of a group's last, partial M tile (with ~1,000 rows per
+// expert the 128-row tile computes ~6% padding).
+struct Pingpong64x128Cluster1x2 {
+  using TileShape = Shape<_64, _128, _128>;
+  using ClusterShape = Shape<_1, _2, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <class Schedule>
+struct Fp8Gemm {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using ElementA = cutlass::float_e4m3_t;
+  using ElementB = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  using ElementAcc = float;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  using TileShape = typename Schedule::TileShape;
+  using ClusterShape = typename Schedule::ClusterShape;
+  // The kernel rebuilds each group's scale layouts from its (M, N, K) (it ignores the layouts
+  // passed in), packed per group: K-major SFA makes a group's scales the contiguous slice
+  // [r0, r0 + M) of the [rows, K/128] matrix; SFB is [K/128, N/128] per expert.
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
+                                                                cute::GMMA::Major::MN>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementAcc, void, LayoutD*, 8,
+      ElementD, LayoutD*, 8, typename Schedule::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc, void, ElementAcc>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
+      cute::tuple<LayoutA*, LayoutSFA*>, 16, ElementB, cute::tuple<LayoutB*, LayoutSFB*>, 16,
+      ElementAcc, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Schedule::KernelSchedule>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
+                                                      CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+};
+
+template <class G>
+struct Fp8Layout {
+  static size_t Round(size_t x) { return (x + 255) / 256 * 256; }
+  size_t shapes, ptr_a, ptr_b, ptr_d, ptr_sfa, ptr_sfb, stride_a, stride_b, stride_d, layout_sfa,
+      layout_sfb, cutlass_ws;
+  explicit Fp8Layout(int e) {
+    size_t o = 0;
+    shapes = o;     o += Round(sizeof(typename G::Shape3) * e);
+    ptr_a = o;      o += Round(sizeof(void*) * e);
+    ptr_b = o;      o += Round(sizeof(void*) * e);
+    ptr_d = o;      o += Round(sizeof(void*) * e);
+    ptr_sfa = o;    o += Round(sizeof(void*) * e);
+    ptr_sfb = o;    o += Round(sizeof(void*) * e);
+    stride_a = o;   o += Round(sizeof(typename G::StrideA) * e);
+    stride_b = o;   o += Round(sizeof(typename G::StrideB) * e);
+    stride_d = o;   o += Round(sizeof(typename G::StrideD) * e);
+    layout_sfa = o; o += Round(sizeof(typename G::LayoutSFA) * e);
+    layout_sfb = o; o += Round(sizeof(typename G::LayoutSFB) * e);
+    cutlass_ws = o;
+  }
+};
+
+template <class G>
+__global__ void PrepareFp8(GroupedGemmFp8Problem p, typename G::Shape3* shapes,
+                           const typename G::ElementA** ptr_a, const typename G::ElementB** ptr_b,
+                           typename G::ElementD** ptr_d, const float** ptr_sfa,
+                           const float** ptr_sfb, typename G::StrideA* stride_a,
+                           typename G::StrideB* stride_b, typename G::StrideD* stride_d,
+                           typename G::LayoutSFA* layout_sfa, typename G::LayoutSFB* layout_sfb) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= p.num_groups) return;
+  const int64_t r0 = p.offsets[g];
+  const int rows = int(p.offsets[g + 1] - r0);
+  const int64_t kbs = p.k / 128, nbs = p.n / 128;
+  shapes[g] = typename G::Shape3(rows, int(p.n), int(p.k));
+  ptr_a[g] = static_cast<const typename G::ElementA*>(p.a) + r0 * p.k;
+  ptr_b[g] = static_cast<const typename G::ElementB*>(p.b) + int64_t(g) * p.n * p.k;
+  ptr_d[g] = static_cast<typename G::ElementD*>(p.d) + r0 * p.n;
+  ptr_sfa[g] = p.a_scale + r0 * kbs;
+  ptr_sfb[g] = p.b_scale + int64_t(g) * kbs * nbs;
+  stride_a[g] = sm90::LeadingStride<typename G::StrideA>(p.k);
+  stride_b[g] = sm90::LeadingStride<typename G::StrideB>(p.k);
+  stride_d[g] = sm90::LeadingStride<typename G::StrideD>(p.n);
+  layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, int(p.n), int(p.k), 1));
+  layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, int(p.n), int(p.k), 1));
+}
+
+template <class G>
+typename G::Gemm::Arguments MakeArgs(const Fp8Layout<G>& l, uint8_t* ws, int e, int sm_count,
+                                     int max_active_clusters) {
+  cutlass::KernelHardwareInfo hw;
+  cudaGetDevice(&hw.device_id);
+  hw.sm_count = sm_count;
+  hw.max_active_clusters = max_active_clusters;
+  typename G::Gemm::Arguments args;
+  decltype(args.epilogue.thread) fusion;
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  args = typename G::Gemm::Arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {e, reinterpret_cast<typename G::Shape3*>(ws + l.shapes), nullptr},
+      {reinterpret_cast<const typename G::ElementA**>(ws + l.ptr_a),
+       reinterpret_cast<typename G::StrideA*>(ws + l.stride_a),
+       reinterpret_cast<const typename G::ElementB**>(ws + l.ptr_b),
+       reinterpret_cast<typename G::StrideB*>(ws + l.stride_b),
+       reinterpret_cast<const float**>(ws + l.ptr_sfa),
+       reinterpret_cast<typename G::LayoutSFA*>(ws + l.layout_sfa),
+       reinterpret_cast<const float**>(ws + l.ptr_sfb),
+       reinterpret_cast<typename G::LayoutSFB*>(ws + l.layout_sfb)},
+      {fusion, nullptr, reinterpret_cast<typename G::StrideD*>(ws + l.stride_d),
+       reinterpret_cast<typename G::ElementD**>(ws + l.ptr_d),
+       reinterpret_cast<typename G::StrideD*>(ws + l.stride_d)},
+      hw};
+  return args;
+}
+
+template <class G>
+size_t WorkspaceBytes(int num_groups, int sm_count) {
+  Fp8Layout<G> l(num_groups);
+  return l.cutlass_ws +
+         G::Gemm::get_workspace_size(MakeArgs<G>(l, nullptr, num_groups, sm_count, 0));
+}
+
+template <class G>
+std::string Run(const GroupedGemmFp8Problem& p, void* workspace, size_t workspace_bytes,
+                int sm_count, cudaStream_t stream) {
+  if (p.k % 128 != 0 || p.n % 128 != 0) {
+    return "FP8 grouped GEMM needs K and N multiples of 128, got K=" + std::to_string(p.k) +
+           " N=" + std::to_string(p.n);
+  }
+  Fp8Layout<G> l(p.num_groups);
+  uint8_t* ws = static_cast<uint8_t*>(workspace);
+  auto args = MakeArgs<G>(l, ws, p.num_groups, sm_count, sm90::MaxActiveClusters<G>());
+  const size_t need = l.cutlass_ws + G::Gemm::get_workspace_size(args);
+  if (need > workspace_bytes) {
+    return "FP8 grouped GEMM workspace too small: need " + std::to_string(need) + " bytes, have " +
+           std::to_string(workspace_bytes);
+  }
+  PrepareFp8<G><<<(p.num_groups + 127) / 128, 128, 0, stream>>>(
+      p, reinterpret_cast<typename G::Shape3*>(ws + l.shapes),
+      reinterpret_cast<const typename G::ElementA**>(ws + l.ptr_a),
+      reinterpret_cast<const typename G::ElementB**>(ws + l.ptr_b),
+      reinterpret_cast<typename G::ElementD**>(ws + l.ptr_d), reinterpret_cast<const float**>(ws + l.ptr_sfa),
+      reinterpret_cast<const float**>(ws + l.ptr_sfb), reinterpret_cast<typename G::StrideA*>(ws + l.stride_a),
+      reinterpret_cast<typename G::StrideB*>(ws + l.stride_b), reinterpret_cast<typename G::StrideD*>(ws + l.stride_d),
+      reinterpret_cast<typename G::LayoutSFA*>(ws + l.layout_sfa),
+      reinterpret_cast<typename G::LayoutSFB*>(ws + l.layout_sfb));
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return std::string("PrepareFp8 launch: ") + cudaGetErrorString(err);
+  typename G::Gemm gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string("CUTLASS FP8 can_implement: ") + cutlassGetStatusString(status);
+  }
+  status = gemm.initialize(args, ws + l.cutlass_ws, stream);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string("CUTLASS FP8 initialize: ") + cutlassGetStatusString(status);
+  }
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string("CUTLASS FP8 run: ") + cutlassGetStatusString(status);
+  }
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return std::string("FP8 grouped GEMM launch: ") + cudaGetErrorString(err);
+  return "";
+}
+
+}  // namespace megamoe::grouped::fp8
+
+// Defines GroupedGemmFp8V<VARIANT>WorkspaceBytes / RunGroupedGemmFp8V<VARIANT> (grouped_fp8.h
+// signatures) for one schedule.
+#define MEGAMOE_DEFINE_GROUPED_GEMM_FP8(VARIANT, SCHEDULE)                                     \
+  namespace megamoe::grouped {                                                                \
+  size_t GroupedGemmFp8V##VARIANT##WorkspaceBytes(int num_groups, int sm_count) {             \
+    return fp8::WorkspaceBytes<fp8::Fp8Gemm<fp8::SCHEDULE>>(num_groups, sm_count);            \
+  }                                                                                           \
+  std::string RunGroupedGemmFp8V##VARIANT(const GroupedGemmFp8Problem& p, void* ws,           \
+                                          size_t ws_bytes, int sm_count, cudaStream_t stream) { \
+    return fp8::Run<fp8::Fp8Gemm<fp8::SCHEDULE>>(p, ws, ws_bytes, sm_count, stream);          \
+  }                                                                                           \
+  }

@@ -1,0 +1,174 @@
+"""Recipe "fp8" / "fp8_pow2" on the CUDA kernels: blockwise-FP8 quantisers, the grouped GEMM on
+quantised operands, and the expert MLP built from them (jax_megamoe.fp8 defines the numerics).
+
+Quantising is separate from the GEMM so that each operand is quantised once where it is
+produced: token rows before they are dispatched (they travel in FP8, backends.cuda_ep), weights
+once per forward, the SwiGLU output between the two GEMMs.
+
+  quantize_rows(x)            x [N, K] bf16 -> QuantizedRows(q [N, K] e4m3, scale [N, K/128] f32)
+  quantize_weights(w)         w [E, K, P] bf16 -> QuantizedWeights(q [E, P, K] e4m3 (transposed,
+                              K-major as FP8 wgmma needs), scale [E, K/128, P/128] f32)
+  grouped_gemm_quantized(a, group_sizes, b) -> [N, P] bf16; rows of group g times b[g], fp32
+                              accumulation promoted every 128 of K, rows past sum(group_sizes) 0
+Backward (straight-through): the bf16 kernels (backends.cuda) with the unquantised operands;
+where only the FP8 rows exist (dispatched in FP8), with those rows dequantised.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GEMM_TARGET = "megamoe_grouped_gemm_fp8"
+QUANTIZE_ROWS_TARGET = "megamoe_fp8_quantize_rows"
+QUANTIZE_WEIGHTS_TARGET = "megamoe_fp8_quantize_weights"
+TARGETS = (GEMM_TARGET, QUANTIZE_ROWS_TARGET, QUANTIZE_WEIGHTS_TARGET)
+BLOCK = 128
+
+
+class QuantizedRows(NamedTuple):
+  q: jax.Array      # [N, K] float8_e4m3fn
+  scale: jax.Array  # [N, K / 128] float32
+
+
+class QuantizedWeights(NamedTuple):
+  q: jax.Array      # [E, P, K] float8_e4m3fn: the weights transposed
+  scale: jax.Array  # [E, K / 128, P / 128] float32
+
+
+def _vary_like(outputs, *inputs):
+  """ffi_call results vary over the inputs' mesh axes inside shard_map (see cuda._match_varying)."""
+  from jax_megamoe.backends import cuda
+  return type(outputs)(*(cuda._match_varying(o, *inputs) for o in outputs))
+
+
+def _require_bf16(name: str, a: jax.Array, ndim: int, blocked_axes: tuple[int, ...]):
+  if a.ndim != ndim or a.dtype != jnp.bfloat16:
+    raise ValueError(f"{name} must be a {ndim}-D bfloat16 array, got {a.dtype}{list(a.shape)}")
+  for axis in blocked_axes:
+    if a.shape[axis] % BLOCK:
+      raise ValueError(f"{name} axis {axis} must be a multiple of {BLOCK} for FP8, got shape "
+                       f"{a.shape}")
+
+
+def quantize_rows(x: jax.Array, *, pow2: bool = False) -> QuantizedRows:
+  """x [N, K] bf16 in 1x128 blocks along K (activations)."""
+  _require_bf16("x", x, 2, (1,))
+  n, k = x.shape
+  out = (jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((n, k // BLOCK), jnp.float32))
+  rows = QuantizedRows(*jax.ffi.ffi_call(QUANTIZE_ROWS_TARGET, out)(x, pow2=np.int64(pow2)))
+  return _vary_like(rows, x)
+
+
+def quantize_weights(w: jax.Array, *, pow2: bool = False) -> QuantizedWeights:
+  """w [E, K, P] bf16 in 128x128 blocks, transposed to [E, P, K]."""
+  _require_bf16("w", w, 3, (1, 2))
+  e, k, p = w.shape
+  out = (jax.ShapeDtypeStruct((e, p, k), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((e, k // BLOCK, p // BLOCK), jnp.float32))
+  blocks = QuantizedWeights(*jax.ffi.ffi_call(QUANTIZE_WEIGHTS_TARGET, out)(w, pow2=np.int64(pow2)))
+  return _vary_like(blocks, w)
+
+
+def dequantize_rows(rows: QuantizedRows, dtype=jnp.bfloat16) -> jax.Array:
+  """q * scale per 1x128 block, in `dtype` (pure JAX)."""
+  scale = jnp.repeat(rows.scale, BLOCK, axis=1)
+  return (rows.q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def grouped_gemm_quantized(a: QuantizedRows, group_sizes: jax.Array,
+                           b: QuantizedWeights) -> jax.Array:
+  """[N, P] bf16 = rows of group g of a times b[g] (dequantised on the fly)."""
+  from jax_megamoe.backends import cuda  # the shared workspace size
+  n = a.q.shape[0]
+  e, p, _ = b.q.shape
+  out = (jax.ShapeDtypeStruct((n, p), jnp.bfloat16),
+         jax.ShapeDtypeStruct((cuda.workspace_bytes(e),), jnp.uint8))
+  d, _ = jax.ffi.ffi_call(GEMM_TARGET, out)(a.q, a.scale, group_sizes, b.q, b.scale)
+  return cuda._match_varying(d, *a, group_sizes, *b)
+
+
+def grouped_gemm_fp8(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, pow2: bool = False,
+                     return_quantized: bool = False):
+  """Quantise a [N, K] bf16 (1x128) and b [E, K, P] bf16 (128x128), then the grouped GEMM ->
+  [N, P] bf16. With return_quantized, also (a_q, a_scale, b_q, b_scale) as in QuantizedRows and
+  QuantizedWeights."""
+  a_rows = quantize_rows(a, pow2=pow2)
+  b_blocks = quantize_weights(b, pow2=pow2)
+  d = grouped_gemm_quantized(a_rows, group_sizes, b_blocks)
+  return (d, (*a_rows, *b_blocks)) if return_quantized else d
+
+
+def mlp_forward(x_rows: QuantizedRows, group_sizes, w_gate_up, w_down, pow2: bool):
+  """FP8 forward of the SwiGLU MLP from quantised rows: (y, gate_up, hidden), all bf16."""
+  f = w_down.shape[1]
+  gate_up = grouped_gemm_quantized(x_rows, group_sizes, quantize_weights(w_gate_up, pow2=pow2))
+  g32 = gate_up.astype(jnp.float32)
+  hidden = (jax.nn.silu(g32[:, :f]) * g32[:, f:]).astype(jnp.bfloat16)
+  y = grouped_gemm_quantized(quantize_rows(hidden, pow2=pow2), group_sizes,
+                             quantize_weights(w_down, pow2=pow2))
+  return y, gate_up, hidden
+
+
+def grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, pow2: bool = False):
+  """The expert MLP, recipe "fp8" (pow2: "fp8_pow2"): FP8 forward, straight-through backward
+  on the bf16 kernels with the unquantised operands (fp8.ragged_dot's semantics)."""
+  from jax_megamoe.backends import cuda
+  return _grouped_mlp(*cuda._align_varying(x_sorted, group_sizes, w_gate_up, w_down), bool(pow2))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, pow2):
+  return _grouped_mlp_fwd(x_sorted, group_sizes, w_gate_up, w_down, pow2)[0]
+
+
+def _grouped_mlp_fwd(x_sorted, group_sizes, w_gate_up, w_down, pow2):
+  y, gate_up, hidden = mlp_forward(quantize_rows(x_sorted, pow2=pow2), group_sizes, w_gate_up,
+                                   w_down, pow2)
+  return y, (x_sorted, group_sizes, w_gate_up, w_down, gate_up, hidden)
+
+
+def _grouped_mlp_bwd(pow2, res, dy):
+  del pow2
+  from jax_megamoe.backends import cuda
+  x, group_sizes, w_gate_up, w_down, gate_up, hidden = res
+  dx, dw_gate_up, dw_down = cuda._bwd_call(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden)
+  return dx, None, dw_gate_up, dw_down
+
+
+_grouped_mlp.defvjp(_grouped_mlp_fwd, _grouped_mlp_bwd)
+
+
+# --- FP8 rows as the bytes of a bf16 row (what the EP dispatch kernels move) -------------------
+
+
+def packed_width(hidden: int) -> int:
+  """bf16 elements of one packed row: hidden e4m3 bytes + hidden/128 fp32 scales, padded to 16
+  bytes (the transfer granule)."""
+  row_bytes = hidden + hidden // BLOCK * 4
+  return (row_bytes + 15) // 16 * 16 // 2
+
+
+def pack_rows(rows: QuantizedRows) -> jax.Array:
+  """QuantizedRows [T, H] -> bf16 [T, packed_width(H)] carrying their bytes (q, then scales)."""
+  t, h = rows.q.shape
+  q = jax.lax.bitcast_convert_type(rows.q, jnp.uint8)
+  s = jax.lax.bitcast_convert_type(rows.scale, jnp.uint8).reshape(t, h // BLOCK * 4)
+  width = packed_width(h)
+  raw = jnp.concatenate([q, s], axis=1)
+  raw = jnp.pad(raw, ((0, 0), (0, 2 * width - raw.shape[1])))
+  return jax.lax.bitcast_convert_type(raw.reshape(t, width, 2), jnp.bfloat16)
+
+
+def unpack_rows(packed: jax.Array, hidden: int) -> QuantizedRows:
+  """Inverse of pack_rows (bit for bit)."""
+  n = packed.shape[0]
+  raw = jax.lax.bitcast_convert_type(packed, jnp.uint8).reshape(n, -1)
+  q = jax.lax.bitcast_convert_type(raw[:, :hidden], jnp.float8_e4m3fn)
+  s = raw[:, hidden:hidden + hidden // BLOCK * 4].reshape(n, hidden // BLOCK, 4)
+  return QuantizedRows(q, jax.lax.bitcast_convert_type(s, jnp.float32))
