@@ -74,6 +74,8 @@ def parse_args(argv=None):
   p.add_argument("--time-budget", type=float, default=200.0,
                  help="seconds for the whole run; passes past it are recorded as skipped")
   p.add_argument("--torch-budget", type=float, default=70.0, help="seconds for the torch part")
+  p.add_argument("--torch-variant", choices=("lean", "naive"), default="lean",
+                 help="torch_layer.py --variant (naive: the first version, for comparison)")
   p.add_argument("--out", help="JSON results (default benchmarks/results/layer_<time>.json)")
   p.add_argument("--md", default=str(REPO / "benchmarks" / "RESULTS.md"),
                  help="markdown file the table is appended to ('' to skip)")
@@ -169,7 +171,7 @@ def run_torch(args, num_devices, ep, routing_path, budget_s) -> list[dict]:
            f"--passes={','.join(args.passes)}",
            f"--experts={args.experts}", f"--ep={ep}", f"--reps={args.reps}",
            f"--case-cap={args.case_cap}", f"--time-budget={max(budget_s - 30, 5)}",
-           f"--out={out}"]
+           f"--variant={args.torch_variant}", f"--out={out}"]
     log(f"[torch] {' '.join(cmd[2:])}")
     rc, stdout, stderr = run_process(cmd, timeout_s=budget_s + 60, capture_stdout=True)
     for line in stdout.splitlines()[-20:]:

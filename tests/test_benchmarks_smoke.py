@@ -81,6 +81,32 @@ def test_torch_baseline_agrees_with_reference(tmp_path):
   assert max(torch_record["rel_err"].values()) < 1e-4
 
 
+@pytest.mark.slow  # two torchrun start-ups
+@pytest.mark.skipif(not HAS_TORCH, reason="not run: torch is not installed")
+def test_torch_lean_and_naive_variants_agree(tmp_path):
+  """The lean PyTorch layer against the first version it replaced (--variant naive), which the
+  device runs time beside it: same y and gradients, with uneven and empty expert groups."""
+  import subprocess  # noqa: PLC0415
+  from benchmarks import numerics  # noqa: PLC0415
+  prob = problem.make_problem("small", 64, num_gpus=2, ep=2, num_experts=8, top_k=2)
+  ids, weights = problem.make_routing(prob.num_tokens, 8, 2, seed=2, skew=3.0)  # expert 2: none
+  host = numerics.make_inputs(prob, ids, weights, jnp.float32)
+  np.savez(tmp_path / "in.npz", dtype=np.array("float32"), **host)
+  got = {}
+  for variant in ("lean", "naive"):
+    out = tmp_path / f"{variant}.npz"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(numerics.TORCH_SCRIPT), "--check", f"--variant={variant}",
+           f"--inputs={tmp_path / 'in.npz'}", f"--outputs={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got[variant] = dict(np.load(out))
+  for name in numerics.OUTPUT_NAMES:
+    want = got["naive"][name]
+    np.testing.assert_allclose(got["lean"][name], want, atol=1e-5 * np.abs(want).max(),
+                               err_msg=name)
+
+
 def test_backward_pass_is_timed_from_saved_residuals():
   """The bwd pass applies a vjp returned by an earlier jitted call: same as jax.grad."""
   def layer(x, ids, w, wgu, wd):
