@@ -21,6 +21,7 @@ original x, W), which is what the CUDA "fp8" backward computes (bf16 kernels).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -115,23 +116,32 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Recip
   """Grouped x [N, K] @ w [E, K, P] -> float32 [N, P] with both operands quantised for the
   product (x in 1 x act_block blocks, w in weight_block blocks) and a straight-through backward
   on the UNquantised operands: dx = dy @ w^T, dw = x^T @ dy (fp32 accumulation)."""
+  return _ragged_dot(x, w, group_sizes, recipe)
 
-  def product(a, b):
-    return jax.lax.ragged_dot(a, b, group_sizes, precision=jax.lax.Precision.HIGHEST,
-                              preferred_element_type=jnp.float32)
 
-  @jax.custom_vjp
-  def op(x, w):
-    return product(quantize_activation(x, recipe), quantize_weight(w, recipe))
+def _product(a, b, group_sizes):
+  return jax.lax.ragged_dot(a, b, group_sizes, precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
 
-  def fwd(x, w):
-    return op(x, w), (x, w)
 
-  def bwd(res, dy):
-    x, w = res
-    _, vjp = jax.vjp(lambda a, b: product(a.astype(jnp.float32), b.astype(jnp.float32)), x, w)
-    dx, dw = vjp(dy)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+# group_sizes is an argument, not a closure: a custom_vjp must not close over tracers (jax 0.11.2
+# raises UnexpectedTracerError for that under shard_map + grad on a GPU).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ragged_dot(x, w, group_sizes, recipe):
+  return _product(quantize_activation(x, recipe), quantize_weight(w, recipe), group_sizes)
 
-  op.defvjp(fwd, bwd)
-  return op(x, w)
+
+def _ragged_dot_fwd(x, w, group_sizes, recipe):
+  return _ragged_dot(x, w, group_sizes, recipe), (x, w, group_sizes)
+
+
+def _ragged_dot_bwd(recipe, res, dy):
+  del recipe
+  x, w, group_sizes = res
+  _, vjp = jax.vjp(lambda a, b: _product(a.astype(jnp.float32), b.astype(jnp.float32),
+                                         group_sizes), x, w)
+  dx, dw = vjp(dy)
+  return dx.astype(x.dtype), dw.astype(w.dtype), None
+
+
+_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jax_megamoe import token_layout
+from jax_megamoe import token_layout, varying
 
 GroupedMlp = Callable[..., jax.Array]
 
@@ -161,7 +161,9 @@ def _ragged_transfer(operand, counts, out_rows, fill, reverse, axis_name):
   else:
     offsets = (send_offsets[me], counts[me], recv_offsets[me], counts[:, me])
   output = jnp.full((out_rows, *operand.shape[1:]), fill, operand.dtype)
-  return ragged_all_to_all(operand, output, *offsets, axis_name=axis_name)
+  # On GPUs (jax 0.11.2) the result is typed like `output`, invariant; the rows differ per rank.
+  return varying.cast_varying(ragged_all_to_all(operand, output, *offsets, axis_name=axis_name),
+                              (axis_name,))
 
 
 def _ragged_transfer_fwd(operand, counts, out_rows, fill, reverse, axis_name):

@@ -25,27 +25,42 @@ __device__ __forceinline__ uint8_t ToE4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
-// One warp per (row, 128-column block): 4 bf16 per lane.
+// Eight threads per (row, 128-column block), 16 bf16 each: two 16-byte loads and one 16-byte
+// store per thread; the block's amax is reduced over its 8 lanes.
 __global__ void QuantizeActivationsKernel(const __nv_bfloat16* __restrict__ x, int64_t rows,
                                           int64_t k, bool pow2, uint8_t* __restrict__ q,
                                           float* __restrict__ scale) {
   const int64_t kb_count = k / 128;
-  const int64_t warp = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= rows * kb_count) return;
-  const int64_t r = warp / kb_count, kb = warp - r * kb_count;
-  const int64_t base = r * k + kb * 128 + lane * 4;
-  const uint2 raw = *reinterpret_cast<const uint2*>(x + base);
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw);
-  const float2 a = __bfloat1622float2(p[0]), b = __bfloat1622float2(p[1]);
-  float amax = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y)));
+  const int64_t thread = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t block = thread / 8;  // (row, k block) pairs; 8 threads each
+  const int part = thread % 8;
+  // Whole 8-lane groups exit together (blockDim is a multiple of 8): the shuffles stay full.
+  if (block >= rows * kb_count) return;
+  const int64_t r = block / kb_count, kb = block - r * kb_count;
+  const int64_t base = r * k + kb * 128 + part * 16;
+  const uint4 raw[2] = {*reinterpret_cast<const uint4*>(x + base),
+                        *reinterpret_cast<const uint4*>(x + base + 8)};
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(raw);
+  float2 v[8];
+  float amax = 0.0f;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int i = 0; i < 8; ++i) {
+    v[i] = __bfloat1622float2(p[i]);
+    amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
+  }
+  const unsigned group_mask = 0xffu << (threadIdx.x % 32 / 8 * 8);
+#pragma unroll
+  for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group_mask, amax, o));
   const float s = BlockScale(amax, pow2);
-  const uint32_t packed = uint32_t(ToE4m3(a.x / s)) | (uint32_t(ToE4m3(a.y / s)) << 8) |
-                          (uint32_t(ToE4m3(b.x / s)) << 16) | (uint32_t(ToE4m3(b.y / s)) << 24);
-  *reinterpret_cast<uint32_t*>(q + base) = packed;
-  if (lane == 0) scale[r * kb_count + kb] = s;
+  uint32_t words[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float2 a = v[2 * w], b = v[2 * w + 1];
+    words[w] = uint32_t(ToE4m3(a.x / s)) | (uint32_t(ToE4m3(a.y / s)) << 8) |
+               (uint32_t(ToE4m3(b.x / s)) << 16) | (uint32_t(ToE4m3(b.y / s)) << 24);
+  }
+  *reinterpret_cast<uint4*>(q + base) = make_uint4(words[0], words[1], words[2], words[3]);
+  if (part == 0) scale[r * kb_count + kb] = s;
 }
 
 // One block of 256 threads per 128 x 128 weight block; writes the block transposed. The tile is
@@ -121,10 +136,10 @@ std::string LastError(const char* what) {
 
 std::string QuantizeActivations1x128(const void* x, int64_t rows, int64_t k, bool pow2, void* q,
                                      float* scale, cudaStream_t stream) {
-  const int64_t warps = rows * (k / 128);
-  if (warps == 0) return "";
+  const int64_t groups = rows * (k / 128);  // 8 threads each
+  if (groups == 0) return "";
   const int threads = 256;
-  const int64_t blocks = (warps * 32 + threads - 1) / threads;
+  const int64_t blocks = (groups * 8 + threads - 1) / threads;
   QuantizeActivationsKernel<<<dim3(unsigned(blocks)), threads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), rows, k, pow2, static_cast<uint8_t*>(q), scale);
   return LastError("QuantizeActivations1x128 launch");

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_megamoe import _ffi
+from jax_megamoe import _ffi, varying
 from jax_megamoe.backends import cuda_fp8, reference
 
 NAME = "cuda"
@@ -83,25 +83,10 @@ def _check(x_sorted, group_sizes, w_gate_up, w_down) -> tuple[int, int, int, int
   return n, h, f, e
 
 
-def _varying_axes(x) -> frozenset:
-  """The mesh axes x varies over inside shard_map (empty outside)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", frozenset()))
-
-
 def _match_varying(value, *like):
   """ffi_call results carry no varying-axes type inside shard_map: give them the union of the
   inputs' (what a custom_vjp and shard_map's type check expect)."""
-  want = frozenset().union(*(_varying_axes(a) for a in like))
-  missing = tuple(sorted(want - _varying_axes(value)))
-  if not missing:
-    return value
-  if hasattr(jax.lax, "pcast"):
-    return jax.lax.pcast(value, missing, to="varying")
-  return jax.lax.pvary(value, missing)
+  return varying.cast_varying(value, frozenset().union(*(varying.varying_axes(a) for a in like)))
 
 
 def _fwd_call(x, group_sizes, w_gate_up, w_down):
