@@ -318,7 +318,8 @@ def test_fp8_mlp_matches_emulation(recipe):
           "dw_down": rel_err(dwd.astype(jnp.float32), dwd_o.astype(jnp.float32))}
   print(recipe, errs)
   for name, err in errs.items():
-    assert err < 2e-2, f"{name}: {err:.3g} (all: {errs})"
+    limit = 4e-2 if name == "dw_gate_up vs bf16 rows" else 2e-2  # x_q vs x: e4m3 rounding
+    assert err < limit, f"{name}: {err:.3g} (all: {errs})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,7 +376,8 @@ def test_moe_cuda_backend_expert_parallel_two_gpus():
              for n, a, b in zip(("x", "w", "wgu", "wd"), g_r, g_1)}}
   print(errs)
   for name, err in errs.items():
-    assert err < 2e-2, f"{name}: {err:.3g} (all: {errs})"
+    limit = 4e-2 if name == "dw_gate_up vs bf16 rows" else 2e-2  # x_q vs x: e4m3 rounding
+    assert err < limit, f"{name}: {err:.3g} (all: {errs})"
 
 
 @pytest.mark.multigpu
@@ -408,15 +410,26 @@ def test_moe_cuda_fp8_rows_dispatched_in_fp8_two_gpus(recipe):
   poison_device_memory(64 << 20)
   y8, g8 = run(ep(True))
   y16, g16 = run(ep(False))
-  y_ref, g_ref = run(lambda *a: jm.moe(*a, mesh=mesh, backend="reference", recipe=recipe))
+  reference = lambda *a: jm.moe(*a, mesh=mesh, backend="reference", recipe=recipe)
+  y_ref, g_ref = run(reference)
+  # The expert rank holds x only as FP8 rows, so dW_gate_up = x_q^T dG: its oracle is the
+  # reference run on x rounded as the sender rounds it (the other gradients use no x).
+  spec = fp8.get_recipe(recipe)
+  _, g_ref_xq = run(lambda x, *a: reference(fp8.quantize_activation(x, spec).astype(x.dtype), *a))
   np.testing.assert_array_equal(np.asarray(y8.astype(jnp.float32)),
                                 np.asarray(y16.astype(jnp.float32)))
   f32 = lambda a: a.astype(jnp.float32)
   names = ("dx", "dtopk_weights", "dw_gate_up", "dw_down")
+  want = (g_ref[0], g_ref[1], g_ref_xq[2], g_ref[3])
+  # Same forward, so the gradients that do not read x are bit for bit those of the bf16 rows.
+  for n, a, b in zip(names, g8, g16):
+    if n != "dw_gate_up":
+      np.testing.assert_array_equal(np.asarray(f32(a)), np.asarray(f32(b)), err_msg=n)
   errs = {"y vs reference": rel_err(f32(y8), f32(y_ref)),
-          **{f"{n} vs bf16 rows": rel_err(f32(a), f32(b)) for n, a, b in zip(names, g8, g16)},
-          **{f"{n} vs reference": rel_err(f32(a), f32(b)) for n, a, b in zip(names, g8, g_ref)}}
+          "dw_gate_up vs bf16 rows": rel_err(f32(g8[2]), f32(g16[2])),
+          **{f"{n} vs reference": rel_err(f32(a), f32(b)) for n, a, b in zip(names, g8, want)}}
   print(recipe, errs)
   assert all(np.isfinite(v) for v in errs.values()), errs
   for name, err in errs.items():
-    assert err < 3e-2, f"{name}: {err:.3g} (all: {errs})"
+    limit = 4e-2 if name == "dw_gate_up vs bf16 rows" else 2e-2  # x_q vs x: e4m3 rounding
+    assert err < limit, f"{name}: {err:.3g} (all: {errs})"
