@@ -24,8 +24,13 @@ def test_pack_unpack_is_lossless(hidden):
   assert (packed.shape[1] * 2) % 16 == 0
   assert packed.shape[1] * 2 < 2 * hidden  # less than a bf16 row on the wire
   back = cuda_fp8.unpack_rows(packed, hidden)
+  # The values stay in place (the GEMM reads the packed rows with a row stride).
+  assert back.q.shape == (tokens, 2 * packed.shape[1]) and back.k == hidden
   np.testing.assert_array_equal(
-      np.asarray(jax.lax.bitcast_convert_type(back.q, jnp.uint8)), q_bits)
+      np.asarray(jax.lax.bitcast_convert_type(back.q[:, :hidden], jnp.uint8)), q_bits)
+  np.testing.assert_array_equal(
+      np.asarray(cuda_fp8.dequantize_rows(back, jnp.float32)),
+      np.asarray(cuda_fp8.dequantize_rows(rows, jnp.float32)))
   np.testing.assert_array_equal(np.asarray(back.scale).view(np.uint32), scale.view(np.uint32))
 
 
@@ -42,3 +47,5 @@ def test_quantisers_name_the_bad_operand():
     cuda_fp8.quantize_rows(jnp.zeros((4, 100), jnp.bfloat16))
   with pytest.raises(ValueError, match="w must be a 3-D bfloat16 array"):
     cuda_fp8.quantize_weights(jnp.zeros((4, 128, 128), jnp.float32))
+  with pytest.raises(ValueError, match="F a multiple of 128"):
+    cuda_fp8.swiglu_quantize(jnp.zeros((4, 192), jnp.bfloat16), jnp.ones((2,), jnp.int32))

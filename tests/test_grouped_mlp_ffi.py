@@ -280,6 +280,25 @@ def test_fp8_quantisation_and_gemm_match_emulation(pow2):
   assert err < 5e-3, err
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_swiglu_quantize_matches_swiglu_then_quantize(pow2):
+  """The fused SwiGLU + 1x128 quantisation equals, bit for bit on the rows in use, the bf16
+  MLP's SwiGLU followed by quantize_rows; padding rows of h are zero."""
+  x, gs, wgu, wd, _ = make_inputs(33, 900, 256, 384, 6, 811, jnp.bfloat16)
+  _, gate_up, hidden = jax.jit(cuda._fwd_call)(x, gs, wgu, wd)  # SwiGLU of the bf16 kernels
+  poison_device_memory(32 << 20)
+  h, rows = jax.jit(lambda g, s: cuda_fp8.swiglu_quantize(g, s, pow2=pow2))(gate_up, gs)
+  want = jax.jit(lambda a: cuda_fp8.quantize_rows(a, pow2=pow2))(hidden)
+  total = int(np.sum(np.asarray(gs)))
+  bf16_bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
+  e4m3_bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+  np.testing.assert_array_equal(bf16_bits(h[:total]), bf16_bits(hidden[:total]))
+  assert np.all(np.asarray(h[total:].astype(jnp.float32)) == 0)
+  np.testing.assert_array_equal(e4m3_bits(rows.q[:total]), e4m3_bits(want.q[:total]))
+  np.testing.assert_array_equal(np.asarray(rows.scale[:total]), np.asarray(want.scale[:total]))
+
+
 def fp8_oracle_mlp(recipe):
   """The recipe's definition in pure JAX: fp8 forward GEMMs, straight-through backward GEMMs
   on the unquantised operands (fp8.ragged_dot), SwiGLU in fp32, h in the compute dtype."""

@@ -1,6 +1,8 @@
 // XLA FFI handler (CUDA) of the blockwise-FP8 grouped GEMM on operands quantised beforehand
 // (ffi/handlers/fp8_quantize.cu, or rows dispatched already in FP8):
-//   a_q [N, K] e4m3, a_scale [N, K/128] f32 (1x128 blocks along K),
+//   a_q [N, L] e4m3 (L >= K, L % 16 == 0: row r's K values are its first K bytes, so rows may
+//       carry more, e.g. the scales they were dispatched with), a_scale [N, K/128] f32 (1x128
+//       blocks along K),
 //   group_sizes [E] int32,
 //   b_q [E, P, K] e4m3 (the weights transposed: K-major), b_scale [E, K/128, P/128] f32
 //   -> d [N, P] bf16 (rows past sum(group_sizes) are 0), workspace u8[W].
@@ -29,9 +31,13 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyB
   auto ad = a_q.dimensions(), bd = b_q.dimensions();
   if (ad.size() != 2 || bd.size() != 3) {
     return InvalidArgument("FP8 grouped GEMM got a_q ", ShapeString(ad), ", b_q ", ShapeString(bd),
-                           ": expected a_q [N, K], b_q [E, P, K]");
+                           ": expected a_q [N, L >= K], b_q [E, P, K]");
   }
-  const int64_t e = gd[0], n = ad[0], k = ad[1], p = bd[1];
+  const int64_t e = gd[0], n = ad[0], lda = ad[1], p = bd[1], k = bd[2];
+  if (lda < k || lda % 16 != 0) {
+    return InvalidArgument("a_q rows must hold K=", k, " values in a multiple of 16 bytes, got a_q ",
+                           ShapeString(ad));
+  }
   if (k % 128 != 0) return InvalidArgument("FP8 needs K % 128 == 0, got K=", k);
   if (p % 128 != 0) return InvalidArgument("FP8 needs P % 128 == 0, got P=", p);
   if (n > INT32_MAX) return InvalidArgument("a_q has ", n, " rows, more than 2^31-1");
@@ -60,7 +66,7 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyB
                                static_cast<const float*>(a_scale.untyped_data()),
                                b_q.untyped_data(),
                                static_cast<const float*>(b_scale.untyped_data()),
-                               d->untyped_data(), n, p, k};
+                               d->untyped_data(), n, p, k, lda};
     err = RunGroupedGemmFp8(prob, ws + offsets_bytes, workspace->size_bytes() - offsets_bytes, sm,
                             stream);
   }

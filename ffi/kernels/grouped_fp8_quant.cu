@@ -5,6 +5,7 @@
 #include <cfloat>
 
 #include "ffi/kernels/grouped_fp8.h"
+#include "ffi/kernels/swiglu_math.cuh"
 
 namespace megamoe::grouped {
 namespace {
@@ -25,29 +26,14 @@ __device__ __forceinline__ uint8_t ToE4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
-// Eight threads per (row, 128-column block), 16 bf16 each: two 16-byte loads and one 16-byte
-// store per thread; the block's amax is reduced over its 8 lanes.
-__global__ void QuantizeActivationsKernel(const __nv_bfloat16* __restrict__ x, int64_t rows,
-                                          int64_t k, bool pow2, uint8_t* __restrict__ q,
-                                          float* __restrict__ scale) {
-  const int64_t kb_count = k / 128;
-  const int64_t thread = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const int64_t block = thread / 8;  // (row, k block) pairs; 8 threads each
-  const int part = thread % 8;
-  // Whole 8-lane groups exit together (blockDim is a multiple of 8): the shuffles stay full.
-  if (block >= rows * kb_count) return;
-  const int64_t r = block / kb_count, kb = block - r * kb_count;
-  const int64_t base = r * k + kb * 128 + part * 16;
-  const uint4 raw[2] = {*reinterpret_cast<const uint4*>(x + base),
-                        *reinterpret_cast<const uint4*>(x + base + 8)};
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(raw);
-  float2 v[8];
+// 1x128 blocks are quantised by 8 threads, 16 consecutive values each: the block's amax is
+// reduced over those 8 lanes (whole 8-lane groups are active or exit together, as blockDim is a
+// multiple of 8), each thread stores 16 e4m3 bytes, the first the scale.
+__device__ __forceinline__ void QuantizeSixteen(const float2 (&v)[8], bool pow2, int part,
+                                                uint8_t* q, float* scale) {
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[i] = __bfloat1622float2(p[i]);
-    amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
-  }
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fmaxf(fabsf(v[i].x), fabsf(v[i].y)));
   const unsigned group_mask = 0xffu << (threadIdx.x % 32 / 8 * 8);
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group_mask, amax, o));
@@ -59,8 +45,69 @@ __global__ void QuantizeActivationsKernel(const __nv_bfloat16* __restrict__ x, i
     words[w] = uint32_t(ToE4m3(a.x / s)) | (uint32_t(ToE4m3(a.y / s)) << 8) |
                (uint32_t(ToE4m3(b.x / s)) << 16) | (uint32_t(ToE4m3(b.y / s)) << 24);
   }
-  *reinterpret_cast<uint4*>(q + base) = make_uint4(words[0], words[1], words[2], words[3]);
-  if (part == 0) scale[r * kb_count + kb] = s;
+  *reinterpret_cast<uint4*>(q) = make_uint4(words[0], words[1], words[2], words[3]);
+  if (part == 0) *scale = s;
+}
+
+// x [rows, k] bf16: one 8-thread group per (row, 128-column block).
+__global__ void QuantizeActivationsKernel(const __nv_bfloat16* __restrict__ x, int64_t rows,
+                                          int64_t k, bool pow2, uint8_t* __restrict__ q,
+                                          float* __restrict__ scale) {
+  const int64_t kb_count = k / 128;
+  const int64_t thread = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t block = thread / 8;
+  const int part = thread % 8;
+  if (block >= rows * kb_count) return;
+  const int64_t r = block / kb_count, kb = block - r * kb_count;
+  const int64_t base = r * k + kb * 128 + part * 16;
+  const uint4 raw[2] = {*reinterpret_cast<const uint4*>(x + base),
+                        *reinterpret_cast<const uint4*>(x + base + 8)};
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(raw);
+  float2 v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = __bfloat1622float2(p[i]);
+  QuantizeSixteen(v, pow2, part, q + base, scale + r * kb_count + kb);
+}
+
+// h = bf16(silu(gate) * up) from gate_up [rows, 2F] for rows < offsets[E], then h quantised in
+// 1x128 blocks (the bf16 values, as quantize_rows(h) would); rows past offsets[E]: h zeroed,
+// q and scale not written (no GEMM reads them).
+__global__ void SwigluQuantizeKernel(const __nv_bfloat16* __restrict__ gate_up,
+                                     __nv_bfloat16* __restrict__ h, int64_t rows, int64_t f,
+                                     const int32_t* __restrict__ offsets, int num_groups,
+                                     bool pow2, uint8_t* __restrict__ q,
+                                     float* __restrict__ scale) {
+  const int64_t fb_count = f / 128;
+  const int64_t thread = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t block = thread / 8;
+  const int part = thread % 8;
+  if (block >= rows * fb_count) return;
+  const int64_t r = block / fb_count, fb = block - r * fb_count;
+  const int64_t col = fb * 128 + part * 16;
+  uint4* h_out = reinterpret_cast<uint4*>(h + r * f + col);
+  if (r >= offsets[num_groups]) {  // padding row (the whole 8-lane group shares r)
+    h_out[0] = h_out[1] = make_uint4(0u, 0u, 0u, 0u);
+    return;
+  }
+  const __nv_bfloat16* g_in = gate_up + r * 2 * f + col;
+  const uint4 g_raw[2] = {*reinterpret_cast<const uint4*>(g_in),
+                          *reinterpret_cast<const uint4*>(g_in + 8)};
+  const uint4 u_raw[2] = {*reinterpret_cast<const uint4*>(g_in + f),
+                          *reinterpret_cast<const uint4*>(g_in + f + 8)};
+  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(g_raw);
+  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(u_raw);
+  uint4 h_raw[2];
+  __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(h_raw);
+  float2 v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float2 g = __bfloat1622float2(g2[i]), u = __bfloat1622float2(u2[i]);
+    h2[i] = __floats2bfloat162_rn(Swiglu(g.x, u.x), Swiglu(g.y, u.y));
+    v[i] = __bfloat1622float2(h2[i]);
+  }
+  h_out[0] = h_raw[0];
+  h_out[1] = h_raw[1];
+  QuantizeSixteen(v, pow2, part, q + r * f + col, scale + r * fb_count + fb);
 }
 
 // One block of 256 threads per 128 x 128 weight block; writes the block transposed. The tile is
@@ -143,6 +190,19 @@ std::string QuantizeActivations1x128(const void* x, int64_t rows, int64_t k, boo
   QuantizeActivationsKernel<<<dim3(unsigned(blocks)), threads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), rows, k, pow2, static_cast<uint8_t*>(q), scale);
   return LastError("QuantizeActivations1x128 launch");
+}
+
+std::string SwigluQuantize1x128(const void* gate_up, void* h, int64_t rows, int64_t f,
+                                const int32_t* offsets, int num_groups, bool pow2, void* q,
+                                float* scale, cudaStream_t stream) {
+  const int64_t groups = rows * (f / 128);  // 8 threads each
+  if (groups == 0) return "";
+  const int threads = 256;
+  const int64_t blocks = (groups * 8 + threads - 1) / threads;
+  SwigluQuantizeKernel<<<dim3(unsigned(blocks)), threads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(gate_up), static_cast<__nv_bfloat16*>(h), rows, f,
+      offsets, num_groups, pow2, static_cast<uint8_t*>(q), scale);
+  return LastError("SwigluQuantize1x128 launch");
 }
 
 std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t n, bool pow2,

@@ -117,12 +117,12 @@ __global__ void PrepareFp8(GroupedGemmFp8Problem p, typename G::Shape3* shapes,
   const int rows = int(p.offsets[g + 1] - r0);
   const int64_t kbs = p.k / 128, nbs = p.n / 128;
   shapes[g] = typename G::Shape3(rows, int(p.n), int(p.k));
-  ptr_a[g] = static_cast<const typename G::ElementA*>(p.a) + r0 * p.k;
+  ptr_a[g] = static_cast<const typename G::ElementA*>(p.a) + r0 * p.lda;
   ptr_b[g] = static_cast<const typename G::ElementB*>(p.b) + int64_t(g) * p.n * p.k;
   ptr_d[g] = static_cast<typename G::ElementD*>(p.d) + r0 * p.n;
   ptr_sfa[g] = p.a_scale + r0 * kbs;
   ptr_sfb[g] = p.b_scale + int64_t(g) * kbs * nbs;
-  stride_a[g] = sm90::LeadingStride<typename G::StrideA>(p.k);
+  stride_a[g] = sm90::LeadingStride<typename G::StrideA>(p.lda);
   stride_b[g] = sm90::LeadingStride<typename G::StrideB>(p.k);
   stride_d[g] = sm90::LeadingStride<typename G::StrideD>(p.n);
   layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, int(p.n), int(p.k), 1));

@@ -1,5 +1,6 @@
 // Element-wise and bookkeeping kernels of the grouped SwiGLU MLP: see grouped_swiglu.h.
 #include "ffi/kernels/grouped_swiglu.h"
+#include "ffi/kernels/swiglu_math.cuh"
 
 #include <cuda_bf16.h>
 
@@ -45,8 +46,6 @@ __global__ void __launch_bounds__(kThreads) GroupOffsetsKernel(const int32_t* __
   }
 }
 
-__device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
-
 __global__ void SwigluForwardKernel(const uint4* __restrict__ gate_up, uint4* __restrict__ h,
                                     int64_t f_vecs, const int32_t* __restrict__ offsets,
                                     int num_groups) {
@@ -64,7 +63,7 @@ __global__ void SwigluForwardKernel(const uint4* __restrict__ gate_up, uint4* __
     for (int k = 0; k < kVec / 2; ++k) {
       const float2 g = __bfloat1622float2(g2[k]);
       const float2 u = __bfloat1622float2(u2[k]);
-      h2[k] = __floats2bfloat162_rn(g.x * Sigmoid(g.x) * u.x, g.y * Sigmoid(g.y) * u.y);
+      h2[k] = __floats2bfloat162_rn(Swiglu(g.x, u.x), Swiglu(g.y, u.y));
     }
     h[i] = hv;
   }

@@ -26,13 +26,20 @@ import numpy as np
 GEMM_TARGET = "megamoe_grouped_gemm_fp8"
 QUANTIZE_ROWS_TARGET = "megamoe_fp8_quantize_rows"
 QUANTIZE_WEIGHTS_TARGET = "megamoe_fp8_quantize_weights"
-TARGETS = (GEMM_TARGET, QUANTIZE_ROWS_TARGET, QUANTIZE_WEIGHTS_TARGET)
+SWIGLU_QUANTIZE_TARGET = "megamoe_fp8_swiglu_quantize"
+TARGETS = (GEMM_TARGET, QUANTIZE_ROWS_TARGET, QUANTIZE_WEIGHTS_TARGET, SWIGLU_QUANTIZE_TARGET)
 BLOCK = 128
 
 
 class QuantizedRows(NamedTuple):
-  q: jax.Array      # [N, K] float8_e4m3fn
-  scale: jax.Array  # [N, K / 128] float32
+  """q [N, L] float8_e4m3fn, L >= K: row r's K values are its first K bytes (L > K when the rows
+  carry more, e.g. their scales as dispatched); scale [N, K / 128] float32."""
+  q: jax.Array
+  scale: jax.Array
+
+  @property
+  def k(self) -> int:
+    return self.scale.shape[1] * BLOCK
 
 
 class QuantizedWeights(NamedTuple):
@@ -43,7 +50,8 @@ class QuantizedWeights(NamedTuple):
 def _vary_like(outputs, *inputs):
   """ffi_call results vary over the inputs' mesh axes inside shard_map (see cuda._match_varying)."""
   from jax_megamoe.backends import cuda
-  return type(outputs)(*(cuda._match_varying(o, *inputs) for o in outputs))
+  values = [cuda._match_varying(o, *inputs) for o in outputs]
+  return type(outputs)(*values) if hasattr(outputs, "_fields") else tuple(values)
 
 
 def _require_bf16(name: str, a: jax.Array, ndim: int, blocked_axes: tuple[int, ...]):
@@ -78,7 +86,7 @@ def quantize_weights(w: jax.Array, *, pow2: bool = False) -> QuantizedWeights:
 def dequantize_rows(rows: QuantizedRows, dtype=jnp.bfloat16) -> jax.Array:
   """q * scale per 1x128 block, in `dtype` (pure JAX)."""
   scale = jnp.repeat(rows.scale, BLOCK, axis=1)
-  return (rows.q.astype(jnp.float32) * scale).astype(dtype)
+  return (rows.q[:, :rows.k].astype(jnp.float32) * scale).astype(dtype)
 
 
 def grouped_gemm_quantized(a: QuantizedRows, group_sizes: jax.Array,
@@ -104,14 +112,30 @@ def grouped_gemm_fp8(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, pow2
   return (d, (*a_rows, *b_blocks)) if return_quantized else d
 
 
+def swiglu_quantize(gate_up: jax.Array, group_sizes: jax.Array, *, pow2: bool = False
+                    ) -> tuple[jax.Array, QuantizedRows]:
+  """gate_up [N, 2F] bf16 -> (h [N, F] bf16 = silu(gate) * up, zero past sum(group_sizes);
+  h quantised in 1x128 blocks, rows past the sum unspecified): one pass over the rows in use."""
+  _require_bf16("gate_up", gate_up, 2, ())
+  n, f2 = gate_up.shape
+  if f2 % (2 * BLOCK):
+    raise ValueError(f"gate_up must be [N, 2F] with F a multiple of {BLOCK}, got {gate_up.shape}")
+  f = f2 // 2
+  out = (jax.ShapeDtypeStruct((n, f), jnp.bfloat16),
+         jax.ShapeDtypeStruct((n, f), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((n, f // BLOCK), jnp.float32),
+         jax.ShapeDtypeStruct((4 * (group_sizes.shape[0] + 1),), jnp.uint8))
+  h, q, scale, _ = jax.ffi.ffi_call(SWIGLU_QUANTIZE_TARGET, out)(gate_up, group_sizes,
+                                                                 pow2=np.int64(pow2))
+  h, q, scale = _vary_like((h, q, scale), gate_up, group_sizes)
+  return h, QuantizedRows(q, scale)
+
+
 def mlp_forward(x_rows: QuantizedRows, group_sizes, w_gate_up, w_down, pow2: bool):
   """FP8 forward of the SwiGLU MLP from quantised rows: (y, gate_up, hidden), all bf16."""
-  f = w_down.shape[1]
   gate_up = grouped_gemm_quantized(x_rows, group_sizes, quantize_weights(w_gate_up, pow2=pow2))
-  g32 = gate_up.astype(jnp.float32)
-  hidden = (jax.nn.silu(g32[:, :f]) * g32[:, f:]).astype(jnp.bfloat16)
-  y = grouped_gemm_quantized(quantize_rows(hidden, pow2=pow2), group_sizes,
-                             quantize_weights(w_down, pow2=pow2))
+  hidden, hidden_rows = swiglu_quantize(gate_up, group_sizes, pow2=pow2)
+  y = grouped_gemm_quantized(hidden_rows, group_sizes, quantize_weights(w_down, pow2=pow2))
   return y, gate_up, hidden
 
 
@@ -166,9 +190,11 @@ def pack_rows(rows: QuantizedRows) -> jax.Array:
 
 
 def unpack_rows(packed: jax.Array, hidden: int) -> QuantizedRows:
-  """Inverse of pack_rows (bit for bit)."""
+  """Inverse of pack_rows, bit for bit. q is the packed rows themselves viewed as e4m3
+  ([N, 2 * packed_width], the values first): the GEMM reads them in place; only the scales are
+  copied out."""
   n = packed.shape[0]
   raw = jax.lax.bitcast_convert_type(packed, jnp.uint8).reshape(n, -1)
-  q = jax.lax.bitcast_convert_type(raw[:, :hidden], jnp.float8_e4m3fn)
+  q = jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn)
   s = raw[:, hidden:hidden + hidden // BLOCK * 4].reshape(n, hidden // BLOCK, 4)
   return QuantizedRows(q, jax.lax.bitcast_convert_type(s, jnp.float32))
