@@ -456,6 +456,10 @@ def main(argv=None):
       results = run_benchmark(args, rank, world, device)
       if rank == 0:
         write_results(args, results, device, partial=False)
+    # Every rank done before any tears down: a gloo rank destroyed while its peer still held
+    # the connection aborted now and then ("terminate called without an active exception").
+    # Not in `finally`: after a failure on one rank the others must not wait here.
+    dist.barrier()
   finally:
     dist.destroy_process_group()
 
