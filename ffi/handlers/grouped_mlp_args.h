@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "ffi/common/checks.h"
 
@@ -67,6 +68,45 @@ inline ffi::Error ReadMlpDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gro
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("w_gate_up", w_gate_up.element_type(), d->dtype));
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("w_down", w_down.element_type(), d->dtype));
   if (d->n > INT32_MAX) return InvalidArgument("x_sorted has ", d->n, " rows, more than 2^31-1");
+  return ffi::Error::Success();
+}
+
+// The forward results y [N, H], gate_up [N, 2F], h [N, F], all in x's dtype.
+inline ffi::Error CheckMlpFwdResults(const MlpDims& d, ffi::Result<ffi::AnyBuffer>& y,
+                                     ffi::Result<ffi::AnyBuffer>& gate_up,
+                                     ffi::Result<ffi::AnyBuffer>& h) {
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("y", y->dimensions(), {d.n, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up->dimensions(), {d.n, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h->dimensions(), {d.n, d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("y", y->element_type(), d.dtype));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("gate_up", gate_up->element_type(), d.dtype));
+  return ExpectDtype("h", h->element_type(), d.dtype);
+}
+
+// The backward's extra operands (dy, gate_up, h) and its results (dx, dw_gate_up, dw_down,
+// dgate_up, dh): shapes as in the contract above, all in x's dtype.
+inline ffi::Error CheckMlpBwdOperands(const MlpDims& d, const ffi::AnyBuffer& dy,
+                                      const ffi::AnyBuffer& gate_up, const ffi::AnyBuffer& h,
+                                      ffi::Result<ffi::AnyBuffer>& dx,
+                                      ffi::Result<ffi::AnyBuffer>& dw_gate_up,
+                                      ffi::Result<ffi::AnyBuffer>& dw_down,
+                                      ffi::Result<ffi::AnyBuffer>& dgate_up,
+                                      ffi::Result<ffi::AnyBuffer>& dh) {
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dy", dy.dimensions(), {d.n, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up.dimensions(), {d.n, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h.dimensions(), {d.n, d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dx", dx->dimensions(), {d.n, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dw_gate_up", dw_gate_up->dimensions(), {d.e, d.h, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dw_down", dw_down->dimensions(), {d.e, d.f, d.h}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dgate_up", dgate_up->dimensions(), {d.n, 2 * d.f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dh", dh->dimensions(), {d.n, d.f}));
+  for (auto [name, t] : {std::pair{"dy", dy.element_type()}, {"gate_up", gate_up.element_type()},
+                         {"h", h.element_type()}, {"dx", dx->element_type()},
+                         {"dw_gate_up", dw_gate_up->element_type()},
+                         {"dw_down", dw_down->element_type()},
+                         {"dgate_up", dgate_up->element_type()}, {"dh", dh->element_type()}}) {
+    MEGAMOE_RETURN_IF_ERROR(ExpectDtype(name, t, d.dtype));
+  }
   return ffi::Error::Success();
 }
 

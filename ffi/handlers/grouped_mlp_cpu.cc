@@ -80,12 +80,7 @@ ffi::Error GroupedMlpFwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
   MlpDims d;
   MEGAMOE_RETURN_IF_ERROR(ReadMlpDims(x, group_sizes, w_gate_up, w_down, &d));
   MEGAMOE_RETURN_IF_ERROR(CheckCpuDtype(d));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("y", y->dimensions(), {d.n, d.h}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up->dimensions(), {d.n, 2 * d.f}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h->dimensions(), {d.n, d.f}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("y", y->element_type(), d.dtype));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("gate_up", gate_up->element_type(), d.dtype));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("h", h->element_type(), d.dtype));
+  MEGAMOE_RETURN_IF_ERROR(CheckMlpFwdResults(d, y, gate_up, h));
   (void)workspace;
   const int64_t N = d.n, H = d.h, F = d.f, E = d.e;
   const auto off = Offsets(group_sizes, E, N);
@@ -130,21 +125,8 @@ ffi::Error GroupedMlpBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer
   MlpDims d;
   MEGAMOE_RETURN_IF_ERROR(ReadMlpDims(x, group_sizes, w_gate_up, w_down, &d));
   MEGAMOE_RETURN_IF_ERROR(CheckCpuDtype(d));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dy", dy.dimensions(), {d.n, d.h}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up.dimensions(), {d.n, 2 * d.f}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h.dimensions(), {d.n, d.f}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dx", dx->dimensions(), {d.n, d.h}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dw_gate_up", dw_gate_up->dimensions(), {d.e, d.h, 2 * d.f}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dw_down", dw_down->dimensions(), {d.e, d.f, d.h}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dgate_up", dgate_up->dimensions(), {d.n, 2 * d.f}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dh", dh->dimensions(), {d.n, d.f}));
-  for (auto [name, t] : {std::pair{"dy", dy.element_type()}, {"gate_up", gate_up.element_type()},
-                         {"h", h.element_type()}, {"dx", dx->element_type()},
-                         {"dw_gate_up", dw_gate_up->element_type()},
-                         {"dw_down", dw_down->element_type()},
-                         {"dgate_up", dgate_up->element_type()}, {"dh", dh->element_type()}}) {
-    MEGAMOE_RETURN_IF_ERROR(ExpectDtype(name, t, d.dtype));
-  }
+  MEGAMOE_RETURN_IF_ERROR(
+      CheckMlpBwdOperands(d, dy, gate_up, h, dx, dw_gate_up, dw_down, dgate_up, dh));
   (void)workspace;
   const int64_t N = d.n, H = d.h, F = d.f, E = d.e;
   const auto off = Offsets(group_sizes, E, N);

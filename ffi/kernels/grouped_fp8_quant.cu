@@ -49,16 +49,27 @@ __device__ __forceinline__ void QuantizeSixteen(const float2 (&v)[8], bool pow2,
   if (part == 0) *scale = s;
 }
 
+// This thread's row r, 128-column block b and part (0..7: columns b*128 + part*16 .. +16) when
+// 8 threads take each block of a [rows, blocks_per_row * 128] matrix; false past the end.
+__device__ __forceinline__ bool LocateSixteen(int64_t rows, int64_t blocks_per_row, int64_t* r,
+                                              int64_t* b, int* part) {
+  const int64_t thread = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t block = thread / 8;
+  if (block >= rows * blocks_per_row) return false;
+  *part = int(thread % 8);
+  *r = block / blocks_per_row;
+  *b = block - *r * blocks_per_row;
+  return true;
+}
+
 // x [rows, k] bf16: one 8-thread group per (row, 128-column block).
 __global__ void QuantizeActivationsKernel(const __nv_bfloat16* __restrict__ x, int64_t rows,
                                           int64_t k, bool pow2, uint8_t* __restrict__ q,
                                           float* __restrict__ scale) {
   const int64_t kb_count = k / 128;
-  const int64_t thread = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const int64_t block = thread / 8;
-  const int part = thread % 8;
-  if (block >= rows * kb_count) return;
-  const int64_t r = block / kb_count, kb = block - r * kb_count;
+  int64_t r, kb;
+  int part;
+  if (!LocateSixteen(rows, kb_count, &r, &kb, &part)) return;
   const int64_t base = r * k + kb * 128 + part * 16;
   const uint4 raw[2] = {*reinterpret_cast<const uint4*>(x + base),
                         *reinterpret_cast<const uint4*>(x + base + 8)};
@@ -78,11 +89,9 @@ __global__ void SwigluQuantizeKernel(const __nv_bfloat16* __restrict__ gate_up,
                                      bool pow2, uint8_t* __restrict__ q,
                                      float* __restrict__ scale) {
   const int64_t fb_count = f / 128;
-  const int64_t thread = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const int64_t block = thread / 8;
-  const int part = thread % 8;
-  if (block >= rows * fb_count) return;
-  const int64_t r = block / fb_count, fb = block - r * fb_count;
+  int64_t r, fb;
+  int part;
+  if (!LocateSixteen(rows, fb_count, &r, &fb, &part)) return;
   const int64_t col = fb * 128 + part * 16;
   uint4* h_out = reinterpret_cast<uint4*>(h + r * f + col);
   if (r >= offsets[num_groups]) {  // padding row (the whole 8-lane group shares r)

@@ -189,24 +189,9 @@ std::string Run(const GroupedGemmFp8Problem& p, void* workspace, size_t workspac
       reinterpret_cast<typename G::StrideB*>(ws + l.stride_b), reinterpret_cast<typename G::StrideD*>(ws + l.stride_d),
       reinterpret_cast<typename G::LayoutSFA*>(ws + l.layout_sfa),
       reinterpret_cast<typename G::LayoutSFB*>(ws + l.layout_sfb));
-  cudaError_t err = cudaGetLastError();
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("PrepareFp8 launch: ") + cudaGetErrorString(err);
-  typename G::Gemm gemm;
-  cutlass::Status status = gemm.can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS FP8 can_implement: ") + cutlassGetStatusString(status);
-  }
-  status = gemm.initialize(args, ws + l.cutlass_ws, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS FP8 initialize: ") + cutlassGetStatusString(status);
-  }
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS FP8 run: ") + cutlassGetStatusString(status);
-  }
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("FP8 grouped GEMM launch: ") + cudaGetErrorString(err);
-  return "";
+  return sm90::RunCutlass<typename G::Gemm>(args, ws + l.cutlass_ws, stream, "FP8 grouped GEMM");
 }
 
 }  // namespace megamoe::grouped::fp8

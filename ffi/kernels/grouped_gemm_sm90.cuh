@@ -222,6 +222,29 @@ size_t WorkspaceBytes(int num_groups, int sm_count) {
   return layout.end + G::Gemm::get_workspace_size(args);
 }
 
+// can_implement, initialize and run of one CUTLASS GemmUniversalAdapter on `stream`; "" or the
+// failing stage, prefixed with `what`.
+template <class Gemm>
+std::string RunCutlass(const typename Gemm::Arguments& args, void* cutlass_workspace,
+                       cudaStream_t stream, const char* what) {
+  Gemm gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string(what) + " can_implement: " + cutlassGetStatusString(status);
+  }
+  status = gemm.initialize(args, cutlass_workspace, stream);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string(what) + " initialize: " + cutlassGetStatusString(status);
+  }
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    return std::string(what) + " run: " + cutlassGetStatusString(status);
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return std::string(what) + " launch: " + cudaGetErrorString(err);
+  return "";
+}
+
 template <class G, GemmKind Kind>
 std::string Run(const GroupedGemmProblem& p, void* workspace, size_t workspace_bytes,
                 int sm_count, cudaStream_t stream) {
@@ -248,22 +271,7 @@ std::string Run(const GroupedGemmProblem& p, void* workspace, size_t workspace_b
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return std::string("prepare kernel launch: ") + cudaGetErrorString(err);
 
-  typename G::Gemm gemm;
-  cutlass::Status status = gemm.can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS can_implement: ") + cutlassGetStatusString(status);
-  }
-  status = gemm.initialize(args, ws + layout.cutlass_ws, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS initialize: ") + cutlassGetStatusString(status);
-  }
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) {
-    return std::string("CUTLASS run: ") + cutlassGetStatusString(status);
-  }
-  err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("grouped GEMM launch: ") + cudaGetErrorString(err);
-  return "";
+  return RunCutlass<typename G::Gemm>(args, ws + layout.cutlass_ws, stream, "grouped GEMM");
 }
 
 }  // namespace megamoe::grouped::sm90
