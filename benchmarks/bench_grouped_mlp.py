@@ -266,10 +266,11 @@ def main():
         print(results[-1], flush=True)
   with open(args.out, "w") as fh:
     json.dump(results, fh, indent=1)
-  print("\n| shape | E | impl | op | ms | TFLOP/s |")
+  print("\n| shape | E | impl | op | ms | TFLOP/s (quantisers: TB/s) |")
   print("|---|---|---|---|---|---|")
   for r in results:
-    val = (f"{r['ms']:.3f} | {r['tflops']:.0f}" if "ms" in r else f"FAILED: {r['error'][:80]} |")
+    rate = f"{r['tflops']:.2f}" if "(TB/s)" in r["op"] else f"{r['tflops']:.0f}"  # quantisers
+    val = f"{r['ms']:.3f} | {rate}" if "ms" in r else f"FAILED: {r['error'][:80]} |"
     print(f"| {r['shape']} | {r['experts']} | {r['impl']} | {r.get('op', '-')} | {val} |")
 
 

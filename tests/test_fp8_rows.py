@@ -49,3 +49,19 @@ def test_quantisers_name_the_bad_operand():
     cuda_fp8.quantize_weights(jnp.zeros((4, 128, 128), jnp.float32))
   with pytest.raises(ValueError, match="F a multiple of 128"):
     cuda_fp8.swiglu_quantize(jnp.zeros((4, 192), jnp.bfloat16), jnp.ones((2,), jnp.int32))
+
+
+def test_fp8_dispatch_refused_with_the_reason():
+  """Asking for FP8 rows where they cannot travel names why, before any workspace exists."""
+  from jax.sharding import AxisType
+  from jax_megamoe.backends import cuda_ep
+  mesh = jax.make_mesh((2,), ("expert",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices("cpu")[:2])
+  x = jnp.zeros((8, 256), jnp.bfloat16)
+  ids = jnp.zeros((8, 2), jnp.int32).at[:, 1].set(1)
+  w = jnp.full((8, 2), 0.5, jnp.float32)
+  wgu, wd = jnp.zeros((4, 256, 256), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="fp8_dispatch=True cannot be served: recipe None"):
+    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, fp8_dispatch=True)
+  with pytest.raises(ValueError, match="fp8_dispatch=True cannot be served"):
+    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, recipe="fp8", fp8_dispatch=True)

@@ -346,6 +346,12 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
                      f"{expert_axis!r} of size {num_ranks}")
   if x.shape[0] % mesh.size:
     raise ValueError(f"tokens={x.shape[0]} must divide evenly over the mesh's {mesh.size} devices")
+  fp8_reason = fp8_dispatch_unavailable_reason(x, w_down, recipe)
+  if grouped_mlp is not None:
+    fp8_reason = fp8_reason or "a grouped_mlp was given (it takes bf16 rows)"
+  if fp8_dispatch and fp8_reason:
+    raise ValueError(f"fp8_dispatch=True cannot be served: {fp8_reason}")
+  fp8_rows = fp8_reason is None if fp8_dispatch is None else fp8_dispatch
   tokens = x.shape[0] // mesh.size
   hidden, top_k = x.shape[1], topk_ids.shape[1]
   if workspace is None:
@@ -360,12 +366,6 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
   n_cap = capacity_rows(num_ranks, tokens, top_k, epr, capacity_factor)
   if check_capacity is None:
     check_capacity = n_cap < dropless_capacity(num_ranks, tokens, top_k, epr)
-  fp8_reason = fp8_dispatch_unavailable_reason(x, w_down, recipe)
-  if grouped_mlp is not None:
-    fp8_reason = fp8_reason or "a grouped_mlp was given (it takes bf16 rows)"
-  if fp8_dispatch and fp8_reason:
-    raise ValueError(f"fp8_dispatch=True cannot be served: {fp8_reason}")
-  fp8_rows = fp8_reason is None if fp8_dispatch is None else fp8_dispatch
   if grouped_mlp is None:
     grouped_mlp = default_grouped_mlp(recipe)
   token_axes = tuple(mesh.axis_names)
