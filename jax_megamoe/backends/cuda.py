@@ -24,7 +24,6 @@ kernels (backends.cuda_ep) where they serve the mesh, else between parallel's co
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

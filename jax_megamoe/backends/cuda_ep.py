@@ -178,9 +178,8 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 # The sender quantises its T token rows (1x128 blocks along H: a token's blocks are the same
 # whichever expert it goes to) and dispatch moves e4m3 values + fp32 scales packed into one row
 # (H + H/32 bytes instead of 2H); the receiver's grouped L1 GEMM reads them as they arrived.
-# Backward (straight-through): the bf16 MLP kernels, dW_gate_up from the dequantised rows (the
-# only copy of x the expert rank has, as the reference emulation of the recipe uses), and the
-# bf16 dispatch backward for dx.
+# Backward (straight-through): the bf16 MLP kernels, dW_gate_up from the dequantised rows (x
+# reaches the expert rank only as FP8 rows), and the bf16 dispatch backward for dx.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

@@ -8,8 +8,11 @@ once per forward, the SwiGLU output between the two GEMMs.
   quantize_rows(x)            x [N, K] bf16 -> QuantizedRows(q [N, K] e4m3, scale [N, K/128] f32)
   quantize_weights(w)         w [E, K, P] bf16 -> QuantizedWeights(q [E, P, K] e4m3 (transposed,
                               K-major as FP8 wgmma needs), scale [E, K/128, P/128] f32)
+  swiglu_quantize(gate_up, group_sizes) -> (h bf16, h as QuantizedRows): the SwiGLU fused with
+                              the quantisation of its output, over the rows in use only
   grouped_gemm_quantized(a, group_sizes, b) -> [N, P] bf16; rows of group g times b[g], fp32
-                              accumulation promoted every 128 of K, rows past sum(group_sizes) 0
+                              accumulation promoted every 128 of K, rows past sum(group_sizes) 0;
+                              a.q may have a row stride (dispatched rows are read in place)
 Backward (straight-through): the bf16 kernels (backends.cuda) with the unquantised operands;
 where only the FP8 rows exist (dispatched in FP8), with those rows dequantised.
 """
@@ -22,6 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_megamoe import varying
 
 GEMM_TARGET = "megamoe_grouped_gemm_fp8"
 QUANTIZE_ROWS_TARGET = "megamoe_fp8_quantize_rows"
@@ -48,9 +53,9 @@ class QuantizedWeights(NamedTuple):
 
 
 def _vary_like(outputs, *inputs):
-  """ffi_call results vary over the inputs' mesh axes inside shard_map (see cuda._match_varying)."""
-  from jax_megamoe.backends import cuda
-  values = [cuda._match_varying(o, *inputs) for o in outputs]
+  """ffi_call results typed as varying over the inputs' mesh axes (inside shard_map)."""
+  axes = frozenset().union(*(varying.varying_axes(a) for a in inputs))
+  values = [varying.cast_varying(o, axes) for o in outputs]
   return type(outputs)(*values) if hasattr(outputs, "_fields") else tuple(values)
 
 
@@ -98,7 +103,7 @@ def grouped_gemm_quantized(a: QuantizedRows, group_sizes: jax.Array,
   out = (jax.ShapeDtypeStruct((n, p), jnp.bfloat16),
          jax.ShapeDtypeStruct((cuda.workspace_bytes(e),), jnp.uint8))
   d, _ = jax.ffi.ffi_call(GEMM_TARGET, out)(a.q, a.scale, group_sizes, b.q, b.scale)
-  return cuda._match_varying(d, *a, group_sizes, *b)
+  return _vary_like((d,), *a, group_sizes, *b)[0]
 
 
 def grouped_gemm_fp8(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, pow2: bool = False,
