@@ -97,7 +97,8 @@ ffi::Error SwigluQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer gate_up,
 
 }  // namespace
 
-#define MEGAMOE_QUANT_BINDING(impl)                          \
+// x -> (q, scale), attribute pow2: the binding of both quantisers.
+#define MEGAMOE_QUANT_BINDING                                \
   ffi::Ffi::Bind()                                           \
       .Ctx<ffi::PlatformStream<cudaStream_t>>()              \
       .Arg<ffi::AnyBuffer>()                                 \
@@ -106,10 +107,10 @@ ffi::Error SwigluQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer gate_up,
       .Attr<int64_t>("pow2")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeRowsCuda, QuantizeRowsImpl,
-                              MEGAMOE_QUANT_BINDING(QuantizeRowsImpl),
+                              MEGAMOE_QUANT_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWeightsCuda, QuantizeWeightsImpl,
-                              MEGAMOE_QUANT_BINDING(QuantizeWeightsImpl),
+                              MEGAMOE_QUANT_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluQuantizeCuda, SwigluQuantizeImpl,
                               ffi::Ffi::Bind()
