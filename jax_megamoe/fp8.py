@@ -55,13 +55,15 @@ def get_recipe(name: str | None) -> Recipe | None:
 
 
 def _block_scale(amax: jax.Array, power_of_two: bool, rule: str = "ocp") -> jax.Array:
-  amax = jnp.maximum(amax, jnp.finfo(jnp.float32).tiny)
+  tiny = jnp.finfo(jnp.float32).tiny
   if power_of_two and rule == "ocp":
     # OCP MX: shared exponent floor(log2(amax)) - emax(e4m3); values above 448 saturate.
-    return jnp.exp2(jnp.floor(jnp.log2(amax)) - E4M3_EMAX)
+    return jnp.exp2(jnp.floor(jnp.log2(jnp.maximum(amax, tiny))) - E4M3_EMAX)
   # amax * fp32(1/448), not amax / 448: XLA may rewrite a division by a constant into this
   # product, so the product is the one rule that the kernels and every backend compute alike.
-  scale = amax * jnp.float32(1.0 / E4M3_MAX)
+  # Floored at the smallest normal float AFTER the product: a denormal scale (an all-zero
+  # block) is flushed to 0 where denormals are (XLA:CPU), and 0 / 0 would be NaN.
+  scale = jnp.maximum(amax * jnp.float32(1.0 / E4M3_MAX), tiny)
   if power_of_two:  # "ceil": the smallest power of two >= amax / 448, exactly (no log2 rounding)
     mant, expo = jnp.frexp(scale)
     scale = jnp.ldexp(jnp.ones_like(scale), jnp.where(mant == 0.5, expo - 1, expo))

@@ -1,4 +1,5 @@
 // XLA FFI handlers (CUDA) of the blockwise-FP8 quantisers (recipe "fp8", jax_megamoe/fp8.py):
+// Contracts and checks: fp8_args.h; CPU twins: fp8_cpu.cc.
 //   megamoe_fp8_quantize_rows     x [N, K] bf16 -> q [N, K] e4m3, scale [N, K/128] f32
 //                                 (1x128 blocks along K: activations, token rows)
 //   megamoe_fp8_quantize_weights  w [E, K, P] bf16 -> q [E, P, K] e4m3 (transposed, K-major),
@@ -11,7 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "ffi/common/checks.h"
-#include "ffi/handlers/grouped_mlp_args.h"
+#include "ffi/handlers/fp8_args.h"
 #include "ffi/kernels/grouped_fp8.h"
 #include "ffi/kernels/grouped_swiglu.h"
 #include "ffi/registry.h"
@@ -19,23 +20,10 @@
 namespace megamoe::grouped {
 namespace {
 
-ffi::Error CheckQuantOutputs(ffi::Result<ffi::AnyBuffer>& q, ffi::Result<ffi::AnyBuffer>& scale,
-                             std::initializer_list<int64_t> q_dims,
-                             std::initializer_list<int64_t> scale_dims) {
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("q", q->element_type(), ffi::DataType::F8E4M3FN));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("scale", scale->element_type(), ffi::DataType::F32));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("q", q->dimensions(), q_dims));
-  return ExpectShape("scale", scale->dimensions(), scale_dims);
-}
-
 ffi::Error QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
                             ffi::Result<ffi::AnyBuffer> scale, int64_t pow2) {
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("x", x.element_type(), ffi::DataType::BF16));
-  auto xd = x.dimensions();
-  if (xd.size() != 2) return InvalidArgument("x must be [N, K], got ", ShapeString(xd));
-  const int64_t n = xd[0], k = xd[1];
-  if (k % 128 != 0) return InvalidArgument("FP8 rows need K % 128 == 0, got K=", k);
-  MEGAMOE_RETURN_IF_ERROR(CheckQuantOutputs(q, scale, {n, k}, {n, k / 128}));
+  int64_t n, k;
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeRows(x, q, scale, &n, &k));
   std::string err = QuantizeActivations1x128(x.untyped_data(), n, k, pow2 != 0, q->untyped_data(),
                                              static_cast<float*>(scale->untyped_data()), stream);
   if (!err.empty()) return Internal(err);
@@ -45,14 +33,8 @@ ffi::Error QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
 ffi::Error QuantizeWeightsImpl(cudaStream_t stream, ffi::AnyBuffer w,
                                ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> scale,
                                int64_t pow2) {
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("w", w.element_type(), ffi::DataType::BF16));
-  auto wd = w.dimensions();
-  if (wd.size() != 3) return InvalidArgument("w must be [E, K, P], got ", ShapeString(wd));
-  const int64_t e = wd[0], k = wd[1], p = wd[2];
-  if (k % 128 != 0 || p % 128 != 0) {
-    return InvalidArgument("FP8 weights need K and P multiples of 128, got w ", ShapeString(wd));
-  }
-  MEGAMOE_RETURN_IF_ERROR(CheckQuantOutputs(q, scale, {e, p, k}, {e, k / 128, p / 128}));
+  int64_t e, k, p;
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWeights(w, q, scale, &e, &k, &p));
   std::string err = QuantizeWeights128x128(w.untyped_data(), e, k, p, pow2 != 0,
                                            q->untyped_data(),
                                            static_cast<float*>(scale->untyped_data()), stream);
@@ -64,21 +46,8 @@ ffi::Error SwigluQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer gate_up,
                               ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> h,
                               ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> scale,
                               ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("gate_up", gate_up.element_type(), ffi::DataType::BF16));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("group_sizes", group_sizes.element_type(), ffi::DataType::S32));
-  auto gd = gate_up.dimensions(), sd = group_sizes.dimensions();
-  if (gd.size() != 2 || gd[1] % 256 != 0) {
-    return InvalidArgument("gate_up must be [N, 2F] with F a multiple of 128, got ",
-                           ShapeString(gd));
-  }
-  if (sd.size() != 1 || sd[0] < 1) {
-    return InvalidArgument("group_sizes must be [E] with E >= 1, got ", ShapeString(sd));
-  }
-  const int64_t n = gd[0], f = gd[1] / 2, e = sd[0];
-  if (n > INT32_MAX) return InvalidArgument("gate_up has ", n, " rows, more than 2^31-1");
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("h", h->element_type(), ffi::DataType::BF16));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h->dimensions(), {n, f}));
-  MEGAMOE_RETURN_IF_ERROR(CheckQuantOutputs(q, scale, {n, f}, {n, f / 128}));
+  int64_t n, f, e;
+  MEGAMOE_RETURN_IF_ERROR(CheckSwigluQuantize(gate_up, group_sizes, h, q, scale, &n, &f, &e));
   if (workspace->size_bytes() < size_t(e + 1) * 4) {
     return InvalidArgument("workspace must hold ", e + 1, " int32 offsets, got ",
                            workspace->size_bytes(), " bytes");

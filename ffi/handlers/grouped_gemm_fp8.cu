@@ -11,7 +11,7 @@
 
 #include "ffi/common/checks.h"
 #include "ffi/common/device_info.h"
-#include "ffi/handlers/grouped_mlp_args.h"
+#include "ffi/handlers/fp8_args.h"
 #include "ffi/kernels/grouped_fp8.h"
 #include "ffi/kernels/grouped_swiglu.h"
 #include "ffi/registry.h"
@@ -23,33 +23,9 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyB
                               ffi::AnyBuffer group_sizes, ffi::AnyBuffer b_q,
                               ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer> d,
                               ffi::Result<ffi::AnyBuffer> workspace) {
-  auto gd = group_sizes.dimensions();
-  if (gd.size() != 1 || gd[0] < 1) {
-    return InvalidArgument("group_sizes must be [E] with E >= 1, got ", ShapeString(gd));
-  }
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("group_sizes", group_sizes.element_type(), ffi::DataType::S32));
-  auto ad = a_q.dimensions(), bd = b_q.dimensions();
-  if (ad.size() != 2 || bd.size() != 3) {
-    return InvalidArgument("FP8 grouped GEMM got a_q ", ShapeString(ad), ", b_q ", ShapeString(bd),
-                           ": expected a_q [N, L >= K], b_q [E, P, K]");
-  }
-  const int64_t e = gd[0], n = ad[0], lda = ad[1], p = bd[1], k = bd[2];
-  if (lda < k || lda % 16 != 0) {
-    return InvalidArgument("a_q rows must hold K=", k, " values in a multiple of 16 bytes, got a_q ",
-                           ShapeString(ad));
-  }
-  if (k % 128 != 0) return InvalidArgument("FP8 needs K % 128 == 0, got K=", k);
-  if (p % 128 != 0) return InvalidArgument("FP8 needs P % 128 == 0, got P=", p);
-  if (n > INT32_MAX) return InvalidArgument("a_q has ", n, " rows, more than 2^31-1");
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("a_q", a_q.element_type(), ffi::DataType::F8E4M3FN));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("b_q", b_q.element_type(), ffi::DataType::F8E4M3FN));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("a_scale", a_scale.element_type(), ffi::DataType::F32));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("b_scale", b_scale.element_type(), ffi::DataType::F32));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("d", d->element_type(), ffi::DataType::BF16));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("b_q", bd, {e, p, k}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("a_scale", a_scale.dimensions(), {n, k / 128}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("b_scale", b_scale.dimensions(), {e, k / 128, p / 128}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("d", d->dimensions(), {n, p}));
+  Fp8GemmDims g;
+  MEGAMOE_RETURN_IF_ERROR(CheckGroupedGemmFp8(a_q, a_scale, group_sizes, b_q, b_scale, d, &g));
+  const int64_t e = g.e, n = g.n, lda = g.lda, p = g.p, k = g.k;
   const int sm = CurrentDeviceSmCount();
   const size_t offsets_bytes = ((e + 1) * 4 + 255) / 256 * 256;
   const size_t need = offsets_bytes + GroupedGemmFp8WorkspaceBytes(int(e), sm);

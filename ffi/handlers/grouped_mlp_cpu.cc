@@ -9,25 +9,14 @@
 
 #include "ffi/common/checks.h"
 #include "ffi/handlers/grouped_mlp_args.h"
+#include "ffi/handlers/host_numerics.h"
 #include "ffi/registry.h"
 
 namespace megamoe::grouped {
 namespace {
 
-float Bf16ToFloat(uint16_t v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t FloatToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return uint16_t((bits >> 16) | 0x40);  // NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-  return uint16_t(bits >> 16);
-}
+using host::Bf16ToFloat;
+using host::FloatToBf16;
 
 // A float view of a bf16 or f32 buffer (copied), and a writer back.
 std::vector<float> Load(const ffi::AnyBuffer& b) {

@@ -1,7 +1,8 @@
 // Blockwise FP8 (DeepSeek-V3 recipe, e4m3 values, fp32 scales) for the grouped expert GEMMs:
 // the quantisation kernels of each operand layout and the scaled grouped GEMM (sm_90a).
-// Scale rule per block: s = amax * fp32(1/448) (amax floored at FLT_MIN; a product with the
-// rounded reciprocal, which XLA's simplifier leaves alone, so the emulation matches bit for bit);
+// Scale rule per block: s = max(amax * fp32(1/448), FLT_MIN) (a product with the rounded
+// reciprocal, which XLA's simplifier leaves alone, so the emulation matches bit for bit; never a
+// denormal, which FTZ would flush to 0);
 // with pow2, s is rounded up to a power of two (never saturates). q = e4m3_rn_satfinite(v / s).
 #pragma once
 

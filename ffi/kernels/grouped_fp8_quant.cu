@@ -13,7 +13,8 @@ namespace {
 constexpr float kE4m3Max = 448.0f;
 
 __device__ __forceinline__ float BlockScale(float amax, bool pow2) {
-  float s = fmaxf(amax, FLT_MIN) * (1.0f / kE4m3Max);
+  // Floored after the product: never a denormal scale (flushed to 0 under FTZ: 0 / 0 = NaN).
+  float s = fmaxf(amax * (1.0f / kE4m3Max), FLT_MIN);
   if (pow2) {  // smallest power of two >= s, exactly (frexp: s = m 2^e, m in [0.5, 1))
     int e;
     const float m = frexpf(s, &e);

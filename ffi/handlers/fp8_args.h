@@ -1,0 +1,125 @@
+// Shape and dtype validation of the blockwise-FP8 ops, shared by their CUDA handlers
+// (fp8_quantize.cu, grouped_gemm_fp8.cu) and CPU handlers (fp8_cpu.cc). Contracts:
+//   quantize_rows     x [N, K] bf16 -> q [N, K] e4m3, scale [N, K/128] f32
+//   quantize_weights  w [E, K, P] bf16 -> q [E, P, K] e4m3, scale [E, K/128, P/128] f32
+//   swiglu_quantize   gate_up [N, 2F] bf16, group_sizes [E] int32 -> h [N, F] bf16,
+//                     q [N, F] e4m3, scale [N, F/128] f32
+//   grouped_gemm_fp8  a_q [N, L >= K] e4m3, a_scale [N, K/128] f32, group_sizes [E] int32,
+//                     b_q [E, P, K] e4m3, b_scale [E, K/128, P/128] f32 -> d [N, P] bf16
+// K, P and F multiples of 128; L a multiple of 16 (a row stride in bytes).
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "ffi/common/checks.h"
+#include "ffi/handlers/grouped_mlp_args.h"
+
+namespace megamoe::grouped {
+
+inline ffi::Error CheckQuantOutputs(ffi::Result<ffi::AnyBuffer>& q,
+                                    ffi::Result<ffi::AnyBuffer>& scale,
+                                    std::initializer_list<int64_t> q_dims,
+                                    std::initializer_list<int64_t> scale_dims) {
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("q", q->element_type(), ffi::DataType::F8E4M3FN));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("scale", scale->element_type(), ffi::DataType::F32));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("q", q->dimensions(), q_dims));
+  return ExpectShape("scale", scale->dimensions(), scale_dims);
+}
+
+inline ffi::Error CheckGroupSizes(const ffi::AnyBuffer& group_sizes, int64_t* e) {
+  MEGAMOE_RETURN_IF_ERROR(
+      ExpectDtype("group_sizes", group_sizes.element_type(), ffi::DataType::S32));
+  auto sd = group_sizes.dimensions();
+  if (sd.size() != 1 || sd[0] < 1) {
+    return InvalidArgument("group_sizes must be [E] with E >= 1, got ", ShapeString(sd));
+  }
+  *e = sd[0];
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckQuantizeRows(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& q,
+                                    ffi::Result<ffi::AnyBuffer>& scale, int64_t* n, int64_t* k) {
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("x", x.element_type(), ffi::DataType::BF16));
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return InvalidArgument("x must be [N, K], got ", ShapeString(xd));
+  *n = xd[0];
+  *k = xd[1];
+  if (*k % 128 != 0) return InvalidArgument("FP8 rows need K % 128 == 0, got K=", *k);
+  return CheckQuantOutputs(q, scale, {*n, *k}, {*n, *k / 128});
+}
+
+inline ffi::Error CheckQuantizeWeights(const ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& q,
+                                       ffi::Result<ffi::AnyBuffer>& scale, int64_t* e,
+                                       int64_t* k, int64_t* p) {
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("w", w.element_type(), ffi::DataType::BF16));
+  auto wd = w.dimensions();
+  if (wd.size() != 3) return InvalidArgument("w must be [E, K, P], got ", ShapeString(wd));
+  *e = wd[0];
+  *k = wd[1];
+  *p = wd[2];
+  if (*k % 128 != 0 || *p % 128 != 0) {
+    return InvalidArgument("FP8 weights need K and P multiples of 128, got w ", ShapeString(wd));
+  }
+  return CheckQuantOutputs(q, scale, {*e, *p, *k}, {*e, *k / 128, *p / 128});
+}
+
+inline ffi::Error CheckSwigluQuantize(const ffi::AnyBuffer& gate_up,
+                                      const ffi::AnyBuffer& group_sizes,
+                                      ffi::Result<ffi::AnyBuffer>& h,
+                                      ffi::Result<ffi::AnyBuffer>& q,
+                                      ffi::Result<ffi::AnyBuffer>& scale, int64_t* n, int64_t* f,
+                                      int64_t* e) {
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("gate_up", gate_up.element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, e));
+  auto gd = gate_up.dimensions();
+  if (gd.size() != 2 || gd[1] % 256 != 0) {
+    return InvalidArgument("gate_up must be [N, 2F] with F a multiple of 128, got ",
+                           ShapeString(gd));
+  }
+  *n = gd[0];
+  *f = gd[1] / 2;
+  if (*n > INT32_MAX) return InvalidArgument("gate_up has ", *n, " rows, more than 2^31-1");
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("h", h->element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h->dimensions(), {*n, *f}));
+  return CheckQuantOutputs(q, scale, {*n, *f}, {*n, *f / 128});
+}
+
+struct Fp8GemmDims {
+  int64_t e = 0, n = 0, lda = 0, p = 0, k = 0;
+};
+
+inline ffi::Error CheckGroupedGemmFp8(const ffi::AnyBuffer& a_q, const ffi::AnyBuffer& a_scale,
+                                      const ffi::AnyBuffer& group_sizes,
+                                      const ffi::AnyBuffer& b_q, const ffi::AnyBuffer& b_scale,
+                                      ffi::Result<ffi::AnyBuffer>& d, Fp8GemmDims* g) {
+  MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, &g->e));
+  auto ad = a_q.dimensions(), bd = b_q.dimensions();
+  if (ad.size() != 2 || bd.size() != 3) {
+    return InvalidArgument("FP8 grouped GEMM got a_q ", ShapeString(ad), ", b_q ", ShapeString(bd),
+                           ": expected a_q [N, L >= K], b_q [E, P, K]");
+  }
+  g->n = ad[0];
+  g->lda = ad[1];
+  g->p = bd[1];
+  g->k = bd[2];
+  if (g->k % 128 != 0) return InvalidArgument("FP8 needs K % 128 == 0, got K=", g->k);
+  if (g->p % 128 != 0) return InvalidArgument("FP8 needs P % 128 == 0, got P=", g->p);
+  if (g->lda < g->k || g->lda % 16 != 0) {
+    return InvalidArgument("a_q rows must hold K=", g->k, " values in a multiple of 16 bytes, got a_q ",
+                           ShapeString(ad));
+  }
+  if (g->n > INT32_MAX) return InvalidArgument("a_q has ", g->n, " rows, more than 2^31-1");
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("a_q", a_q.element_type(), ffi::DataType::F8E4M3FN));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("b_q", b_q.element_type(), ffi::DataType::F8E4M3FN));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("a_scale", a_scale.element_type(), ffi::DataType::F32));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("b_scale", b_scale.element_type(), ffi::DataType::F32));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("d", d->element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("b_q", bd, {g->e, g->p, g->k}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("a_scale", a_scale.dimensions(), {g->n, g->k / 128}));
+  MEGAMOE_RETURN_IF_ERROR(
+      ExpectShape("b_scale", b_scale.dimensions(), {g->e, g->k / 128, g->p / 128}));
+  return ExpectShape("d", d->dimensions(), {g->n, g->p});
+}
+
+}  // namespace megamoe::grouped
