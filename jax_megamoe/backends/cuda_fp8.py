@@ -15,6 +15,8 @@ once per forward, the SwiGLU output between the two GEMMs.
                               a.q may have a row stride (dispatched rows are read in place)
 Backward (straight-through): the bf16 kernels (backends.cuda) with the unquantised operands;
 where only the FP8 rows exist (dispatched in FP8), with those rows dequantised.
+Every op also has a CPU handler with the same contract (plain loops, ffi/handlers/fp8_cpu.cc):
+on a CPU the whole module runs, slowly, and CI checks it against jax_megamoe.fp8.
 """
 
 from __future__ import annotations
