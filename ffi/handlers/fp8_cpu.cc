@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ffi/common/checks.h"
+#include "ffi/common/fp8_scale.h"
 #include "ffi/handlers/fp8_args.h"
 #include "ffi/handlers/host_numerics.h"
 #include "ffi/registry.h"
@@ -23,22 +24,12 @@ using host::E4m3ToFloat;
 using host::FloatToBf16;
 using host::FloatToE4m3;
 
-float BlockScale(float amax, bool pow2) {
-  float s = std::fmax(amax * (1.0f / 448.0f), FLT_MIN);  // never denormal (XLA:CPU flushes)
-  if (pow2) {  // smallest power of two >= s, exactly
-    int e;
-    const float m = std::frexp(s, &e);
-    s = std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
-  }
-  return s;
-}
-
 // Quantises `count` values read as values(i) into q[i * q_stride] with one scale.
 template <class Values>
 float QuantizeBlock(Values values, int count, bool pow2, uint8_t* q, int64_t q_stride) {
   float amax = 0.0f;
   for (int i = 0; i < count; ++i) amax = std::fmax(amax, std::fabs(values(i)));
-  const float s = BlockScale(amax, pow2);
+  const float s = Fp8BlockScale(amax, pow2);
   for (int i = 0; i < count; ++i) q[i * q_stride] = FloatToE4m3(values(i) / s);
   return s;
 }
@@ -87,7 +78,7 @@ ffi::Error QuantizeWeightsImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q,
         auto value = [&](int i) { return Bf16ToFloat(src[int64_t(i / 128) * p + i % 128]); };
         float amax = 0.0f;
         for (int i = 0; i < 128 * 128; ++i) amax = std::fmax(amax, std::fabs(value(i)));
-        const float s = BlockScale(amax, pow2 != 0);
+        const float s = Fp8BlockScale(amax, pow2 != 0);
         sv[(g * (k / 128) + kb) * (p / 128) + pb] = s;
         uint8_t* dst = qv + g * p * k + pb * 128 * k + kb * 128;
         for (int i = 0; i < 128 * 128; ++i) dst[int64_t(i % 128) * k + i / 128] = FloatToE4m3(value(i) / s);

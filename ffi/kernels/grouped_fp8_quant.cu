@@ -4,24 +4,12 @@
 
 #include <cfloat>
 
+#include "ffi/common/fp8_scale.h"
 #include "ffi/kernels/grouped_fp8.h"
 #include "ffi/kernels/swiglu_math.cuh"
 
 namespace megamoe::grouped {
 namespace {
-
-constexpr float kE4m3Max = 448.0f;
-
-__device__ __forceinline__ float BlockScale(float amax, bool pow2) {
-  // Floored after the product: never a denormal scale (flushed to 0 under FTZ: 0 / 0 = NaN).
-  float s = fmaxf(amax * (1.0f / kE4m3Max), FLT_MIN);
-  if (pow2) {  // smallest power of two >= s, exactly (frexp: s = m 2^e, m in [0.5, 1))
-    int e;
-    const float m = frexpf(s, &e);
-    s = ldexpf(1.0f, m == 0.5f ? e - 1 : e);
-  }
-  return s;
-}
 
 __device__ __forceinline__ uint8_t ToE4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
@@ -38,7 +26,7 @@ __device__ __forceinline__ void QuantizeSixteen(const float2 (&v)[8], bool pow2,
   const unsigned group_mask = 0xffu << (threadIdx.x % 32 / 8 * 8);
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group_mask, amax, o));
-  const float s = BlockScale(amax, pow2);
+  const float s = Fp8BlockScale(amax, pow2);
   uint32_t words[4];
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
@@ -163,7 +151,7 @@ __global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16
   amax = warp_max[0];
 #pragma unroll
   for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
-  const float s = BlockScale(amax, pow2);
+  const float s = Fp8BlockScale(amax, pow2);
   if (t == 0) scale[(g * kbs + kb) * nbs + nb] = s;
   // Store transposed: output row (column n of w) has 128 k bytes = 8 chunks of 16; warp lanes
   // take 32 consecutive n, the 8 warps the 8 chunks, 4 rounds over the 128 columns.
