@@ -337,8 +337,7 @@ def test_fp8_mlp_matches_emulation(recipe):
           "dw_down": rel_err(dwd.astype(jnp.float32), dwd_o.astype(jnp.float32))}
   print(recipe, errs)
   for name, err in errs.items():
-    limit = 4e-2 if name == "dw_gate_up vs bf16 rows" else 2e-2  # x_q vs x: e4m3 rounding
-    assert err < limit, f"{name}: {err:.3g} (all: {errs})"
+    assert err < 2e-2, f"{name}: {err:.3g} (all: {errs})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,8 +394,7 @@ def test_moe_cuda_backend_expert_parallel_two_gpus():
              for n, a, b in zip(("x", "w", "wgu", "wd"), g_r, g_1)}}
   print(errs)
   for name, err in errs.items():
-    limit = 4e-2 if name == "dw_gate_up vs bf16 rows" else 2e-2  # x_q vs x: e4m3 rounding
-    assert err < limit, f"{name}: {err:.3g} (all: {errs})"
+    assert err < 2e-2, f"{name}: {err:.3g} (all: {errs})"
 
 
 @pytest.mark.multigpu
