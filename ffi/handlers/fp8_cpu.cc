@@ -24,22 +24,15 @@ using host::E4m3ToFloat;
 using host::FloatToBf16;
 using host::FloatToE4m3;
 
-// Quantises `count` values read as values(i) into q[i * q_stride] with one scale.
-template <class Values>
-float QuantizeBlock(Values values, int count, bool pow2, uint8_t* q, int64_t q_stride) {
+// Quantises one block of `count` values, read as values(i), with one scale: store(i, e4m3
+// byte) places each result (rows store in order, weights transposed). Returns the scale.
+template <class Values, class Store>
+float QuantizeBlock(Values values, int count, bool pow2, Store store) {
   float amax = 0.0f;
   for (int i = 0; i < count; ++i) amax = std::fmax(amax, std::fabs(values(i)));
   const float s = Fp8BlockScale(amax, pow2);
-  for (int i = 0; i < count; ++i) q[i * q_stride] = FloatToE4m3(values(i) / s);
+  for (int i = 0; i < count; ++i) store(i, FloatToE4m3(values(i) / s));
   return s;
-}
-
-// Rows past the groups' total (clamped to n), as the GPU's GroupOffsets computes it.
-int64_t RowsInUse(const ffi::AnyBuffer& group_sizes, int64_t e, int64_t n) {
-  const int32_t* sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
-  int64_t total = 0;
-  for (int64_t g = 0; g < e; ++g) total = std::min<int64_t>(total + std::max(sizes[g], 0), n);
-  return total;
 }
 
 void QuantizeRowsLoop(const uint16_t* x, int64_t n, int64_t k, bool pow2, uint8_t* q,
@@ -47,8 +40,9 @@ void QuantizeRowsLoop(const uint16_t* x, int64_t n, int64_t k, bool pow2, uint8_
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t kb = 0; kb < k / 128; ++kb) {
       const uint16_t* src = x + r * k + kb * 128;
+      uint8_t* dst = q + r * k + kb * 128;
       scale[r * (k / 128) + kb] = QuantizeBlock([&](int i) { return Bf16ToFloat(src[i]); }, 128,
-                                                pow2, q + r * k + kb * 128, 1);
+                                                pow2, [&](int i, uint8_t b) { dst[i] = b; });
     }
   }
 }
@@ -75,13 +69,10 @@ ffi::Error QuantizeWeightsImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q,
       for (int64_t pb = 0; pb < p / 128; ++pb) {
         // Block element i = (kk, pp) = (i / 128, i % 128), written transposed: q[g, pp, kk].
         const uint16_t* src = wv + g * k * p + kb * 128 * p + pb * 128;
-        auto value = [&](int i) { return Bf16ToFloat(src[int64_t(i / 128) * p + i % 128]); };
-        float amax = 0.0f;
-        for (int i = 0; i < 128 * 128; ++i) amax = std::fmax(amax, std::fabs(value(i)));
-        const float s = Fp8BlockScale(amax, pow2 != 0);
-        sv[(g * (k / 128) + kb) * (p / 128) + pb] = s;
         uint8_t* dst = qv + g * p * k + pb * 128 * k + kb * 128;
-        for (int i = 0; i < 128 * 128; ++i) dst[int64_t(i % 128) * k + i / 128] = FloatToE4m3(value(i) / s);
+        sv[(g * (k / 128) + kb) * (p / 128) + pb] = QuantizeBlock(
+            [&](int i) { return Bf16ToFloat(src[int64_t(i / 128) * p + i % 128]); }, 128 * 128,
+            pow2 != 0, [&](int i, uint8_t b) { dst[int64_t(i % 128) * k + i / 128] = b; });
       }
     }
   }
@@ -95,7 +86,7 @@ ffi::Error SwigluQuantizeImpl(ffi::AnyBuffer gate_up, ffi::AnyBuffer group_sizes
   int64_t n, f, e;
   MEGAMOE_RETURN_IF_ERROR(CheckSwigluQuantize(gate_up, group_sizes, h, q, scale, &n, &f, &e));
   (void)workspace;
-  const int64_t total = RowsInUse(group_sizes, e, n);
+  const int64_t total = HostGroupOffsets(group_sizes, e, n)[e];
   const uint16_t* gu = static_cast<const uint16_t*>(gate_up.untyped_data());
   uint16_t* hv = static_cast<uint16_t*>(h->untyped_data());
   for (int64_t r = 0; r < n; ++r) {
@@ -121,13 +112,11 @@ ffi::Error GroupedGemmFp8Impl(ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
   const float* as = static_cast<const float*>(a_scale.untyped_data());
   const float* bs = static_cast<const float*>(b_scale.untyped_data());
   uint16_t* dv = static_cast<uint16_t*>(d->untyped_data());
-  const int32_t* sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
+  const std::vector<int64_t> off = HostGroupOffsets(group_sizes, g.e, g.n);
   const int64_t kbs = g.k / 128, pbs = g.p / 128;
   std::vector<float> a_row(g.k);
-  int64_t r0 = 0;
   for (int64_t grp = 0; grp < g.e; ++grp) {
-    const int64_t r1 = std::min<int64_t>(r0 + std::max(sizes[grp], 0), g.n);
-    for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t r = off[grp]; r < off[grp + 1]; ++r) {
       for (int64_t kk = 0; kk < g.k; ++kk) a_row[kk] = E4m3ToFloat(av[r * g.lda + kk]);
       for (int64_t c = 0; c < g.p; ++c) {
         const uint8_t* b_col = bv + (grp * g.p + c) * g.k;
@@ -140,9 +129,8 @@ ffi::Error GroupedGemmFp8Impl(ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
         dv[r * g.p + c] = FloatToBf16(acc);
       }
     }
-    r0 = r1;
   }
-  for (int64_t r = r0; r < g.n; ++r) {
+  for (int64_t r = off[g.e]; r < g.n; ++r) {
     for (int64_t c = 0; c < g.p; ++c) dv[r * g.p + c] = 0;
   }
   return ffi::Error::Success();

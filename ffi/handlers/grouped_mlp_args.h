@@ -10,8 +10,10 @@
 // x, the weights, gate_up, h, dy and every floating result share one dtype.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "ffi/common/checks.h"
 
@@ -69,6 +71,16 @@ inline ffi::Error ReadMlpDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gro
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("w_down", w_down.element_type(), d->dtype));
   if (d->n > INT32_MAX) return InvalidArgument("x_sorted has ", d->n, " rows, more than 2^31-1");
   return ffi::Error::Success();
+}
+
+// The row range of each group on the host (CPU handlers): offsets[g + 1] = min(offsets[g] +
+// max(group_sizes[g], 0), n), as the GPU's GroupOffsets computes them.
+inline std::vector<int64_t> HostGroupOffsets(const ffi::AnyBuffer& group_sizes, int64_t e,
+                                             int64_t n) {
+  const int32_t* s = static_cast<const int32_t*>(group_sizes.untyped_data());
+  std::vector<int64_t> off(e + 1, 0);
+  for (int64_t g = 0; g < e; ++g) off[g + 1] = std::min<int64_t>(off[g] + std::max(s[g], 0), n);
+  return off;
 }
 
 // The forward results y [N, H], gate_up [N, 2F], h [N, F], all in x's dtype.

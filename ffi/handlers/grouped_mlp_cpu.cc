@@ -47,13 +47,6 @@ float Round(float v, ffi::DataType t) {
 
 float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-std::vector<int64_t> Offsets(const ffi::AnyBuffer& group_sizes, int64_t e, int64_t n) {
-  const int32_t* s = static_cast<const int32_t*>(group_sizes.untyped_data());
-  std::vector<int64_t> off(e + 1, 0);
-  for (int64_t g = 0; g < e; ++g) off[g + 1] = std::min<int64_t>(off[g] + std::max(s[g], 0), n);
-  return off;
-}
-
 ffi::Error CheckCpuDtype(const MlpDims& d) {
   if (d.dtype != ffi::DataType::BF16 && d.dtype != ffi::DataType::F32) {
     return InvalidArgument("x_sorted has dtype ", DataTypeName(d.dtype),
@@ -72,7 +65,7 @@ ffi::Error GroupedMlpFwdImpl(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
   MEGAMOE_RETURN_IF_ERROR(CheckMlpFwdResults(d, y, gate_up, h));
   (void)workspace;
   const int64_t N = d.n, H = d.h, F = d.f, E = d.e;
-  const auto off = Offsets(group_sizes, E, N);
+  const auto off = HostGroupOffsets(group_sizes, E, N);
   const auto xv = Load(x), wgu = Load(w_gate_up), wd = Load(w_down);
   std::vector<float> yv(N * H, 0.0f), guv(N * 2 * F, 0.0f), hv(N * F, 0.0f), acc;
   for (int64_t g = 0; g < E; ++g) {
@@ -118,7 +111,7 @@ ffi::Error GroupedMlpBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer
       CheckMlpBwdOperands(d, dy, gate_up, h, dx, dw_gate_up, dw_down, dgate_up, dh));
   (void)workspace;
   const int64_t N = d.n, H = d.h, F = d.f, E = d.e;
-  const auto off = Offsets(group_sizes, E, N);
+  const auto off = HostGroupOffsets(group_sizes, E, N);
   const auto dyv = Load(dy), xv = Load(x), wgu = Load(w_gate_up), wd = Load(w_down),
              guv = Load(gate_up), hv = Load(h);
   std::vector<float> dxv(N * H, 0.0f), dwgu(E * H * 2 * F, 0.0f), dwd(E * F * H, 0.0f),
