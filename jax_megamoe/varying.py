@@ -26,3 +26,9 @@ def cast_varying(x, axes: Iterable[str]):
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, missing, to="varying")
   return jax.lax.pvary(x, missing)
+
+
+def match_varying(value, *like):
+  """value typed as varying over every axis any of `like` varies over (ffi_call results carry
+  no varying type inside shard_map; custom_vjp and shard_map's type check expect the inputs')."""
+  return cast_varying(value, frozenset().union(*(varying_axes(a) for a in like)))

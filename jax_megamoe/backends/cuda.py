@@ -82,10 +82,7 @@ def _check(x_sorted, group_sizes, w_gate_up, w_down) -> tuple[int, int, int, int
   return n, h, f, e
 
 
-def _match_varying(value, *like):
-  """ffi_call results carry no varying-axes type inside shard_map: give them the union of the
-  inputs' (what a custom_vjp and shard_map's type check expect)."""
-  return varying.cast_varying(value, frozenset().union(*(varying.varying_axes(a) for a in like)))
+_match_varying = varying.match_varying
 
 
 def _fwd_call(x, group_sizes, w_gate_up, w_down):

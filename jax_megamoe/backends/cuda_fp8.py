@@ -56,8 +56,7 @@ class QuantizedWeights(NamedTuple):
 
 def _vary_like(outputs, *inputs):
   """ffi_call results typed as varying over the inputs' mesh axes (inside shard_map)."""
-  axes = frozenset().union(*(varying.varying_axes(a) for a in inputs))
-  values = [varying.cast_varying(o, axes) for o in outputs]
+  values = [varying.match_varying(o, *inputs) for o in outputs]
   return type(outputs)(*values) if hasattr(outputs, "_fields") else tuple(values)
 
 
