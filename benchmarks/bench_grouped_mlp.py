@@ -116,6 +116,24 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
     cases["fp8 quantize w_gate_up (TB/s)"] = (lambda: quant_weights(wgu), move(e * h * 2 * f))
     cases["fp8 MLP fwd from quantized x"] = (lambda: fp8_fwd(x_q, gs, wgu, wd, False),
                                              6 * n * h * f)
+    # Backward: the dgrad GEMMs on pre-quantised operands, the K-grouped wgrad on
+    # weight-gradient operands, their quantisers, and the whole FP8 MLP backward.
+    dy_q, dgu_q = quant_rows(dy), quant_rows(dgu)
+    quant_w_dgrad = jax.jit(lambda w: fp8k.quantize_weights(w, dgrad=True))
+    wgu_dq, wd_dq = quant_w_dgrad(wgu), quant_w_dgrad(wd)
+    wgrad_op = jax.jit(fp8k.quantize_wgrad_operand)
+    x_c, dgu_c, hid_c, dy_c = (wgrad_op(a, gs) for a in (x, dgu, hid, dy))
+    fp8_wgrad = jax.jit(fp8k.grouped_wgrad_quantized)
+    fp8_bwd = jax.jit(fp8k.mlp_backward, static_argnums=7)
+    cases["fp8 L2 dgrad GEMM"] = (lambda: fp8_gemm(dy_q, gs, wd_dq), 2 * n * h * f)
+    cases["fp8 L1 dgrad GEMM"] = (lambda: fp8_gemm(dgu_q, gs, wgu_dq), 2 * n * 2 * f * h)
+    cases["fp8 L2 wgrad GEMM"] = (lambda: fp8_wgrad(hid_c, gs, dy_c), 2 * n * f * h)
+    cases["fp8 L1 wgrad GEMM"] = (lambda: fp8_wgrad(x_c, gs, dgu_c), 2 * n * h * 2 * f)
+    cases["fp8 quantize wgrad operand x (TB/s)"] = (lambda: wgrad_op(x, gs), move(n * h))
+    cases["fp8 quantize w_gate_up dgrad (TB/s)"] = (lambda: quant_w_dgrad(wgu),
+                                                    move(e * h * 2 * f))
+    cases["fp8 MLP bwd"] = (lambda: fp8_bwd(dy, x, gs, wgu, wd, gate_up, hidden, False),
+                            12 * n * h * f)
   only = os.environ.get("MEGAMOE_BENCH_ONLY", "")
   for name, (fn, flops) in cases.items():
     if only and not name.startswith(only):

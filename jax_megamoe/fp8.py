@@ -13,9 +13,14 @@ Recipes (DESIGN.md §5):
 The emulation rounds each GEMM operand to exactly the values the kernel multiplies (the CUDA
 quantisation kernels match it bit for bit: same fp32 division, round-to-nearest-even, saturation
 at +-448); products and sums then run in fp32. Gradients pass straight through the rounding
-(straight-through estimator) and the backward GEMMs run on the UNquantised operands: use
-`ragged_dot` below for a GEMM with exactly these semantics (dx = dy W^T, dW = x^T dy with the
-original x, W), which is what the CUDA "fp8" backward computes (bf16 kernels).
+(straight-through estimator) and every backward GEMM runs in FP8 too, on operands quantised
+for it (`ragged_dot` below is a GEMM with exactly these semantics, the CUDA kernels compute it):
+  forward  y  = Q_act(x) Q_w(W)                 x in 1 x act_block along K, W in weight_block
+  dgrad    dx = Q_act(dy) Q_w(W^T)              dy in 1 x act_block along P (dgrad's K); W^T
+                                                in weight_block (for 128 x 128: the same values)
+  wgrad    dW = Q_grad(x)^T Q_grad(dy)          x and dy in grad_block x 1 blocks along the
+                                                rows (wgrad's K), each block inside one group
+                                                (a group's blocks start at its first row)
 """
 
 from __future__ import annotations
@@ -37,12 +42,13 @@ class Recipe:
   act_block: int           # activations: 1 x act_block along K
   weight_block: tuple[int, int]  # weights: (K, N) block
   power_of_two_scales: bool
+  grad_block: int          # weight-gradient operands: grad_block x 1 along the rows
 
 
 RECIPES = {
-    "fp8": Recipe("fp8", 128, (128, 128), power_of_two_scales=False),
-    "fp8_pow2": Recipe("fp8_pow2", 128, (128, 128), power_of_two_scales=True),
-    "mxfp8": Recipe("mxfp8", 32, (32, 1), power_of_two_scales=True),
+    "fp8": Recipe("fp8", 128, (128, 128), power_of_two_scales=False, grad_block=128),
+    "fp8_pow2": Recipe("fp8_pow2", 128, (128, 128), power_of_two_scales=True, grad_block=128),
+    "mxfp8": Recipe("mxfp8", 32, (32, 1), power_of_two_scales=True, grad_block=32),
 }
 
 
@@ -58,7 +64,13 @@ def _block_scale(amax: jax.Array, power_of_two: bool, rule: str = "ocp") -> jax.
   tiny = jnp.finfo(jnp.float32).tiny
   if power_of_two and rule == "ocp":
     # OCP MX: shared exponent floor(log2(amax)) - emax(e4m3); values above 448 saturate.
-    return jnp.exp2(jnp.floor(jnp.log2(jnp.maximum(amax, tiny))) - E4M3_EMAX)
+    # Exactly, through frexp (amax = m 2^e, m in [0.5, 1): floor(log2 amax) = e - 1); exp2 and
+    # log2 are approximations on some backends (XLA:CPU's exp2 is not exact on integers).
+    # The exponent is floored at -126 so that the scale is a normal float (E8M0 reaches 2^-127,
+    # but a denormal scale is flushed to 0 where denormals are, and 0 / 0 would be NaN for an
+    # all-zero block); blocks that small (amax < 2^-118) round to zeros either way.
+    _, expo = jnp.frexp(jnp.maximum(amax, tiny))
+    return jnp.ldexp(jnp.ones_like(amax), jnp.maximum(expo - 1 - E4M3_EMAX, -126))
   # amax * fp32(1/448), not amax / 448: XLA may rewrite a division by a constant into this
   # product, so the product is the one rule that the kernels and every backend compute alike.
   # Floored at the smallest normal float AFTER the product: a denormal scale (an all-zero
@@ -114,10 +126,38 @@ def quantize_weight(w: jax.Array, recipe: Recipe) -> jax.Array:
                              rule=_rule(recipe))
 
 
+def quantize_grouped_rows(a: jax.Array, group_sizes: jax.Array, recipe: Recipe) -> jax.Array:
+  """[N, C] rounded in grad_block x 1 blocks along N, per column, each block inside one group:
+  group g's rows [o_g, o_g + n_g) form blocks [o_g + b * grad_block, ...) clipped to the group
+  (the weight-gradient operands, whose contraction runs over each group's rows). Rows past
+  sum(group_sizes) are returned unrounded (no GEMM reads them). float32 out."""
+  n = a.shape[0]
+  e = group_sizes.shape[0]
+  blk = recipe.grad_block
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
+  row = jnp.arange(n, dtype=jnp.int32)
+  group = jnp.searchsorted(ends, row, side="right").astype(jnp.int32)  # e for padding rows
+  in_group = group < e
+  g = jnp.minimum(group, e - 1)
+  blocks = (sizes + blk - 1) // blk
+  first_block = jnp.cumsum(blocks) - blocks
+  num_segments = n // blk + e + 1  # sum of ceil(n_g / blk) <= n / blk + e; the last: padding
+  segment = jnp.where(in_group, first_block[g] + (row - starts[g]) // blk, num_segments - 1)
+  a32 = a.astype(jnp.float32)
+  amax = jax.ops.segment_max(jnp.abs(a32), segment, num_segments=num_segments)
+  scale = _block_scale(jnp.maximum(amax, 0.0), recipe.power_of_two_scales, _rule(recipe))
+  scale = scale[segment]
+  q = jnp.clip(a32 / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+  q = jax.lax.optimization_barrier(q)  # see quantize_dequantize
+  return jnp.where(in_group[:, None], q.astype(jnp.float32) * scale, a32)
+
+
 def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Recipe) -> jax.Array:
-  """Grouped x [N, K] @ w [E, K, P] -> float32 [N, P] with both operands quantised for the
-  product (x in 1 x act_block blocks, w in weight_block blocks) and a straight-through backward
-  on the UNquantised operands: dx = dy @ w^T, dw = x^T @ dy (fp32 accumulation)."""
+  """Grouped x [N, K] @ w [E, K, P] -> float32 [N, P], every GEMM in FP8 (module docstring):
+  forward Q_act(x) Q_w(w); backward dx = Q_act(dy) Q_w(w^T), dw = Q_grad(x)^T Q_grad(dy) per
+  group, fp32 accumulation; the gradients pass straight through the rounding."""
   return _ragged_dot(x, w, group_sizes, recipe)
 
 
@@ -138,11 +178,13 @@ def _ragged_dot_fwd(x, w, group_sizes, recipe):
 
 
 def _ragged_dot_bwd(recipe, res, dy):
-  del recipe
   x, w, group_sizes = res
-  _, vjp = jax.vjp(lambda a, b: _product(a.astype(jnp.float32), b.astype(jnp.float32),
-                                         group_sizes), x, w)
-  dx, dw = vjp(dy)
+  w_t = quantize_weight(jnp.swapaxes(w, 1, 2), recipe)  # [E, P, K]: dgrad's (K, N) blocks
+  dx = _product(quantize_activation(dy, recipe), w_t, group_sizes)
+  x_g = quantize_grouped_rows(x, group_sizes, recipe)
+  dy_g = quantize_grouped_rows(dy, group_sizes, recipe)
+  _, wgrad = jax.vjp(lambda b: _product(x_g, b, group_sizes), w.astype(jnp.float32))
+  (dw,) = wgrad(dy_g)
   return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 

@@ -1,8 +1,10 @@
 """The blockwise-FP8 ops of jax_megamoe.backends.cuda_fp8 through their CPU FFI handlers (the
-same contracts as the CUDA ones): quantisation bit for bit against jax_megamoe.fp8, the GEMM on
-quantised operands against the emulation, the fused SwiGLU + quantisation, FP8 rows read in
-place with a row stride, and the FP8 MLP forward and gradients. Runs in CI; the CUDA twins run
-in tests/test_grouped_mlp_ffi.py on a GPU."""
+same contracts as the CUDA ones): quantisation bit for bit against jax_megamoe.fp8 (rows,
+weights for the forward and the dgrad, the group-blocked weight-gradient operands), the GEMMs on
+quantised operands (forward/dgrad and the K-grouped wgrad) against the emulation, the fused
+SwiGLU (and SwiGLU backward) + quantisation, FP8 rows read in place with a row stride, and the
+FP8 MLP forward and gradients. Runs in CI; the CUDA twins run in tests/test_grouped_mlp_ffi.py
+on a GPU."""
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +46,46 @@ def _dequantized_rows(rows):
   return np.asarray(cuda_fp8.dequantize_rows(rows, jnp.float32))
 
 
+def _bytes(q):
+  return np.asarray(jax.lax.bitcast_convert_type(q, jnp.uint8))
+
+
+def _spec(pow2):
+  return fp8.get_recipe("fp8_pow2" if pow2 else "fp8")
+
+
+# Weight-gradient groups: empty, one row, not a multiple of 128, exactly 128, more than two
+# blocks, empty; the rows past their sum (WGRAD_PAD) are padding.
+WGRAD_SIZES = [0, 1, 37, 128, 300, 0]
+WGRAD_PAD = 9
+
+
+def _wgrad_groups():
+  """(group_sizes, row offsets o_g, padded column offsets p_g) of WGRAD_SIZES."""
+  sizes = np.asarray(WGRAD_SIZES)
+  rows = np.concatenate([[0], np.cumsum(sizes)])
+  cols = np.concatenate([[0], np.cumsum(-(-sizes // 128) * 128)])
+  return jnp.asarray(sizes, jnp.int32), rows, cols
+
+
+def _wgrad_rows(seed, c):
+  """_rows over WGRAD_SIZES' rows, with outliers in the padding rows that must not leak into
+  the last group's blocks."""
+  x = np.array(_rows(seed, sum(WGRAD_SIZES) + WGRAD_PAD, c).astype(jnp.float32))
+  x[-WGRAD_PAD:] = 3e4
+  return jnp.asarray(x, jnp.bfloat16)
+
+
+def _dequantized_wgrad(op, columns):
+  """WgradOperand -> float32 [C, columns]: column l scaled by scale[l // 128] (the columns past
+  the groups' are unspecified, not read)."""
+  q = np.asarray(op.q[:, :columns].astype(jnp.float32))
+  return q * np.repeat(np.asarray(op.scale[:columns // 128]), 128, axis=0).T
+
+
 @pytest.mark.parametrize("pow2", [False, True])
 def test_quantize_rows_and_weights_bit_exact(pow2):
-  spec = fp8.get_recipe("fp8_pow2" if pow2 else "fp8")
+  spec = _spec(pow2)
   x = _rows(1, 37, 384)
   rows = jax.jit(lambda a: cuda_fp8.quantize_rows(a, pow2=pow2))(x)
   # An all-zero block must not give a NaN (a denormal scale flushed to 0 once made 0 / 0).
@@ -106,10 +145,114 @@ def test_swiglu_quantize_fuses_swiglu_and_row_quantisation(pow2):
   np.testing.assert_array_equal(np.asarray(rows.scale[:total]), np.asarray(again.scale[:total]))
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_weights_dgrad_is_the_same_blocks_untransposed(pow2):
+  w = jnp.asarray(np.random.default_rng(2).standard_normal((3, 256, 384)) * 0.05, jnp.bfloat16)
+  fwd = cuda_fp8.quantize_weights(w, pow2=pow2)
+  dgrad = jax.jit(lambda a: cuda_fp8.quantize_weights(a, pow2=pow2, dgrad=True))(w)
+  assert dgrad.q.shape == (3, 256, 384) and dgrad.scale.shape == (3, 3, 2)
+  # scale[g, pb, kb] is that of w's block (kb, pb).
+  scale = np.swapaxes(np.repeat(np.repeat(np.asarray(dgrad.scale), 128, axis=1), 128, axis=2), 1, 2)
+  deq = np.asarray(dgrad.q.astype(jnp.float32)) * scale
+  np.testing.assert_array_equal(deq, np.asarray(fp8.quantize_weight(w, _spec(pow2))))
+  np.testing.assert_array_equal(_bytes(dgrad.q), np.swapaxes(_bytes(fwd.q), 1, 2))
+  np.testing.assert_array_equal(np.asarray(dgrad.scale), np.swapaxes(np.asarray(fwd.scale), 1, 2))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_wgrad_operand_blocks_rows_inside_groups(pow2):
+  gs, rows, cols = _wgrad_groups()
+  x = _wgrad_rows(7, 256)
+  op = jax.jit(lambda a, s: cuda_fp8.quantize_wgrad_operand(a, s, pow2=pow2))(x, gs)
+  length = cuda_fp8.padded_length(x.shape[0], gs.shape[0])
+  assert op.q.shape == (256, length) and op.scale.shape == (length // 128, 256)
+  deq, q = _dequantized_wgrad(op, cols[-1]), _bytes(op.q)
+  want = np.asarray(fp8.quantize_grouped_rows(x, gs, _spec(pow2)))
+  for g, n in enumerate(WGRAD_SIZES):
+    np.testing.assert_array_equal(deq[:, cols[g]:cols[g] + n].T, want[rows[g]:rows[g] + n])
+    assert np.all(q[:, cols[g] + n:cols[g + 1]] == 0), f"group {g}'s padding columns"
+  used = np.asarray(op.scale)[:cols[-1] // 128]
+  assert np.all(used > 0)
+  if pow2:
+    assert np.all(np.exp2(np.round(np.log2(used))) == used)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_swiglu_backward_quantize_fuses_the_gradient_and_row_quantisation(pow2):
+  rng = np.random.default_rng(8)
+  n, f, e = 50, 128, 3
+  gs = _group_sizes(rng, e, 41)
+  total = int(np.sum(np.asarray(gs)))
+  dh = jnp.asarray(rng.standard_normal((n, f)), jnp.bfloat16)
+  gate_up = jnp.asarray(rng.standard_normal((n, 2 * f)) * 2, jnp.bfloat16)
+  dgu, rows = jax.jit(lambda d, g, s: cuda_fp8.swiglu_backward_quantize(d, g, s, pow2=pow2))(
+      dh, gate_up, gs)
+  f32 = lambda a: a.astype(jnp.float32)
+  _, vjp = jax.vjp(lambda gu: jax.nn.silu(gu[:, :f]) * gu[:, f:], f32(gate_up))
+  want = np.asarray(vjp(f32(dh))[0])
+  got = np.asarray(f32(dgu))
+  np.testing.assert_allclose(got[:total], want[:total], rtol=2 ** -8, atol=1e-5)
+  assert np.all(got[total:] == 0)
+  again = cuda_fp8.quantize_rows(dgu, pow2=pow2)
+  np.testing.assert_array_equal(_bytes(rows.q[:total]), _bytes(again.q[:total]))
+  np.testing.assert_array_equal(np.asarray(rows.scale[:total]), np.asarray(again.scale[:total]))
+
+
+def _assert_bf16_close(got, want, label, rtol=2 ** -8):
+  """got (bf16) is want rounded to bf16 (half an ulp: 2^-8 relative), give or take fp32
+  summation order (a little absolute, where terms cancel)."""
+  np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-5 * np.max(np.abs(want)),
+                             err_msg=label)
+
+
+def test_grouped_wgrad_quantized_is_the_product_of_the_dequantised_operands():
+  gs, _, cols = _wgrad_groups()
+  a = cuda_fp8.quantize_wgrad_operand(_wgrad_rows(9, 128), gs)
+  b = cuda_fp8.quantize_wgrad_operand(_wgrad_rows(10, 256), gs)
+  d = np.asarray(jax.jit(cuda_fp8.grouped_wgrad_quantized)(a, gs, b).astype(jnp.float32))
+  assert d.shape == (len(WGRAD_SIZES), 128, 256)
+  da, db = (_dequantized_wgrad(o, cols[-1]).astype(np.float64) for o in (a, b))
+  for g, n in enumerate(WGRAD_SIZES):
+    if n == 0:
+      assert np.all(d[g] == 0), f"empty group {g}"
+    else:
+      span = slice(cols[g], cols[g] + n)
+      _assert_bf16_close(d[g], da[:, span] @ db[:, span].T, f"group {g}")
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
+def test_wgrad_ops_give_the_emulated_weight_gradient(recipe):
+  """quantize_wgrad_operand + grouped_wgrad_quantized = dw of fp8.ragged_dot's backward."""
+  spec, pow2 = fp8.get_recipe(recipe), recipe == "fp8_pow2"
+  gs, _, _ = _wgrad_groups()
+  x, dy = _wgrad_rows(11, 128), _wgrad_rows(12, 256)
+  w = jnp.zeros((len(WGRAD_SIZES), 128, 256), jnp.bfloat16)  # dw in bf16 too
+  _, vjp = jax.vjp(lambda w: fp8.ragged_dot(x, w, gs, spec), w)
+  want = np.asarray(vjp(dy.astype(jnp.float32))[0].astype(jnp.float32))
+  operand = lambda a: cuda_fp8.quantize_wgrad_operand(a, gs, pow2=pow2)
+  got = np.asarray(cuda_fp8.grouped_wgrad_quantized(operand(x), gs, operand(dy))
+                   .astype(jnp.float32))
+  # Both rounded to bf16 (0.02% of them a different way: fp32 sums in another order): 1 ulp.
+  _assert_bf16_close(got, want, recipe, rtol=2 ** -7)
+  assert np.all(got[[0, 5]] == 0)
+
+
+def test_grouped_wgrad_rejects_a_bad_scale_shape_by_name():
+  gs, _, _ = _wgrad_groups()
+  a = cuda_fp8.quantize_wgrad_operand(_wgrad_rows(13, 128), gs)
+  bad = cuda_fp8.WgradOperand(a.q, a.scale[:-1])
+  with pytest.raises(Exception, match=r"a_scale has shape \[\d+, 128\], expected"):
+    jax.block_until_ready(cuda_fp8.grouped_wgrad_quantized(bad, gs, a))
+
+
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
 def test_fp8_mlp_forward_and_gradients_match_the_recipe(recipe):
-  """cuda_fp8.grouped_mlp (CPU handlers, with the bf16 backward handler) against the recipe's
-  definition: fp8 forward, straight-through backward on the unquantised operands."""
+  """cuda_fp8.grouped_mlp (CPU handlers: FP8 forward, and cuda_fp8.mlp_backward, every
+  backward GEMM in FP8 too) against the recipe's definition (fp8.ragged_dot, forward and
+  backward). The oracle stores gate_up in bf16 as the module does (and so rounds its gradient to
+  bf16): with gate_up kept in fp32 instead, the two differ by 1-2e-2 (e4m3 roundings flipped by
+  a bf16 ulp), too close to FP8's own error (~6e-2 from bf16) for the check to mean much; with
+  it they agree to < 1e-4 (fp32 summation order; y bit for bit)."""
   spec = fp8.get_recipe(recipe)
   rng = np.random.default_rng(6)
   n, hdim, f, e = 60, 256, 128, 4
@@ -120,7 +263,7 @@ def test_fp8_mlp_forward_and_gradients_match_the_recipe(recipe):
   dy = jnp.asarray(rng.standard_normal((n, hdim)), jnp.bfloat16)
 
   def oracle(x, wgu, wd):
-    gu = fp8.ragged_dot(x, wgu, gs, spec)
+    gu = fp8.ragged_dot(x, wgu, gs, spec).astype(x.dtype).astype(jnp.float32)
     hid = (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x.dtype)
     y = fp8.ragged_dot(hid, wd, gs, spec)
     return jnp.where((jnp.arange(n) < jnp.sum(gs))[:, None], y, 0.0).astype(x.dtype)
@@ -134,6 +277,6 @@ def test_fp8_mlp_forward_and_gradients_match_the_recipe(recipe):
     results[name] = (y, *vjp(dy))
   f32 = lambda a: np.asarray(a.astype(jnp.float32))
   for label, a, b in zip(("y", "dx", "dw_gate_up", "dw_down"), results["ours"], results["oracle"]):
-    assert rel_err(f32(a), f32(b)) < 2e-2, label
+    assert rel_err(f32(a), f32(b)) < 1e-3, label
   total = int(np.sum(np.asarray(gs)))
   assert np.all(f32(results["ours"][0])[total:] == 0)

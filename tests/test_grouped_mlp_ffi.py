@@ -299,9 +299,96 @@ def test_fp8_swiglu_quantize_matches_swiglu_then_quantize(pow2):
   np.testing.assert_array_equal(np.asarray(rows.scale[:total]), np.asarray(want.scale[:total]))
 
 
+def _group_columns(op: cuda_fp8.WgradOperand, sizes) -> np.ndarray:
+  """A WgradOperand dequantised back to rows [sum(sizes), C] (group by group), and asserts that
+  each group's padding columns are zero bytes."""
+  q = np.asarray(op.q.astype(jnp.float32))
+  s = np.repeat(np.asarray(op.scale), 128, axis=0).T  # [C, L]
+  deq = q * s
+  rows, col = [], 0
+  for n in sizes:
+    n = int(n)
+    rows.append(deq[:, col:col + n].T)
+    pad = -n % 128
+    assert np.all(q[:, col + n:col + n + pad] == 0), "a group's padding columns must be 0"
+    col += n + pad
+  return np.concatenate(rows, axis=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_backward_operands_and_wgrad_match_emulation(pow2):
+  """The backward's FP8 operands bit for bit against the emulation (weights for dy @ w^T; rows
+  in 128x1 blocks inside each group, transposed and group-padded), and the K-grouped FP8 wgrad
+  against the product of the dequantised operands; empty groups get exact zeros."""
+  spec = fp8.get_recipe("fp8_pow2" if pow2 else "fp8")
+  rng = np.random.default_rng(60 + pow2)
+  sizes = np.array([0, 1, 300, 128, 0, 77, 257], np.int32)  # 0, 1, > 2 blocks, not a multiple
+  n, ca, cb, k = int(sizes.sum()) + 13, 256, 384, 256
+  gs = jnp.asarray(sizes)
+  scale_rows = np.exp(rng.standard_normal((n, 1)))
+  a = jnp.asarray(rng.standard_normal((n, ca)) * scale_rows, jnp.bfloat16)
+  b = jnp.asarray(rng.standard_normal((n, cb)) * scale_rows[::-1], jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((len(sizes), k, cb)) * 0.05, jnp.bfloat16)
+  poison_device_memory(32 << 20)
+  ops = jax.jit(lambda a, b, s: (cuda_fp8.quantize_wgrad_operand(a, s, pow2=pow2),
+                                 cuda_fp8.quantize_wgrad_operand(b, s, pow2=pow2)))(a, b, gs)
+  dw = jax.jit(cuda_fp8.grouped_wgrad_quantized)(ops[0], gs, ops[1])
+  w_fwd = cuda_fp8.quantize_weights(w, pow2=pow2)
+  w_dgrad = cuda_fp8.quantize_weights(w, pow2=pow2, dgrad=True)
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    a_emu = np.asarray(fp8.quantize_grouped_rows(jax.device_put(a, cpu), gs, spec))
+    b_emu = np.asarray(fp8.quantize_grouped_rows(jax.device_put(b, cpu), gs, spec))
+    w_emu = np.asarray(fp8.quantize_weight(jax.device_put(w, cpu), spec))
+  total = int(sizes.sum())
+  np.testing.assert_array_equal(_group_columns(ops[0], sizes), a_emu[:total])
+  np.testing.assert_array_equal(_group_columns(ops[1], sizes), b_emu[:total])
+  # dgrad weights: w's layout, the same bytes as the forward's transposed ones.
+  bits = lambda t: np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))
+  np.testing.assert_array_equal(bits(w_dgrad.q), np.swapaxes(bits(w_fwd.q), 1, 2))
+  w_deq = np.asarray(w_dgrad.q.astype(jnp.float32)) * np.repeat(np.repeat(
+      np.swapaxes(np.asarray(w_dgrad.scale), 1, 2), 128, axis=1), 128, axis=2)
+  np.testing.assert_array_equal(w_deq, w_emu)
+  dw = np.asarray(dw.astype(jnp.float32))
+  start = 0
+  for g, m in enumerate(sizes):
+    want = a_emu[start:start + m].T.astype(np.float64) @ b_emu[start:start + m].astype(np.float64)
+    if m == 0:
+      assert np.all(dw[g] == 0), f"empty group {g} must get zeros"
+    else:
+      assert rel_err(dw[g], want) < 5e-3, (g, rel_err(dw[g], want))
+    start += m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_swiglu_backward_quantize(pow2):
+  """dgate_up = the SwiGLU backward (fp32 math, bf16 out) and its 1x128 quantisation equal to
+  quantize_rows(dgate_up) bit for bit on the rows in use; padding rows of dgate_up zero."""
+  x, gs, wgu, wd, dy = make_inputs(34, 900, 256, 384, 6, 811, jnp.bfloat16)
+  _, gate_up, _ = jax.jit(cuda._fwd_call)(x, gs, wgu, wd)
+  dh = (dy[:, :384] * 0.5).astype(jnp.bfloat16)
+  poison_device_memory(32 << 20)
+  dgu, rows = jax.jit(lambda d, g, s: cuda_fp8.swiglu_backward_quantize(d, g, s, pow2=pow2))(
+      dh, gate_up, gs)
+  want = jax.jit(lambda a: cuda_fp8.quantize_rows(a, pow2=pow2))(dgu)
+  total = int(np.sum(np.asarray(gs)))
+  e4m3_bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+  np.testing.assert_array_equal(e4m3_bits(rows.q[:total]), e4m3_bits(want.q[:total]))
+  np.testing.assert_array_equal(np.asarray(rows.scale[:total]), np.asarray(want.scale[:total]))
+  dgu = np.asarray(dgu.astype(jnp.float32))
+  assert np.all(dgu[total:] == 0)
+  g, u = (np.asarray(gate_up[:, :384], np.float32), np.asarray(gate_up[:, 384:], np.float32))
+  d = np.asarray(dh, np.float32)
+  s = 1 / (1 + np.exp(-g))
+  ref = np.concatenate([d * u * s * (1 + g * (1 - s)), d * g * s], axis=1)
+  assert rel_err(dgu[:total], ref[:total]) < 1e-2
+
+
 def fp8_oracle_mlp(recipe):
-  """The recipe's definition in pure JAX: fp8 forward GEMMs, straight-through backward GEMMs
-  on the unquantised operands (fp8.ragged_dot), SwiGLU in fp32, h in the compute dtype."""
+  """The recipe's definition in pure JAX: every GEMM in FP8, forward and backward, gradients
+  straight through the rounding (fp8.ragged_dot), SwiGLU in fp32, h in the compute dtype."""
   spec = fp8.get_recipe(recipe)
 
   def mlp(x, gs, wgu, wd):

@@ -1,12 +1,19 @@
 // Shape and dtype validation of the blockwise-FP8 ops, shared by their CUDA handlers
 // (fp8_quantize.cu, grouped_gemm_fp8.cu) and CPU handlers (fp8_cpu.cc). Contracts:
 //   quantize_rows     x [N, K] bf16 -> q [N, K] e4m3, scale [N, K/128] f32
-//   quantize_weights  w [E, K, P] bf16 -> q [E, P, K] e4m3, scale [E, K/128, P/128] f32
+//   quantize_weights  w [E, K, P] bf16 -> q [E, P, K] e4m3, scale [E, K/128, P/128] f32;
+//                     dgrad=1: q [E, K, P] (w's layout), scale [E, P/128, K/128]
 //   swiglu_quantize   gate_up [N, 2F] bf16, group_sizes [E] int32 -> h [N, F] bf16,
 //                     q [N, F] e4m3, scale [N, F/128] f32
+//   swiglu_backward_quantize  dh [N, F] bf16, gate_up [N, 2F] bf16, group_sizes [E] int32 ->
+//                     dgate_up [N, 2F] bf16, q [N, 2F] e4m3, scale [N, 2F/128] f32
+//   quantize_wgrad_operand  x [N, C] bf16, group_sizes [E] int32 -> q [C, L] e4m3,
+//                     scale [L/128, C] f32, L = WgradPaddedLength(N, E)
 //   grouped_gemm_fp8  a_q [N, L >= K] e4m3, a_scale [N, K/128] f32, group_sizes [E] int32,
 //                     b_q [E, P, K] e4m3, b_scale [E, K/128, P/128] f32 -> d [N, P] bf16
-// K, P and F multiples of 128; L a multiple of 16 (a row stride in bytes).
+//   grouped_wgrad_fp8 a_q [Ca, L] e4m3, a_scale [L/128, Ca] f32, group_sizes [E] int32,
+//                     b_q [Cb, L] e4m3, b_scale [L/128, Cb] f32 -> d [E, Ca, Cb] bf16
+// K, P, F, C, Ca and Cb multiples of 128; L a multiple of 16 (a row stride in bytes).
 #pragma once
 
 #include <cstdint>
@@ -49,8 +56,9 @@ inline ffi::Error CheckQuantizeRows(const ffi::AnyBuffer& x, ffi::Result<ffi::An
   return CheckQuantOutputs(q, scale, {*n, *k}, {*n, *k / 128});
 }
 
+// *k, *p: w's own axes [E, K, P] (whichever layout q has).
 inline ffi::Error CheckQuantizeWeights(const ffi::AnyBuffer& w, ffi::Result<ffi::AnyBuffer>& q,
-                                       ffi::Result<ffi::AnyBuffer>& scale, int64_t* e,
+                                       ffi::Result<ffi::AnyBuffer>& scale, bool dgrad, int64_t* e,
                                        int64_t* k, int64_t* p) {
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("w", w.element_type(), ffi::DataType::BF16));
   auto wd = w.dimensions();
@@ -61,6 +69,7 @@ inline ffi::Error CheckQuantizeWeights(const ffi::AnyBuffer& w, ffi::Result<ffi:
   if (*k % 128 != 0 || *p % 128 != 0) {
     return InvalidArgument("FP8 weights need K and P multiples of 128, got w ", ShapeString(wd));
   }
+  if (dgrad) return CheckQuantOutputs(q, scale, {*e, *k, *p}, {*e, *p / 128, *k / 128});
   return CheckQuantOutputs(q, scale, {*e, *p, *k}, {*e, *k / 128, *p / 128});
 }
 
@@ -83,6 +92,87 @@ inline ffi::Error CheckSwigluQuantize(const ffi::AnyBuffer& gate_up,
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("h", h->element_type(), ffi::DataType::BF16));
   MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h->dimensions(), {*n, *f}));
   return CheckQuantOutputs(q, scale, {*n, *f}, {*n, *f / 128});
+}
+
+inline ffi::Error CheckSwigluBackwardQuantize(const ffi::AnyBuffer& dh,
+                                              const ffi::AnyBuffer& gate_up,
+                                              const ffi::AnyBuffer& group_sizes,
+                                              ffi::Result<ffi::AnyBuffer>& dgate_up,
+                                              ffi::Result<ffi::AnyBuffer>& q,
+                                              ffi::Result<ffi::AnyBuffer>& scale, int64_t* n,
+                                              int64_t* f, int64_t* e) {
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("dh", dh.element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("gate_up", gate_up.element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, e));
+  auto hd = dh.dimensions();
+  if (hd.size() != 2 || hd[1] % 128 != 0) {
+    return InvalidArgument("dh must be [N, F] with F a multiple of 128, got ", ShapeString(hd));
+  }
+  *n = hd[0];
+  *f = hd[1];
+  if (*n > INT32_MAX) return InvalidArgument("dh has ", *n, " rows, more than 2^31-1");
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up.dimensions(), {*n, 2 * *f}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("dgate_up", dgate_up->element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dgate_up", dgate_up->dimensions(), {*n, 2 * *f}));
+  return CheckQuantOutputs(q, scale, {*n, 2 * *f}, {*n, 2 * *f / 128});
+}
+
+// Columns of a weight-gradient operand: each group's rows padded to a multiple of 128.
+inline int64_t WgradPaddedLength(int64_t rows, int64_t num_groups) {
+  return (rows + 127) / 128 * 128 + 128 * num_groups;
+}
+
+inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x,
+                                            const ffi::AnyBuffer& group_sizes,
+                                            ffi::Result<ffi::AnyBuffer>& q,
+                                            ffi::Result<ffi::AnyBuffer>& scale, int64_t* n,
+                                            int64_t* c, int64_t* e, int64_t* length) {
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("x", x.element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, e));
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[1] % 128 != 0) {
+    return InvalidArgument("x must be [N, C] with C a multiple of 128, got ", ShapeString(xd));
+  }
+  *n = xd[0];
+  *c = xd[1];
+  *length = WgradPaddedLength(*n, *e);
+  if (*length > INT32_MAX) return InvalidArgument("x has ", *n, " rows, too many for int32");
+  return CheckQuantOutputs(q, scale, {*c, *length}, {*length / 128, *c});
+}
+
+struct Fp8WgradDims {
+  int64_t e = 0, ca = 0, cb = 0, length = 0;
+};
+
+inline ffi::Error CheckGroupedWgradFp8(const ffi::AnyBuffer& a_q, const ffi::AnyBuffer& a_scale,
+                                       const ffi::AnyBuffer& group_sizes,
+                                       const ffi::AnyBuffer& b_q, const ffi::AnyBuffer& b_scale,
+                                       ffi::Result<ffi::AnyBuffer>& d, Fp8WgradDims* g) {
+  MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, &g->e));
+  auto ad = a_q.dimensions(), bd = b_q.dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1]) {
+    return InvalidArgument("FP8 grouped wgrad got a_q ", ShapeString(ad), ", b_q ",
+                           ShapeString(bd), ": expected a_q [Ca, L], b_q [Cb, L]");
+  }
+  g->ca = ad[0];
+  g->cb = bd[0];
+  g->length = ad[1];
+  if (g->ca % 128 != 0 || g->cb % 128 != 0) {
+    return InvalidArgument("FP8 wgrad needs Ca and Cb multiples of 128, got a_q ",
+                           ShapeString(ad), ", b_q ", ShapeString(bd));
+  }
+  if (g->length % 128 != 0 || g->length < 128 * g->e || g->length > INT32_MAX) {
+    return InvalidArgument("FP8 wgrad operands need L = round_up(N, 128) + 128 E columns (E=",
+                           g->e, "), got L=", g->length);
+  }
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("a_q", a_q.element_type(), ffi::DataType::F8E4M3FN));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("b_q", b_q.element_type(), ffi::DataType::F8E4M3FN));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("a_scale", a_scale.element_type(), ffi::DataType::F32));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("b_scale", b_scale.element_type(), ffi::DataType::F32));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("d", d->element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("a_scale", a_scale.dimensions(), {g->length / 128, g->ca}));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("b_scale", b_scale.dimensions(), {g->length / 128, g->cb}));
+  return ExpectShape("d", d->dimensions(), {g->e, g->ca, g->cb});
 }
 
 struct Fp8GemmDims {

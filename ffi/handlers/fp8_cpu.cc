@@ -2,8 +2,9 @@
 // (fp8_args.h) in plain loops, so that CI runs the FP8 path of jax_megamoe.backends.cuda_fp8
 // end to end and checks its quantisation bit for bit against jax_megamoe.fp8. Same rules as the
 // kernels: scale = max(amax * fp32(1/448), FLT_MIN) (pow2: rounded up to a power of two),
-// q = e4m3(v / s) rounded to nearest even, saturating; the GEMM accumulates each 128-deep K
-// block in fp32 and adds it scaled by a_scale * b_scale; SwiGLU in fp32, h rounded to bf16.
+// q = e4m3(v / s) rounded to nearest even, saturating; the GEMMs accumulate each 128-deep K
+// block in fp32 and add it scaled by a_scale * b_scale; SwiGLU (and its backward) in fp32,
+// rounded to bf16.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -24,8 +25,12 @@ using host::E4m3ToFloat;
 using host::FloatToBf16;
 using host::FloatToE4m3;
 
+// As grouped_mlp_cpu.cc's (libm exp; the kernels use __expf, within the tests' tolerances).
+float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
 // Quantises one block of `count` values, read as values(i), with one scale: store(i, e4m3
-// byte) places each result (rows store in order, weights transposed). Returns the scale.
+// byte) places each result (rows in order, weights transposed or not, wgrad operands down a
+// column). Returns the scale.
 template <class Values, class Store>
 float QuantizeBlock(Values values, int count, bool pow2, Store store) {
   float amax = 0.0f;
@@ -57,22 +62,60 @@ ffi::Error QuantizeRowsImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
   return ffi::Error::Success();
 }
 
+// dgrad=0: q [E, P, K] (w transposed, the K-major operand of x @ w), scale [E, K/128, P/128];
+// dgrad=1: q [E, K, P] as w is (the operand of dy @ w^T), scale [E, P/128, K/128]. Same block
+// values either way: only where a byte or a scale is stored differs.
 ffi::Error QuantizeWeightsImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q,
-                               ffi::Result<ffi::AnyBuffer> scale, int64_t pow2) {
+                               ffi::Result<ffi::AnyBuffer> scale, int64_t pow2, int64_t dgrad) {
   int64_t e, k, p;
-  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWeights(w, q, scale, &e, &k, &p));
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWeights(w, q, scale, dgrad != 0, &e, &k, &p));
   const uint16_t* wv = static_cast<const uint16_t*>(w.untyped_data());
   uint8_t* qv = static_cast<uint8_t*>(q->untyped_data());
   float* sv = static_cast<float*>(scale->untyped_data());
+  const int64_t kbs = k / 128, pbs = p / 128;
+  // Strides in q of w's k and p axes, and in scale of its k and p blocks.
+  const int64_t qk = dgrad ? p : 1, qp = dgrad ? 1 : k;
+  const int64_t sk = dgrad ? 1 : pbs, sp = dgrad ? kbs : 1;
   for (int64_t g = 0; g < e; ++g) {
-    for (int64_t kb = 0; kb < k / 128; ++kb) {
-      for (int64_t pb = 0; pb < p / 128; ++pb) {
-        // Block element i = (kk, pp) = (i / 128, i % 128), written transposed: q[g, pp, kk].
+    for (int64_t kb = 0; kb < kbs; ++kb) {
+      for (int64_t pb = 0; pb < pbs; ++pb) {
+        // Block element i = (kk, pp) = (i / 128, i % 128).
         const uint16_t* src = wv + g * k * p + kb * 128 * p + pb * 128;
-        uint8_t* dst = qv + g * p * k + pb * 128 * k + kb * 128;
-        sv[(g * (k / 128) + kb) * (p / 128) + pb] = QuantizeBlock(
+        uint8_t* dst = qv + g * k * p + kb * 128 * qk + pb * 128 * qp;
+        sv[g * kbs * pbs + kb * sk + pb * sp] = QuantizeBlock(
             [&](int i) { return Bf16ToFloat(src[int64_t(i / 128) * p + i % 128]); }, 128 * 128,
-            pow2 != 0, [&](int i, uint8_t b) { dst[int64_t(i % 128) * k + i / 128] = b; });
+            pow2 != 0, [&](int i, uint8_t b) { dst[int64_t(i / 128) * qk + (i % 128) * qp] = b; });
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// Rows of each group in 128 x 1 blocks per column, stored transposed and group-padded (the
+// WgradOperand of cuda_fp8.py): group g's block b of column c -> q[c, p_g + 128 b + i] and
+// scale[p_g / 128 + b, c]; the group's padding bytes are 0 so that the wgrad GEMM may read
+// whole 128-column blocks.
+ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
+                                    ffi::Result<ffi::AnyBuffer> q,
+                                    ffi::Result<ffi::AnyBuffer> scale,
+                                    ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
+  int64_t n, c, e, length;
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, group_sizes, q, scale, &n, &c, &e, &length));
+  (void)workspace;
+  const uint16_t* xv = static_cast<const uint16_t*>(x.untyped_data());
+  uint8_t* qv = static_cast<uint8_t*>(q->untyped_data());
+  float* sv = static_cast<float*>(scale->untyped_data());
+  const std::vector<int64_t> off = HostGroupOffsets(group_sizes, e, n);
+  const std::vector<int64_t> padded = HostPaddedOffsets(off);
+  for (int64_t g = 0; g < e; ++g) {
+    for (int64_t r0 = off[g], col0 = padded[g]; r0 < off[g + 1]; r0 += 128, col0 += 128) {
+      const int valid = int(std::min<int64_t>(128, off[g + 1] - r0));
+      for (int64_t col = 0; col < c; ++col) {
+        uint8_t* dst = qv + col * length + col0;
+        sv[col0 / 128 * c + col] = QuantizeBlock(
+            [&](int i) { return Bf16ToFloat(xv[(r0 + i) * c + col]); }, valid, pow2 != 0,
+            [&](int i, uint8_t b) { dst[i] = b; });
+        std::fill(dst + valid, dst + 128, uint8_t{0});
       }
     }
   }
@@ -92,10 +135,40 @@ ffi::Error SwigluQuantizeImpl(ffi::AnyBuffer gate_up, ffi::AnyBuffer group_sizes
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t j = 0; j < f; ++j) {
       const float g = Bf16ToFloat(gu[r * 2 * f + j]), u = Bf16ToFloat(gu[r * 2 * f + f + j]);
-      hv[r * f + j] = r < total ? FloatToBf16(g * (1.0f / (1.0f + std::exp(-g))) * u) : 0;
+      hv[r * f + j] = r < total ? FloatToBf16(g * Sigmoid(g) * u) : 0;
     }
   }
   QuantizeRowsLoop(hv, total, f, pow2 != 0, static_cast<uint8_t*>(q->untyped_data()),
+                   static_cast<float*>(scale->untyped_data()));
+  return ffi::Error::Success();
+}
+
+// dgate_up = the SwiGLU backward (as GroupedMlpBwdImpl, grouped_mlp_cpu.cc) rounded to bf16,
+// then quantised in 1x128 blocks from those bf16 values: rows in use only, rows past them 0.
+ffi::Error SwigluBackwardQuantizeImpl(ffi::AnyBuffer dh, ffi::AnyBuffer gate_up,
+                                      ffi::AnyBuffer group_sizes,
+                                      ffi::Result<ffi::AnyBuffer> dgate_up,
+                                      ffi::Result<ffi::AnyBuffer> q,
+                                      ffi::Result<ffi::AnyBuffer> scale,
+                                      ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
+  int64_t n, f, e;
+  MEGAMOE_RETURN_IF_ERROR(
+      CheckSwigluBackwardQuantize(dh, gate_up, group_sizes, dgate_up, q, scale, &n, &f, &e));
+  (void)workspace;
+  const int64_t total = HostGroupOffsets(group_sizes, e, n)[e];
+  const uint16_t* dhv = static_cast<const uint16_t*>(dh.untyped_data());
+  const uint16_t* gu = static_cast<const uint16_t*>(gate_up.untyped_data());
+  uint16_t* dgu = static_cast<uint16_t*>(dgate_up->untyped_data());
+  std::fill(dgu + total * 2 * f, dgu + n * 2 * f, uint16_t{0});
+  for (int64_t r = 0; r < total; ++r) {
+    for (int64_t j = 0; j < f; ++j) {
+      const float g = Bf16ToFloat(gu[r * 2 * f + j]), u = Bf16ToFloat(gu[r * 2 * f + f + j]);
+      const float d = Bf16ToFloat(dhv[r * f + j]), s = Sigmoid(g);
+      dgu[r * 2 * f + j] = FloatToBf16(d * u * s * (1.0f + g * (1.0f - s)));
+      dgu[r * 2 * f + f + j] = FloatToBf16(d * g * s);
+    }
+  }
+  QuantizeRowsLoop(dgu, total, 2 * f, pow2 != 0, static_cast<uint8_t*>(q->untyped_data()),
                    static_cast<float*>(scale->untyped_data()));
   return ffi::Error::Success();
 }
@@ -136,6 +209,57 @@ ffi::Error GroupedGemmFp8Impl(ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
   return ffi::Error::Success();
 }
 
+// The 128 e4m3 bytes of each of `rows` rows (row stride `ld`) as floats, transposed:
+// out[j * rows + r] = value j of row r.
+void E4m3BlockTransposed(const uint8_t* q, int64_t rows, int64_t ld, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < 128; ++j) out[j * rows + r] = E4m3ToFloat(q[r * ld + j]);
+  }
+}
+
+// d[g] = a_g^T b_g over group g's padded columns of two WgradOperands: each 128-column block
+// summed in fp32 in column order (as GroupedGemmFp8Impl), then added scaled by
+// a_scale * b_scale. The inner loop runs over b's channels, keeping that order per element
+// while it vectorises.
+ffi::Error GroupedWgradFp8Impl(ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
+                               ffi::AnyBuffer group_sizes, ffi::AnyBuffer b_q,
+                               ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer> d,
+                               ffi::Result<ffi::AnyBuffer> workspace) {
+  Fp8WgradDims g;
+  MEGAMOE_RETURN_IF_ERROR(CheckGroupedWgradFp8(a_q, a_scale, group_sizes, b_q, b_scale, d, &g));
+  (void)workspace;
+  const uint8_t* av = static_cast<const uint8_t*>(a_q.untyped_data());
+  const uint8_t* bv = static_cast<const uint8_t*>(b_q.untyped_data());
+  const float* as = static_cast<const float*>(a_scale.untyped_data());
+  const float* bs = static_cast<const float*>(b_scale.untyped_data());
+  uint16_t* dv = static_cast<uint16_t*>(d->untyped_data());
+  // The operands hold round_up(N, 128) rows' worth of columns before the groups' padding.
+  const std::vector<int64_t> padded =
+      HostPaddedOffsets(HostGroupOffsets(group_sizes, g.e, g.length - 128 * g.e));
+  const int64_t ca = g.ca, cb = g.cb;
+  std::vector<float> a_blk(128 * ca), b_blk(128 * cb), block(cb), acc(ca * cb);
+  for (int64_t grp = 0; grp < g.e; ++grp) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t kb = padded[grp] / 128; kb < padded[grp + 1] / 128; ++kb) {
+      E4m3BlockTransposed(av + kb * 128, ca, g.length, a_blk.data());
+      E4m3BlockTransposed(bv + kb * 128, cb, g.length, b_blk.data());
+      for (int64_t m = 0; m < ca; ++m) {
+        std::fill(block.begin(), block.end(), 0.0f);
+        for (int64_t j = 0; j < 128; ++j) {
+          const float a = a_blk[j * ca + m];
+          const float* b = b_blk.data() + j * cb;
+          for (int64_t nn = 0; nn < cb; ++nn) block[nn] += a * b[nn];
+        }
+        const float sa = as[kb * ca + m];
+        float* acc_row = acc.data() + m * cb;
+        for (int64_t nn = 0; nn < cb; ++nn) acc_row[nn] += block[nn] * (sa * bs[kb * cb + nn]);
+      }
+    }
+    for (int64_t i = 0; i < ca * cb; ++i) dv[grp * ca * cb + i] = FloatToBf16(acc[i]);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // x -> (q, scale), attribute pow2.
@@ -144,8 +268,16 @@ ffi::Error GroupedGemmFp8Impl(ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeRowsCpu, QuantizeRowsImpl, MEGAMOE_QUANT_BINDING_CPU);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWeightsCpu, QuantizeWeightsImpl,
-                              MEGAMOE_QUANT_BINDING_CPU);
+                              MEGAMOE_QUANT_BINDING_CPU.Attr<int64_t>("dgrad"));
 #undef MEGAMOE_QUANT_BINDING_CPU
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWgradOperandCpu, QuantizeWgradOperandImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Ret<ffi::AnyBuffer>()  // q
+                                  .Ret<ffi::AnyBuffer>()  // scale
+                                  .Ret<ffi::AnyBuffer>()  // workspace (unused on CPU)
+                                  .Attr<int64_t>("pow2"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluQuantizeCpu, SwigluQuantizeImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()  // gate_up
@@ -155,19 +287,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluQuantizeCpu, SwigluQuantizeImpl,
                                   .Ret<ffi::AnyBuffer>()  // h_scale
                                   .Ret<ffi::AnyBuffer>()  // workspace (unused on CPU)
                                   .Attr<int64_t>("pow2"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cpu, GroupedGemmFp8Impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluBackwardQuantizeCpu, SwigluBackwardQuantizeImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // a_q
-                                  .Arg<ffi::AnyBuffer>()  // a_scale
+                                  .Arg<ffi::AnyBuffer>()  // dh
+                                  .Arg<ffi::AnyBuffer>()  // gate_up
                                   .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Arg<ffi::AnyBuffer>()  // b_q
-                                  .Arg<ffi::AnyBuffer>()  // b_scale
-                                  .Ret<ffi::AnyBuffer>()  // d
-                                  .Ret<ffi::AnyBuffer>()); // workspace (unused on CPU)
+                                  .Ret<ffi::AnyBuffer>()  // dgate_up
+                                  .Ret<ffi::AnyBuffer>()  // dgate_up_q
+                                  .Ret<ffi::AnyBuffer>()  // dgate_up_scale
+                                  .Ret<ffi::AnyBuffer>()  // workspace (unused on CPU)
+                                  .Attr<int64_t>("pow2"));
+// a_q, a_scale, group_sizes, b_q, b_scale -> (d, workspace (unused on CPU)).
+#define MEGAMOE_GEMM_BINDING_CPU                                                     \
+  ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
+      .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cpu, GroupedGemmFp8Impl, MEGAMOE_GEMM_BINDING_CPU);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedWgradFp8Cpu, GroupedWgradFp8Impl, MEGAMOE_GEMM_BINDING_CPU);
+#undef MEGAMOE_GEMM_BINDING_CPU
 
 MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_rows", "cpu", Fp8QuantizeRowsCpu);
 MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_weights", "cpu", Fp8QuantizeWeightsCpu);
 MEGAMOE_REGISTER_FFI("megamoe_fp8_swiglu_quantize", "cpu", Fp8SwigluQuantizeCpu);
+MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_wgrad_operand", "cpu", Fp8QuantizeWgradOperandCpu);
+MEGAMOE_REGISTER_FFI("megamoe_fp8_swiglu_backward_quantize", "cpu", Fp8SwigluBackwardQuantizeCpu);
 MEGAMOE_REGISTER_FFI("megamoe_grouped_gemm_fp8", "cpu", GroupedGemmFp8Cpu);
+MEGAMOE_REGISTER_FFI("megamoe_grouped_wgrad_fp8", "cpu", GroupedWgradFp8Cpu);
 
 }  // namespace megamoe::grouped

@@ -3,11 +3,20 @@
 //   megamoe_fp8_quantize_rows     x [N, K] bf16 -> q [N, K] e4m3, scale [N, K/128] f32
 //                                 (1x128 blocks along K: activations, token rows)
 //   megamoe_fp8_quantize_weights  w [E, K, P] bf16 -> q [E, P, K] e4m3 (transposed, K-major),
-//                                 scale [E, K/128, P/128] f32 (128x128 blocks)
+//                                 scale [E, K/128, P/128] f32 (128x128 blocks); attribute
+//                                 dgrad=1: q [E, K, P], scale [E, P/128, K/128] (for dy @ w^T)
 //   megamoe_fp8_swiglu_quantize   gate_up [N, 2F] bf16, group_sizes [E] int32 -> h [N, F] bf16
 //                                 (silu(gate) * up; rows past sum(group_sizes) zero), h_q [N, F]
 //                                 e4m3 and h_scale [N, F/128] f32 (1x128; rows past the sum
 //                                 unwritten), workspace u8[W] (group offsets)
+//   megamoe_fp8_swiglu_backward_quantize  dh [N, F], gate_up [N, 2F] bf16, group_sizes [E] ->
+//                                 dgate_up [N, 2F] bf16 (SwiGLU backward; rows past the sum
+//                                 zero), q [N, 2F] e4m3, scale [N, 2F/128] f32 (1x128; rows past
+//                                 the sum unwritten), workspace u8[W] (group offsets)
+//   megamoe_fp8_quantize_wgrad_operand  x [N, C] bf16, group_sizes [E] -> q [C, L] e4m3,
+//                                 scale [L/128, C] f32 (128x1 blocks inside each group, stored
+//                                 transposed and group-padded; cuda_fp8.WgradOperand),
+//                                 workspace u8[8 (E + 1)] (row and padded offsets)
 // Attribute pow2 (0/1): scales rounded up to powers of two ("fp8_pow2").
 #include <cuda_runtime.h>
 
@@ -19,6 +28,17 @@
 
 namespace megamoe::grouped {
 namespace {
+
+// The workspace result holds `ints` int32 (group offsets); returns them.
+ffi::Error OffsetsWorkspace(ffi::Result<ffi::AnyBuffer>& workspace, int64_t ints,
+                            int32_t** out) {
+  if (workspace->size_bytes() < size_t(ints) * 4) {
+    return InvalidArgument("workspace must hold ", ints, " int32 offsets, got ",
+                           workspace->size_bytes(), " bytes");
+  }
+  *out = static_cast<int32_t*>(workspace->untyped_data());
+  return ffi::Error::Success();
+}
 
 ffi::Error QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
                             ffi::Result<ffi::AnyBuffer> scale, int64_t pow2) {
@@ -32,10 +52,10 @@ ffi::Error QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
 
 ffi::Error QuantizeWeightsImpl(cudaStream_t stream, ffi::AnyBuffer w,
                                ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> scale,
-                               int64_t pow2) {
+                               int64_t pow2, int64_t dgrad) {
   int64_t e, k, p;
-  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWeights(w, q, scale, &e, &k, &p));
-  std::string err = QuantizeWeights128x128(w.untyped_data(), e, k, p, pow2 != 0,
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWeights(w, q, scale, dgrad != 0, &e, &k, &p));
+  std::string err = QuantizeWeights128x128(w.untyped_data(), e, k, p, pow2 != 0, dgrad != 0,
                                            q->untyped_data(),
                                            static_cast<float*>(scale->untyped_data()), stream);
   if (!err.empty()) return Internal(err);
@@ -48,17 +68,58 @@ ffi::Error SwigluQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer gate_up,
                               ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
   int64_t n, f, e;
   MEGAMOE_RETURN_IF_ERROR(CheckSwigluQuantize(gate_up, group_sizes, h, q, scale, &n, &f, &e));
-  if (workspace->size_bytes() < size_t(e + 1) * 4) {
-    return InvalidArgument("workspace must hold ", e + 1, " int32 offsets, got ",
-                           workspace->size_bytes(), " bytes");
-  }
-  int32_t* offsets = static_cast<int32_t*>(workspace->untyped_data());
+  int32_t* offsets;
+  MEGAMOE_RETURN_IF_ERROR(OffsetsWorkspace(workspace, e + 1, &offsets));
   std::string err = GroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()), int(e),
                                  n, offsets, stream);
   if (err.empty()) {
     err = SwigluQuantize1x128(gate_up.untyped_data(), h->untyped_data(), n, f, offsets, int(e),
                               pow2 != 0, q->untyped_data(),
                               static_cast<float*>(scale->untyped_data()), stream);
+  }
+  if (!err.empty()) return Internal(err);
+  return ffi::Error::Success();
+}
+
+ffi::Error SwigluBackwardQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer dh,
+                                      ffi::AnyBuffer gate_up, ffi::AnyBuffer group_sizes,
+                                      ffi::Result<ffi::AnyBuffer> dgate_up,
+                                      ffi::Result<ffi::AnyBuffer> q,
+                                      ffi::Result<ffi::AnyBuffer> scale,
+                                      ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
+  int64_t n, f, e;
+  MEGAMOE_RETURN_IF_ERROR(
+      CheckSwigluBackwardQuantize(dh, gate_up, group_sizes, dgate_up, q, scale, &n, &f, &e));
+  int32_t* offsets;
+  MEGAMOE_RETURN_IF_ERROR(OffsetsWorkspace(workspace, e + 1, &offsets));
+  std::string err = GroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()), int(e),
+                                 n, offsets, stream);
+  if (err.empty()) {
+    err = SwigluBackwardQuantize1x128(dh.untyped_data(), gate_up.untyped_data(),
+                                      dgate_up->untyped_data(), n, f, offsets, int(e), pow2 != 0,
+                                      q->untyped_data(),
+                                      static_cast<float*>(scale->untyped_data()), stream);
+  }
+  if (!err.empty()) return Internal(err);
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizeWgradOperandImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                                    ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> q,
+                                    ffi::Result<ffi::AnyBuffer> scale,
+                                    ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
+  int64_t n, c, e, length;
+  MEGAMOE_RETURN_IF_ERROR(
+      CheckQuantizeWgradOperand(x, group_sizes, q, scale, &n, &c, &e, &length));
+  int32_t* offsets;
+  MEGAMOE_RETURN_IF_ERROR(OffsetsWorkspace(workspace, 2 * (e + 1), &offsets));
+  int32_t* padded = offsets + e + 1;
+  std::string err = PaddedGroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()),
+                                       int(e), n, offsets, padded, stream);
+  if (err.empty()) {
+    err = QuantizeWgradOperand128x1(x.untyped_data(), c, offsets, padded, int(e), length,
+                                    pow2 != 0, q->untyped_data(),
+                                    static_cast<float*>(scale->untyped_data()), stream);
   }
   if (!err.empty()) return Internal(err);
   return ffi::Error::Success();
@@ -79,7 +140,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeRowsCuda, QuantizeRowsImpl,
                               MEGAMOE_QUANT_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWeightsCuda, QuantizeWeightsImpl,
-                              MEGAMOE_QUANT_BINDING,
+                              MEGAMOE_QUANT_BINDING.Attr<int64_t>("dgrad"),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluQuantizeCuda, SwigluQuantizeImpl,
                               ffi::Ffi::Bind()
@@ -92,10 +153,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluQuantizeCuda, SwigluQuantizeImpl,
                                   .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<int64_t>("pow2"),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluBackwardQuantizeCuda, SwigluBackwardQuantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // dh
+                                  .Arg<ffi::AnyBuffer>()  // gate_up
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Ret<ffi::AnyBuffer>()  // dgate_up
+                                  .Ret<ffi::AnyBuffer>()  // q
+                                  .Ret<ffi::AnyBuffer>()  // scale
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<int64_t>("pow2"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWgradOperandCuda, QuantizeWgradOperandImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Ret<ffi::AnyBuffer>()  // q
+                                  .Ret<ffi::AnyBuffer>()  // scale
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<int64_t>("pow2"),
+                              {ffi::Traits::kCmdBufferCompatible});
 #undef MEGAMOE_QUANT_BINDING
 
 MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_rows", "CUDA", Fp8QuantizeRowsCuda);
 MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_weights", "CUDA", Fp8QuantizeWeightsCuda);
 MEGAMOE_REGISTER_FFI("megamoe_fp8_swiglu_quantize", "CUDA", Fp8SwigluQuantizeCuda);
+MEGAMOE_REGISTER_FFI("megamoe_fp8_swiglu_backward_quantize", "CUDA",
+                     Fp8SwigluBackwardQuantizeCuda);
+MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_wgrad_operand", "CUDA", Fp8QuantizeWgradOperandCuda);
 
 }  // namespace megamoe::grouped

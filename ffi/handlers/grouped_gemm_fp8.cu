@@ -7,6 +7,12 @@
 //   b_q [E, P, K] e4m3 (the weights transposed: K-major), b_scale [E, K/128, P/128] f32
 //   -> d [N, P] bf16 (rows past sum(group_sizes) are 0), workspace u8[W].
 // fp32 accumulation promoted every 128 of K.
+// And the K-grouped weight gradient (megamoe_grouped_wgrad_fp8) on two weight-gradient operands
+// (fp8_quantize.cu, cuda_fp8.WgradOperand):
+//   a_q [Ca, L] e4m3, a_scale [L/128, Ca] f32, group_sizes [E] int32, b_q [Cb, L] e4m3,
+//   b_scale [L/128, Cb] f32 -> d [E, Ca, Cb] bf16 (a group with no rows: 0), workspace u8[W].
+// Group g's columns are recomputed from group_sizes as the quantiser laid them out (rows
+// clamped to L - 128 E >= N; the same for every valid input).
 #include <cuda_runtime.h>
 
 #include "ffi/common/checks.h"
@@ -51,6 +57,38 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyB
   return ffi::Error::Success();
 }
 
+ffi::Error GroupedWgradFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
+                               ffi::AnyBuffer group_sizes, ffi::AnyBuffer b_q,
+                               ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer> d,
+                               ffi::Result<ffi::AnyBuffer> workspace) {
+  Fp8WgradDims g;
+  MEGAMOE_RETURN_IF_ERROR(CheckGroupedWgradFp8(a_q, a_scale, group_sizes, b_q, b_scale, d, &g));
+  const int sm = CurrentDeviceSmCount();
+  const size_t offsets_bytes = (2 * (g.e + 1) * 4 + 255) / 256 * 256;
+  const size_t need = offsets_bytes + GroupedWgradFp8WorkspaceBytes(int(g.e), sm);
+  if (workspace->element_type() != ffi::DataType::U8 || workspace->size_bytes() < need) {
+    return InvalidArgument("workspace must be uint8 with at least ", need, " bytes, got ",
+                           workspace->size_bytes());
+  }
+  uint8_t* ws = static_cast<uint8_t*>(workspace->untyped_data());
+  int32_t* offsets = reinterpret_cast<int32_t*>(ws);
+  int32_t* padded = offsets + g.e + 1;
+  std::string err = PaddedGroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()),
+                                       int(g.e), g.length - 128 * g.e, offsets, padded, stream);
+  if (err.empty()) {
+    GroupedWgradFp8Problem prob{int(g.e), offsets, padded, a_q.untyped_data(),
+                                static_cast<const float*>(a_scale.untyped_data()),
+                                b_q.untyped_data(),
+                                static_cast<const float*>(b_scale.untyped_data()),
+                                d->untyped_data(), g.ca, g.cb, g.length};
+    err = RunGroupedWgradFp8(prob, ws + offsets_bytes, workspace->size_bytes() - offsets_bytes,
+                             sm, stream);
+  }
+  if (err.empty()) err = ZeroEmptyGroups(d->untyped_data(), g.ca * g.cb, offsets, int(g.e), stream);
+  if (!err.empty()) return Internal(err);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cuda, GroupedGemmFp8Impl,
@@ -65,6 +103,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cuda, GroupedGemmFp8Impl,
                                   .Ret<ffi::AnyBuffer>(),  // workspace
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedWgradFp8Cuda, GroupedWgradFp8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // a_q
+                                  .Arg<ffi::AnyBuffer>()  // a_scale
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Arg<ffi::AnyBuffer>()  // b_q
+                                  .Arg<ffi::AnyBuffer>()  // b_scale
+                                  .Ret<ffi::AnyBuffer>()  // d
+                                  .Ret<ffi::AnyBuffer>(),  // workspace
+                              {ffi::Traits::kCmdBufferCompatible});
+
 MEGAMOE_REGISTER_FFI("megamoe_grouped_gemm_fp8", "CUDA", GroupedGemmFp8Cuda);
+MEGAMOE_REGISTER_FFI("megamoe_grouped_wgrad_fp8", "CUDA", GroupedWgradFp8Cuda);
 
 }  // namespace megamoe::grouped

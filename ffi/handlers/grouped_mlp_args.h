@@ -83,6 +83,16 @@ inline std::vector<int64_t> HostGroupOffsets(const ffi::AnyBuffer& group_sizes, 
   return off;
 }
 
+// Group g's columns in a weight-gradient operand (fp8_args.h): [p[g], p[g + 1]), each group's
+// clamped row count (HostGroupOffsets) rounded up to a multiple of 128.
+inline std::vector<int64_t> HostPaddedOffsets(const std::vector<int64_t>& offsets) {
+  std::vector<int64_t> padded(offsets.size(), 0);
+  for (size_t g = 0; g + 1 < offsets.size(); ++g) {
+    padded[g + 1] = padded[g] + (offsets[g + 1] - offsets[g] + 127) / 128 * 128;
+  }
+  return padded;
+}
+
 // The forward results y [N, H], gate_up [N, 2F], h [N, F], all in x's dtype.
 inline ffi::Error CheckMlpFwdResults(const MlpDims& d, ffi::Result<ffi::AnyBuffer>& y,
                                      ffi::Result<ffi::AnyBuffer>& gate_up,

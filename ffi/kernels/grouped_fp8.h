@@ -27,9 +27,34 @@ std::string SwigluQuantize1x128(const void* gate_up, void* h, int64_t rows, int6
                                 float* scale, cudaStream_t stream);
 
 // Weights, 128 x 128 blocks: w [E, K, N] bf16 -> q [E, N, K] e4m3 (transposed: K-major, as FP8
-// wgmma needs) and scale [E, K/128, N/128] fp32. K % 128 == 0, N % 128 == 0.
+// wgmma needs) and scale [E, K/128, N/128] fp32: the operand of rows @ w. With dgrad, the
+// operand of rows @ w^T: q [E, K, N] (w's layout, K-major for that product) and scale
+// [E, N/128, K/128]; the same bytes per element. K % 128 == 0, N % 128 == 0.
 std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t n, bool pow2,
-                                   void* q, float* scale, cudaStream_t stream);
+                                   bool dgrad, void* q, float* scale, cudaStream_t stream);
+
+// The SwiGLU backward of the grouped MLP (as SwigluBackward) fused with the 1x128 quantisation of
+// its output: dh [rows, F], gate_up [rows, 2F] bf16 -> dgate_up [rows, 2F] bf16, q [rows, 2F]
+// e4m3, scale [rows, 2F/128] for rows < offsets[E]; rows past it: dgate_up zeroed, q and scale
+// untouched.
+std::string SwigluBackwardQuantize1x128(const void* dh, const void* gate_up, void* dgate_up,
+                                        int64_t rows, int64_t f, const int32_t* offsets,
+                                        int num_groups, bool pow2, void* q, float* scale,
+                                        cudaStream_t stream);
+
+// Weight-gradient operands: each group's rows padded to a multiple of 128 and laid side by side
+// as columns. offsets as GroupOffsets (clamped to `rows`); padded[0] = 0, padded[g + 1] =
+// padded[g] + round_up(offsets[g + 1] - offsets[g], 128). Both [E + 1] int32 on the device.
+std::string PaddedGroupOffsets(const int32_t* group_sizes, int num_groups, int64_t rows,
+                               int32_t* offsets, int32_t* padded, cudaStream_t stream);
+
+// 128 x 1 blocks along the rows inside each group, stored transposed: x [rows, C] bf16 ->
+// q [C, length] e4m3 with group g's rows at columns [padded[g], padded[g] + n_g) and zeros up
+// to padded[g + 1]; scale [length/128, C] fp32, scale[padded[g]/128 + b][c] that of rows
+// offsets[g] + 128 b ... of column c. Columns past padded[E] untouched. C % 128 == 0.
+std::string QuantizeWgradOperand128x1(const void* x, int64_t c, const int32_t* offsets,
+                                      const int32_t* padded, int num_groups, int64_t length,
+                                      bool pow2, void* q, float* scale, cudaStream_t stream);
 
 struct GroupedGemmFp8Problem {
   int num_groups;
@@ -46,5 +71,24 @@ struct GroupedGemmFp8Problem {
 size_t GroupedGemmFp8WorkspaceBytes(int num_groups, int sm_count);
 std::string RunGroupedGemmFp8(const GroupedGemmFp8Problem& problem, void* workspace,
                               size_t workspace_bytes, int sm_count, cudaStream_t stream);
+
+// The K-grouped weight gradient on two weight-gradient operands (QuantizeWgradOperand128x1):
+// d[g] [Ca, Cb] = sum over group g's columns of a[:, j] b[:, j]^T, dequantised, fp32 accumulation
+// promoted every 128 columns. Groups with no rows are left untouched (the caller zeroes them).
+struct GroupedWgradFp8Problem {
+  int num_groups;
+  const int32_t* offsets;  // device [E + 1]: an empty group has offsets[g + 1] == offsets[g]
+  const int32_t* padded;   // device [E + 1]: group g's columns [padded[g], padded[g + 1])
+  const void* a;           // e4m3 [Ca, length]
+  const float* a_scale;    // [length/128, Ca]
+  const void* b;           // e4m3 [Cb, length]
+  const float* b_scale;    // [length/128, Cb]
+  void* d;                 // bf16 [E, Ca, Cb]
+  int64_t ca, cb, length;
+};
+
+size_t GroupedWgradFp8WorkspaceBytes(int num_groups, int sm_count);
+std::string RunGroupedWgradFp8(const GroupedWgradFp8Problem& problem, void* workspace,
+                               size_t workspace_bytes, int sm_count, cudaStream_t stream);
 
 }  // namespace megamoe::grouped

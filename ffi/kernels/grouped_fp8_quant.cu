@@ -4,8 +4,11 @@
 
 #include <cfloat>
 
+#include <cub/block/block_scan.cuh>
+
 #include "ffi/common/fp8_scale.h"
 #include "ffi/kernels/grouped_fp8.h"
+#include "ffi/kernels/grouped_swiglu.h"
 #include "ffi/kernels/swiglu_math.cuh"
 
 namespace megamoe::grouped {
@@ -108,6 +111,215 @@ __global__ void SwigluQuantizeKernel(const __nv_bfloat16* __restrict__ gate_up,
   QuantizeSixteen(v, pow2, part, q + r * f + col, scale + r * fb_count + fb);
 }
 
+// dgate_up = SwiGLU backward of (dh, gate_up) for rows < offsets[E], then dgate_up quantised in
+// 1x128 blocks (its bf16 values). An 8-lane group takes 128 columns of dh, i.e. one 1x128
+// block of the gate half and the matching one of the up half. Rows past offsets[E]: dgate_up
+// zeroed, q and scale not written.
+__global__ void SwigluBackwardQuantizeKernel(const __nv_bfloat16* __restrict__ dh,
+                                             const __nv_bfloat16* __restrict__ gate_up,
+                                             __nv_bfloat16* __restrict__ dgate_up, int64_t rows,
+                                             int64_t f, const int32_t* __restrict__ offsets,
+                                             int num_groups, bool pow2, uint8_t* __restrict__ q,
+                                             float* __restrict__ scale) {
+  const int64_t fb_count = f / 128;
+  int64_t r, fb;
+  int part;
+  if (!LocateSixteen(rows, fb_count, &r, &fb, &part)) return;
+  const int64_t col = fb * 128 + part * 16;
+  uint4* dg_out = reinterpret_cast<uint4*>(dgate_up + r * 2 * f + col);
+  uint4* du_out = reinterpret_cast<uint4*>(dgate_up + r * 2 * f + f + col);
+  if (r >= offsets[num_groups]) {  // padding row (the whole 8-lane group shares r)
+    dg_out[0] = dg_out[1] = du_out[0] = du_out[1] = make_uint4(0u, 0u, 0u, 0u);
+    return;
+  }
+  const __nv_bfloat16* g_in = gate_up + r * 2 * f + col;
+  const uint4 d_raw[2] = {*reinterpret_cast<const uint4*>(dh + r * f + col),
+                          *reinterpret_cast<const uint4*>(dh + r * f + col + 8)};
+  const uint4 g_raw[2] = {*reinterpret_cast<const uint4*>(g_in),
+                          *reinterpret_cast<const uint4*>(g_in + 8)};
+  const uint4 u_raw[2] = {*reinterpret_cast<const uint4*>(g_in + f),
+                          *reinterpret_cast<const uint4*>(g_in + f + 8)};
+  const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(d_raw);
+  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(g_raw);
+  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(u_raw);
+  uint4 dg_raw[2], du_raw[2];
+  __nv_bfloat162* dg2 = reinterpret_cast<__nv_bfloat162*>(dg_raw);
+  __nv_bfloat162* du2 = reinterpret_cast<__nv_bfloat162*>(du_raw);
+  float2 vg[8], vu[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float2 d = __bfloat1622float2(d2[i]), g = __bfloat1622float2(g2[i]),
+                 u = __bfloat1622float2(u2[i]);
+    float dgx, dux, dgy, duy;
+    SwigluGrad(d.x, g.x, u.x, &dgx, &dux);
+    SwigluGrad(d.y, g.y, u.y, &dgy, &duy);
+    dg2[i] = __floats2bfloat162_rn(dgx, dgy);
+    du2[i] = __floats2bfloat162_rn(dux, duy);
+    vg[i] = __bfloat1622float2(dg2[i]);
+    vu[i] = __bfloat1622float2(du2[i]);
+  }
+  dg_out[0] = dg_raw[0];
+  dg_out[1] = dg_raw[1];
+  du_out[0] = du_raw[0];
+  du_out[1] = du_raw[1];
+  const int64_t blocks_per_row = 2 * fb_count;
+  uint8_t* q_row = q + r * 2 * f;
+  float* s_row = scale + r * blocks_per_row;
+  QuantizeSixteen(vg, pow2, part, q_row + col, s_row + fb);
+  QuantizeSixteen(vu, pow2, part, q_row + f + col, s_row + fb_count + fb);
+}
+
+// One block of 256 threads per 128 x 128 weight block, written in w's own layout (dgrad): thread
+// t holds 64 values (8 x 8 columns of rows t / 16 + 16 i), reduces the block's amax, stores.
+__global__ void __launch_bounds__(256) QuantizeWeightsDgradKernel(
+    const __nv_bfloat16* __restrict__ w, int64_t k, int64_t n, bool pow2,
+    uint8_t* __restrict__ q, float* __restrict__ scale) {
+  __shared__ float warp_max[8];
+  const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
+  const int64_t nbs = n / 128, kbs = k / 128;
+  const int t = threadIdx.x, oct = t % 16;
+  const int64_t base = g * k * n + (kb * 128) * n + nb * 128 + oct * 8;
+  uint4 raw[8];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    raw[i] = *reinterpret_cast<const uint4*>(w + base + int64_t(t / 16 + 16 * i) * n);
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 v = __bfloat1622float2(p[j]);
+      amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (t % 32 == 0) warp_max[t / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
+  const float s = Fp8BlockScale(amax, pow2);
+  if (t == 0) scale[(g * nbs + nb) * kbs + kb] = s;  // [E, N/128, K/128]
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+    uint32_t words[2];
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi) {
+      const float2 v0 = __bfloat1622float2(p[2 * wi]), v1 = __bfloat1622float2(p[2 * wi + 1]);
+      words[wi] = uint32_t(ToE4m3(v0.x / s)) | (uint32_t(ToE4m3(v0.y / s)) << 8) |
+                  (uint32_t(ToE4m3(v1.x / s)) << 16) | (uint32_t(ToE4m3(v1.y / s)) << 24);
+    }
+    *reinterpret_cast<uint2*>(q + base + int64_t(t / 16 + 16 * i) * n) =
+        make_uint2(words[0], words[1]);
+  }
+}
+
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) PaddedOffsetsKernel(const int32_t* __restrict__ offsets,
+                                                                int num_groups,
+                                                                int32_t* __restrict__ padded) {
+  using Scan = cub::BlockScan<int32_t, kThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  __shared__ int32_t carry;
+  if (threadIdx.x == 0) {
+    carry = 0;
+    padded[0] = 0;
+  }
+  __syncthreads();
+  for (int base = 0; base < num_groups; base += kThreads) {
+    const int g = base + threadIdx.x;
+    const int32_t v = g < num_groups ? (offsets[g + 1] - offsets[g] + 127) / 128 * 128 : 0;
+    int32_t inclusive, total;
+    Scan(temp).InclusiveSum(v, inclusive, total);
+    const int32_t c = carry;
+    if (g < num_groups) padded[g + 1] = c + inclusive;
+    __syncthreads();
+    if (threadIdx.x == 0) carry = c + total;
+    __syncthreads();
+  }
+}
+
+// One block of 256 threads per (128-column block of the padded operand, 128 columns of x):
+// finds its group, stages the (up to 128) rows in shared memory as (r, r + 1) pairs like the
+// weight kernel below, reduces each column's amax over the rows (two threads per column), and
+// stores the tile transposed: 128 contiguous bytes per column of x.
+__global__ void __launch_bounds__(256) QuantizeWgradOperandKernel(
+    const __nv_bfloat16* __restrict__ x, int64_t c, const int32_t* __restrict__ offsets,
+    const int32_t* __restrict__ padded, int num_groups, int64_t length, bool pow2,
+    uint8_t* __restrict__ q, float* __restrict__ scale) {
+  __shared__ __align__(16) __nv_bfloat162 pairs[64][128 + 4];  // [row / 2][column]
+  __shared__ float half_max[2][128];
+  __shared__ float col_scale[128];
+  const int64_t col0 = blockIdx.y * 128;
+  const int32_t pcol = int32_t(blockIdx.x) * 128;  // first padded column of this block
+  if (pcol >= padded[num_groups]) return;
+  // The group g with padded[g] <= pcol < padded[g + 1] (empty groups have no columns).
+  int lo = 0, hi = num_groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (padded[mid] <= pcol) lo = mid; else hi = mid - 1;
+  }
+  const int g = lo;
+  const int64_t row0 = offsets[g] + (pcol - padded[g]);
+  const int valid = int(min(int64_t(128), int64_t(offsets[g + 1]) - row0));
+  const int t = threadIdx.x;
+  {
+    const int oct = t % 16;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int pr = t / 16 + 16 * i;
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      const __nv_bfloat16* src = x + (row0 + 2 * pr) * c + col0 + oct * 8;
+      const uint4 lo_v = 2 * pr < valid ? *reinterpret_cast<const uint4*>(src) : zero;
+      const uint4 hi_v = 2 * pr + 1 < valid ? *reinterpret_cast<const uint4*>(src + c) : zero;
+      const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(&lo_v);
+      const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&hi_v);
+      __nv_bfloat162 interleaved[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) interleaved[j] = __halves2bfloat162(a[j], b[j]);
+      uint4* dst = reinterpret_cast<uint4*>(&pairs[pr][oct * 8]);
+      dst[0] = *reinterpret_cast<const uint4*>(&interleaved[0]);
+      dst[1] = *reinterpret_cast<const uint4*>(&interleaved[4]);
+    }
+  }
+  __syncthreads();
+  {
+    const int col = t % 128, half = t / 128;
+    float amax = 0.0f;
+#pragma unroll 8
+    for (int pr = half * 32; pr < half * 32 + 32; ++pr) {
+      const float2 v = __bfloat1622float2(pairs[pr][col]);
+      amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
+    }
+    half_max[half][col] = amax;
+  }
+  __syncthreads();
+  if (t < 128) {
+    const float s = Fp8BlockScale(fmaxf(half_max[0][t], half_max[1][t]), pow2);
+    col_scale[t] = s;
+    scale[int64_t(blockIdx.x) * c + col0 + t] = s;
+  }
+  __syncthreads();
+  // Store transposed: lanes take 32 consecutive columns, the 8 warps the 8 chunks of 16 rows.
+  const int lane = t % 32, chunk = t / 32;
+#pragma unroll
+  for (int round = 0; round < 4; ++round) {
+    const int col = round * 32 + lane;
+    const float s = col_scale[col];
+    uint32_t words[4];
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+      const float2 v0 = __bfloat1622float2(pairs[chunk * 8 + wi * 2][col]);
+      const float2 v1 = __bfloat1622float2(pairs[chunk * 8 + wi * 2 + 1][col]);
+      words[wi] = uint32_t(ToE4m3(v0.x / s)) | (uint32_t(ToE4m3(v0.y / s)) << 8) |
+                  (uint32_t(ToE4m3(v1.x / s)) << 16) | (uint32_t(ToE4m3(v1.y / s)) << 24);
+    }
+    uint8_t* dst = q + (col0 + col) * length + pcol + chunk * 16;
+    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
 // One block of 256 threads per 128 x 128 weight block; writes the block transposed. The tile is
 // staged in shared memory as (k, k+1) pairs per column n, so that the transposed read is one
 // conflict-free 4-byte load per two values (a warp reads 32 consecutive columns).
@@ -204,12 +416,47 @@ std::string SwigluQuantize1x128(const void* gate_up, void* h, int64_t rows, int6
 }
 
 std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t n, bool pow2,
-                                   void* q, float* scale, cudaStream_t stream) {
+                                   bool dgrad, void* q, float* scale, cudaStream_t stream) {
   if (e == 0 || k == 0 || n == 0) return "";
   dim3 grid(unsigned(n / 128), unsigned(k / 128), unsigned(e));
-  QuantizeWeightsKernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), k, n, pow2,
-                                                  static_cast<uint8_t*>(q), scale);
+  auto kernel = dgrad ? QuantizeWeightsDgradKernel : QuantizeWeightsKernel;
+  kernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), k, n, pow2,
+                                   static_cast<uint8_t*>(q), scale);
   return LastError("QuantizeWeights128x128 launch");
+}
+
+std::string SwigluBackwardQuantize1x128(const void* dh, const void* gate_up, void* dgate_up,
+                                        int64_t rows, int64_t f, const int32_t* offsets,
+                                        int num_groups, bool pow2, void* q, float* scale,
+                                        cudaStream_t stream) {
+  const int64_t groups = rows * (f / 128);  // 8 threads each
+  if (groups == 0) return "";
+  const int threads = 256;
+  const int64_t blocks = (groups * 8 + threads - 1) / threads;
+  SwigluBackwardQuantizeKernel<<<dim3(unsigned(blocks)), threads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(dh), static_cast<const __nv_bfloat16*>(gate_up),
+      static_cast<__nv_bfloat16*>(dgate_up), rows, f, offsets, num_groups, pow2,
+      static_cast<uint8_t*>(q), scale);
+  return LastError("SwigluBackwardQuantize1x128 launch");
+}
+
+std::string PaddedGroupOffsets(const int32_t* group_sizes, int num_groups, int64_t rows,
+                               int32_t* offsets, int32_t* padded, cudaStream_t stream) {
+  std::string err = GroupOffsets(group_sizes, num_groups, rows, offsets, stream);
+  if (!err.empty()) return err;
+  PaddedOffsetsKernel<256><<<1, 256, 0, stream>>>(offsets, num_groups, padded);
+  return LastError("PaddedGroupOffsets launch");
+}
+
+std::string QuantizeWgradOperand128x1(const void* x, int64_t c, const int32_t* offsets,
+                                      const int32_t* padded, int num_groups, int64_t length,
+                                      bool pow2, void* q, float* scale, cudaStream_t stream) {
+  if (length == 0 || c == 0) return "";
+  dim3 grid(unsigned(length / 128), unsigned(c / 128));
+  QuantizeWgradOperandKernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), c,
+                                                       offsets, padded, num_groups, length, pow2,
+                                                       static_cast<uint8_t*>(q), scale);
+  return LastError("QuantizeWgradOperand128x1 launch");
 }
 
 }  // namespace megamoe::grouped

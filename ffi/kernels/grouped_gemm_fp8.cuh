@@ -1,9 +1,12 @@
-// Blockwise-scaled FP8 grouped GEMM (grouped_fp8.h), templated over its tile schedule: CUTLASS
-// sm90 ptr-array kernel with per-128-K promotion of the fp32 accumulators (FP8Blockwise kernel
-// schedules). A = activations e4m3 [rows, K] with 1x128 scales (K-major, [rows, K/128]),
-// B = weights e4m3 [E, N, K] (K-major) with 128x128 scales [E, K/128, N/128], D bf16.
-// Each grouped_gemm_fp8_v<N>.cu instantiates one schedule (they compile in parallel);
-// grouped_gemm_fp8.cu picks one at run time.
+// Blockwise-scaled FP8 grouped GEMMs (grouped_fp8.h), templated over the tile schedule and the
+// scale layout: CUTLASS sm90 ptr-array kernel with per-128-K promotion of the fp32 accumulators
+// (FP8Blockwise kernel schedules). D bf16. Two problems:
+//   fprop/dgrad  A = rows e4m3 [rows, K] with 1x128 scales (K-major, [rows, K/128]),
+//                B = weights e4m3 [E, N, K] (K-major) with 128x128 scales [E, K/128, N/128].
+//   wgrad        A, B = weight-gradient operands e4m3 [Ca | Cb, length] (K = the group's padded
+//                rows, K-major) with 128x1 scales [length/128, Ca | Cb] (M- / N-major).
+// Each grouped_gemm_fp8_*.cu instantiates one (they compile in parallel); grouped_gemm_fp8.cu
+// picks the fprop schedule at run time.
 // CUTLASS asserts inside the wgmma consumer loop become function calls that serialise wgmma
 // (ptxas C7510): every including TU defines NDEBUG before any include.
 #pragma once
@@ -39,7 +42,18 @@ struct Pingpong64x128Cluster1x2 {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
-template <class Schedule>
+// Scale layouts. The kernel rebuilds each group's scale layouts from its (M, N, K) (it ignores
+// the layouts passed in), packed per group, so the scales must be laid out so that a group's are
+// one contiguous, packed slice:
+//   rows x weights: K-major SFA, a group's rows [r0, r0 + M) of the [rows, K/128] matrix; SFB
+//     [K/128, N/128] per expert.
+//   wgrad: M-/N-major SFA/SFB, a group's K blocks [k0, k0 + K/128) of [length/128, Ca | Cb].
+using RowsTimesWeightsScales = cutlass::detail::Sm90BlockwiseScaleConfig<
+    1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
+using WgradScales = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, cute::GMMA::Major::MN,
+                                                              cute::GMMA::Major::MN>;
+
+template <class Schedule, class Scales = RowsTimesWeightsScales>
 struct Fp8Gemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementA = cutlass::float_e4m3_t;
@@ -51,11 +65,7 @@ struct Fp8Gemm {
   using LayoutD = cutlass::layout::RowMajor;
   using TileShape = typename Schedule::TileShape;
   using ClusterShape = typename Schedule::ClusterShape;
-  // The kernel rebuilds each group's scale layouts from its (M, N, K) (it ignores the layouts
-  // passed in), packed per group: K-major SFA makes a group's scales the contiguous slice
-  // [r0, r0 + M) of the [rows, K/128] matrix; SFB is [K/128, N/128] per expert.
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
-                                                                cute::GMMA::Major::MN>;
+  using ScaleConfig = Scales;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -104,29 +114,78 @@ struct Fp8Layout {
   }
 };
 
+// The per-group argument arrays in the workspace, as the prepare kernels write them.
 template <class G>
-__global__ void PrepareFp8(GroupedGemmFp8Problem p, typename G::Shape3* shapes,
-                           const typename G::ElementA** ptr_a, const typename G::ElementB** ptr_b,
-                           typename G::ElementD** ptr_d, const float** ptr_sfa,
-                           const float** ptr_sfb, typename G::StrideA* stride_a,
-                           typename G::StrideB* stride_b, typename G::StrideD* stride_d,
-                           typename G::LayoutSFA* layout_sfa, typename G::LayoutSFB* layout_sfb) {
+struct Fp8GroupArgs {
+  typename G::Shape3* shapes;
+  const typename G::ElementA** ptr_a;
+  const typename G::ElementB** ptr_b;
+  typename G::ElementD** ptr_d;
+  const float** ptr_sfa;
+  const float** ptr_sfb;
+  typename G::StrideA* stride_a;
+  typename G::StrideB* stride_b;
+  typename G::StrideD* stride_d;
+  typename G::LayoutSFA* layout_sfa;
+  typename G::LayoutSFB* layout_sfb;
+
+  Fp8GroupArgs(const Fp8Layout<G>& l, uint8_t* ws)
+      : shapes(reinterpret_cast<typename G::Shape3*>(ws + l.shapes)),
+        ptr_a(reinterpret_cast<const typename G::ElementA**>(ws + l.ptr_a)),
+        ptr_b(reinterpret_cast<const typename G::ElementB**>(ws + l.ptr_b)),
+        ptr_d(reinterpret_cast<typename G::ElementD**>(ws + l.ptr_d)),
+        ptr_sfa(reinterpret_cast<const float**>(ws + l.ptr_sfa)),
+        ptr_sfb(reinterpret_cast<const float**>(ws + l.ptr_sfb)),
+        stride_a(reinterpret_cast<typename G::StrideA*>(ws + l.stride_a)),
+        stride_b(reinterpret_cast<typename G::StrideB*>(ws + l.stride_b)),
+        stride_d(reinterpret_cast<typename G::StrideD*>(ws + l.stride_d)),
+        layout_sfa(reinterpret_cast<typename G::LayoutSFA*>(ws + l.layout_sfa)),
+        layout_sfb(reinterpret_cast<typename G::LayoutSFB*>(ws + l.layout_sfb)) {}
+
+  // Group g: D [m, n] (row stride ldd) = A [m, k] (row stride lda) B[n, k]^T (row stride ldb).
+  __device__ void Set(int g, int m, int n, int k, const void* a, int64_t lda, const void* b,
+                      int64_t ldb, void* d, int64_t ldd, const float* sfa,
+                      const float* sfb) const {
+    shapes[g] = typename G::Shape3(m, n, k);
+    ptr_a[g] = static_cast<const typename G::ElementA*>(a);
+    ptr_b[g] = static_cast<const typename G::ElementB*>(b);
+    ptr_d[g] = static_cast<typename G::ElementD*>(d);
+    ptr_sfa[g] = sfa;
+    ptr_sfb[g] = sfb;
+    stride_a[g] = sm90::LeadingStride<typename G::StrideA>(lda);
+    stride_b[g] = sm90::LeadingStride<typename G::StrideB>(ldb);
+    stride_d[g] = sm90::LeadingStride<typename G::StrideD>(ldd);
+    layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, n, k, 1));
+    layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, n, k, 1));
+  }
+};
+
+// Rows of group g (A, 1x128 scales) times expert g's weights (B, 128x128 scales).
+template <class G>
+__global__ void PrepareRowsTimesWeights(GroupedGemmFp8Problem p, Fp8GroupArgs<G> args) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
   const int64_t r0 = p.offsets[g];
   const int rows = int(p.offsets[g + 1] - r0);
   const int64_t kbs = p.k / 128, nbs = p.n / 128;
-  shapes[g] = typename G::Shape3(rows, int(p.n), int(p.k));
-  ptr_a[g] = static_cast<const typename G::ElementA*>(p.a) + r0 * p.lda;
-  ptr_b[g] = static_cast<const typename G::ElementB*>(p.b) + int64_t(g) * p.n * p.k;
-  ptr_d[g] = static_cast<typename G::ElementD*>(p.d) + r0 * p.n;
-  ptr_sfa[g] = p.a_scale + r0 * kbs;
-  ptr_sfb[g] = p.b_scale + int64_t(g) * kbs * nbs;
-  stride_a[g] = sm90::LeadingStride<typename G::StrideA>(p.lda);
-  stride_b[g] = sm90::LeadingStride<typename G::StrideB>(p.k);
-  stride_d[g] = sm90::LeadingStride<typename G::StrideD>(p.n);
-  layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(rows, int(p.n), int(p.k), 1));
-  layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(rows, int(p.n), int(p.k), 1));
+  args.Set(g, rows, int(p.n), int(p.k), static_cast<const uint8_t*>(p.a) + r0 * p.lda, p.lda,
+           static_cast<const uint8_t*>(p.b) + int64_t(g) * p.n * p.k, p.k,
+           static_cast<typename G::ElementD*>(p.d) + r0 * p.n, p.n, p.a_scale + r0 * kbs,
+           p.b_scale + int64_t(g) * kbs * nbs);
+}
+
+// Group g's padded columns of both operands; an empty group gets no tiles (M = 0).
+template <class G>
+__global__ void PrepareWgrad(GroupedWgradFp8Problem p, Fp8GroupArgs<G> args) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= p.num_groups) return;
+  const bool empty = p.offsets[g + 1] == p.offsets[g];
+  const int64_t c0 = p.padded[g];
+  const int k = int(p.padded[g + 1] - c0);
+  args.Set(g, empty ? 0 : int(p.ca), int(p.cb), k, static_cast<const uint8_t*>(p.a) + c0,
+           p.length, static_cast<const uint8_t*>(p.b) + c0, p.length,
+           static_cast<typename G::ElementD*>(p.d) + int64_t(g) * p.ca * p.cb, p.cb,
+           p.a_scale + c0 / 128 * p.ca, p.b_scale + c0 / 128 * p.cb);
 }
 
 template <class G>
@@ -165,33 +224,44 @@ size_t WorkspaceBytes(int num_groups, int sm_count) {
          G::Gemm::get_workspace_size(MakeArgs<G>(l, nullptr, num_groups, sm_count, 0));
 }
 
-template <class G>
-std::string Run(const GroupedGemmFp8Problem& p, void* workspace, size_t workspace_bytes,
+// Writes the argument arrays with `prepare(args, stream)` (a kernel launch), then runs the GEMM.
+template <class G, class Prepare>
+std::string Run(int num_groups, Prepare prepare, void* workspace, size_t workspace_bytes,
                 int sm_count, cudaStream_t stream) {
-  if (p.k % 128 != 0 || p.n % 128 != 0) {
-    return "FP8 grouped GEMM needs K and N multiples of 128, got K=" + std::to_string(p.k) +
-           " N=" + std::to_string(p.n);
-  }
-  Fp8Layout<G> l(p.num_groups);
+  Fp8Layout<G> l(num_groups);
   uint8_t* ws = static_cast<uint8_t*>(workspace);
-  auto args = MakeArgs<G>(l, ws, p.num_groups, sm_count, sm90::MaxActiveClusters<G>());
+  auto args = MakeArgs<G>(l, ws, num_groups, sm_count, sm90::MaxActiveClusters<G>());
   const size_t need = l.cutlass_ws + G::Gemm::get_workspace_size(args);
   if (need > workspace_bytes) {
     return "FP8 grouped GEMM workspace too small: need " + std::to_string(need) + " bytes, have " +
            std::to_string(workspace_bytes);
   }
-  PrepareFp8<G><<<(p.num_groups + 127) / 128, 128, 0, stream>>>(
-      p, reinterpret_cast<typename G::Shape3*>(ws + l.shapes),
-      reinterpret_cast<const typename G::ElementA**>(ws + l.ptr_a),
-      reinterpret_cast<const typename G::ElementB**>(ws + l.ptr_b),
-      reinterpret_cast<typename G::ElementD**>(ws + l.ptr_d), reinterpret_cast<const float**>(ws + l.ptr_sfa),
-      reinterpret_cast<const float**>(ws + l.ptr_sfb), reinterpret_cast<typename G::StrideA*>(ws + l.stride_a),
-      reinterpret_cast<typename G::StrideB*>(ws + l.stride_b), reinterpret_cast<typename G::StrideD*>(ws + l.stride_d),
-      reinterpret_cast<typename G::LayoutSFA*>(ws + l.layout_sfa),
-      reinterpret_cast<typename G::LayoutSFB*>(ws + l.layout_sfb));
+  prepare(Fp8GroupArgs<G>(l, ws), stream);
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("PrepareFp8 launch: ") + cudaGetErrorString(err);
+  if (err != cudaSuccess) return std::string("FP8 GEMM prepare launch: ") + cudaGetErrorString(err);
   return sm90::RunCutlass<typename G::Gemm>(args, ws + l.cutlass_ws, stream, "FP8 grouped GEMM");
+}
+
+template <class G>
+std::string RunRowsTimesWeights(const GroupedGemmFp8Problem& p, void* ws, size_t ws_bytes,
+                                int sm_count, cudaStream_t stream) {
+  if (p.k % 128 != 0 || p.n % 128 != 0) {
+    return "FP8 grouped GEMM needs K and N multiples of 128, got K=" + std::to_string(p.k) +
+           " N=" + std::to_string(p.n);
+  }
+  auto prepare = [&p](const Fp8GroupArgs<G>& args, cudaStream_t s) {
+    PrepareRowsTimesWeights<G><<<(p.num_groups + 127) / 128, 128, 0, s>>>(p, args);
+  };
+  return Run<G>(p.num_groups, prepare, ws, ws_bytes, sm_count, stream);
+}
+
+template <class G>
+std::string RunWgrad(const GroupedWgradFp8Problem& p, void* ws, size_t ws_bytes, int sm_count,
+                     cudaStream_t stream) {
+  auto prepare = [&p](const Fp8GroupArgs<G>& args, cudaStream_t s) {
+    PrepareWgrad<G><<<(p.num_groups + 127) / 128, 128, 0, s>>>(p, args);
+  };
+  return Run<G>(p.num_groups, prepare, ws, ws_bytes, sm_count, stream);
 }
 
 }  // namespace megamoe::grouped::fp8
@@ -205,6 +275,7 @@ std::string Run(const GroupedGemmFp8Problem& p, void* workspace, size_t workspac
   }                                                                                           \
   std::string RunGroupedGemmFp8V##VARIANT(const GroupedGemmFp8Problem& p, void* ws,           \
                                           size_t ws_bytes, int sm_count, cudaStream_t stream) { \
-    return fp8::Run<fp8::Fp8Gemm<fp8::SCHEDULE>>(p, ws, ws_bytes, sm_count, stream);          \
+    return fp8::RunRowsTimesWeights<fp8::Fp8Gemm<fp8::SCHEDULE>>(p, ws, ws_bytes, sm_count,   \
+                                                                 stream);                     \
   }                                                                                           \
   }

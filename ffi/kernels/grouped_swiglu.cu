@@ -90,10 +90,11 @@ __global__ void SwigluBackwardKernel(const uint4* __restrict__ dh, const uint4* 
       const float2 d = __bfloat1622float2(d2[k]);
       const float2 g = __bfloat1622float2(g2[k]);
       const float2 u = __bfloat1622float2(u2[k]);
-      const float sx = Sigmoid(g.x), sy = Sigmoid(g.y);
-      dg2[k] = __floats2bfloat162_rn(d.x * u.x * sx * (1.0f + g.x * (1.0f - sx)),
-                                     d.y * u.y * sy * (1.0f + g.y * (1.0f - sy)));
-      du2[k] = __floats2bfloat162_rn(d.x * g.x * sx, d.y * g.y * sy);
+      float dgx, dux, dgy, duy;
+      SwigluGrad(d.x, g.x, u.x, &dgx, &dux);
+      SwigluGrad(d.y, g.y, u.y, &dgy, &duy);
+      dg2[k] = __floats2bfloat162_rn(dgx, dgy);
+      du2[k] = __floats2bfloat162_rn(dux, duy);
     }
     dgate_up[r * 2 * f_vecs + c] = dgv;
     dgate_up[r * 2 * f_vecs + f_vecs + c] = duv;

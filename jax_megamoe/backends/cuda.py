@@ -13,8 +13,10 @@ What runs where:
   float32 on a GPU           the pure-JAX reference (the CUDA kernels are bf16 only).
   recipe "fp8" / "fp8_pow2"  forward on the blockwise-FP8 kernels (backends.cuda_fp8:
                              activations 1x128, weights 128x128, e4m3 + fp32 scales, fp32
-                             accumulation promoted every 128 of K), backward straight-through on
-                             the bf16 kernels with the unquantised operands (jax_megamoe.fp8).
+                             accumulation promoted every 128 of K); backward in FP8 too
+                             (dgrad: gradients 1x128, weights 128x128; wgrad: both operands
+                             128x1 inside each expert's rows), gradients straight through the
+                             rounding (jax_megamoe.fp8 defines it).
                              Needs H and F multiples of 128 (else the reference emulation runs).
   recipe "mxfp8"             sm_100 only; no Blackwell GPU here: `unavailable_reason` says so and
                              "auto" picks the reference backend, which emulates the recipe.

@@ -178,8 +178,9 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 # The sender quantises its T token rows (1x128 blocks along H: a token's blocks are the same
 # whichever expert it goes to) and dispatch moves e4m3 values + fp32 scales packed into one row
 # (H + H/32 bytes instead of 2H); the receiver's grouped L1 GEMM reads them as they arrived.
-# Backward (straight-through): the bf16 MLP kernels, dW_gate_up from the dequantised rows (x
-# reaches the expert rank only as FP8 rows), and the bf16 dispatch backward for dx.
+# Backward: the FP8 MLP backward (cuda_fp8.mlp_backward; dW_gate_up's x operand from the
+# dequantised rows, as x reaches the expert rank only as FP8 rows), then the bf16 dispatch
+# backward for dx.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -198,13 +199,12 @@ def _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, pow2):
 
 
 def _dispatch_mlp_fp8_bwd(cfg, n_cap, pow2, res, cts):
-  del n_cap, pow2
-  from jax_megamoe.backends import cuda
+  del n_cap
   x_rows, group_sizes, slot_pos, ids, w_gate_up, w_down, gate_up, hidden = res
   dy_sorted, _, _, d_recv_w, _ = cts
   x_sorted = cuda_fp8.dequantize_rows(x_rows, jnp.bfloat16)
-  dx_sorted, dw_gate_up, dw_down = cuda._bwd_call(dy_sorted, x_sorted, group_sizes, w_gate_up,
-                                                  w_down, gate_up, hidden)
+  dx_sorted, dw_gate_up, dw_down = cuda_fp8.mlp_backward(dy_sorted, x_sorted, group_sizes,
+                                                         w_gate_up, w_down, gate_up, hidden, pow2)
   dx, dw = _dispatch_bwd_call(dx_sorted, d_recv_w.astype(jnp.float32), slot_pos, ids, cfg)
   return dx, None, dw, dw_gate_up, dw_down
 

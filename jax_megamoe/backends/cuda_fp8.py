@@ -1,20 +1,27 @@
-"""Recipe "fp8" / "fp8_pow2" on the CUDA kernels: blockwise-FP8 quantisers, the grouped GEMM on
-quantised operands, and the expert MLP built from them (jax_megamoe.fp8 defines the numerics).
+"""Recipe "fp8" / "fp8_pow2" on the CUDA kernels: blockwise-FP8 quantisers, the grouped GEMMs on
+quantised operands, and the expert MLP built from them, forward and backward
+(jax_megamoe.fp8 defines the numerics: every GEMM in FP8, gradients straight through).
 
-Quantising is separate from the GEMM so that each operand is quantised once where it is
+Quantising is separate from the GEMMs so that each operand is quantised once where it is
 produced: token rows before they are dispatched (they travel in FP8, backends.cuda_ep), weights
-once per forward, the SwiGLU output between the two GEMMs.
+once per pass, the SwiGLU output (and its gradient) fused with the SwiGLU kernels.
 
   quantize_rows(x)            x [N, K] bf16 -> QuantizedRows(q [N, K] e4m3, scale [N, K/128] f32)
   quantize_weights(w)         w [E, K, P] bf16 -> QuantizedWeights(q [E, P, K] e4m3 (transposed,
-                              K-major as FP8 wgmma needs), scale [E, K/128, P/128] f32)
+                              K-major as FP8 wgmma needs), scale [E, K/128, P/128] f32): the
+                              operand of x @ w; with dgrad=True the operand of dy @ w^T
+                              (q [E, K, P] as w, scale [E, P/128, K/128]), same block values
+  quantize_wgrad_operand(x, group_sizes) -> WgradOperand: rows in 128 x 1 blocks inside each
+                              group, stored transposed and group-padded (the K-grouped wgrad's
+                              K-major operand)
   swiglu_quantize(gate_up, group_sizes) -> (h bf16, h as QuantizedRows): the SwiGLU fused with
                               the quantisation of its output, over the rows in use only
+  swiglu_backward_quantize(dh, gate_up, group_sizes) -> (dgate_up bf16, as QuantizedRows)
   grouped_gemm_quantized(a, group_sizes, b) -> [N, P] bf16; rows of group g times b[g], fp32
                               accumulation promoted every 128 of K, rows past sum(group_sizes) 0;
                               a.q may have a row stride (dispatched rows are read in place)
-Backward (straight-through): the bf16 kernels (backends.cuda) with the unquantised operands;
-where only the FP8 rows exist (dispatched in FP8), with those rows dequantised.
+  grouped_wgrad_quantized(a, group_sizes, b) -> [E, Ca, Cb] bf16: a_g^T b_g over group g's rows
+                              (two WgradOperands), fp32 promoted per 128 rows; empty groups 0
 Every op also has a CPU handler with the same contract (plain loops, ffi/handlers/fp8_cpu.cc):
 on a CPU the whole module runs, slowly, and CI checks it against jax_megamoe.fp8.
 """
@@ -34,7 +41,11 @@ GEMM_TARGET = "megamoe_grouped_gemm_fp8"
 QUANTIZE_ROWS_TARGET = "megamoe_fp8_quantize_rows"
 QUANTIZE_WEIGHTS_TARGET = "megamoe_fp8_quantize_weights"
 SWIGLU_QUANTIZE_TARGET = "megamoe_fp8_swiglu_quantize"
-TARGETS = (GEMM_TARGET, QUANTIZE_ROWS_TARGET, QUANTIZE_WEIGHTS_TARGET, SWIGLU_QUANTIZE_TARGET)
+SWIGLU_BACKWARD_QUANTIZE_TARGET = "megamoe_fp8_swiglu_backward_quantize"
+QUANTIZE_WGRAD_OPERAND_TARGET = "megamoe_fp8_quantize_wgrad_operand"
+WGRAD_TARGET = "megamoe_grouped_wgrad_fp8"
+TARGETS = (GEMM_TARGET, QUANTIZE_ROWS_TARGET, QUANTIZE_WEIGHTS_TARGET, SWIGLU_QUANTIZE_TARGET,
+           SWIGLU_BACKWARD_QUANTIZE_TARGET, QUANTIZE_WGRAD_OPERAND_TARGET, WGRAD_TARGET)
 BLOCK = 128
 
 
@@ -50,14 +61,38 @@ class QuantizedRows(NamedTuple):
 
 
 class QuantizedWeights(NamedTuple):
-  q: jax.Array      # [E, P, K] float8_e4m3fn: the weights transposed
-  scale: jax.Array  # [E, K / 128, P / 128] float32
+  """The B operand of rows [N, K] @ B[g] [K, P]: q [E, P, K] float8_e4m3fn (K-major),
+  scale [E, K / 128, P / 128] float32."""
+  q: jax.Array
+  scale: jax.Array
+
+
+def padded_length(rows: int, num_groups: int) -> int:
+  """Columns of a WgradOperand: every group padded to a multiple of 128 rows fits in it."""
+  return -(-rows // BLOCK) * BLOCK + BLOCK * num_groups
+
+
+class WgradOperand(NamedTuple):
+  """Rows x [N, C] quantised in 128 x 1 blocks along N, each block inside one group, stored
+  transposed and group-padded: q [C, L] float8_e4m3fn (L = padded_length(N, E)); group g's rows
+  [o_g, o_g + n_g) are columns [p_g, p_g + n_g) with p_g = sum over g' < g of
+  round_up(n_g', 128), zero up to p_g + round_up(n_g, 128), columns past p_E unspecified;
+  scale [L / 128, C] float32: scale[p_g / 128 + b, c] is that of rows o_g + 128 b ... (up to
+  128, clipped to the group) of column c."""
+  q: jax.Array
+  scale: jax.Array
 
 
 def _vary_like(outputs, *inputs):
   """ffi_call results typed as varying over the inputs' mesh axes (inside shard_map)."""
   values = [varying.match_varying(o, *inputs) for o in outputs]
   return type(outputs)(*values) if hasattr(outputs, "_fields") else tuple(values)
+
+
+def _require_group_sizes(group_sizes: jax.Array):
+  if group_sizes.ndim != 1 or group_sizes.dtype != jnp.int32 or group_sizes.shape[0] < 1:
+    raise ValueError(f"group_sizes must be [E] int32 with E >= 1, got "
+                     f"{group_sizes.dtype}{list(group_sizes.shape)}")
 
 
 def _require_bf16(name: str, a: jax.Array, ndim: int, blocked_axes: tuple[int, ...]):
@@ -79,14 +114,49 @@ def quantize_rows(x: jax.Array, *, pow2: bool = False) -> QuantizedRows:
   return _vary_like(rows, x)
 
 
-def quantize_weights(w: jax.Array, *, pow2: bool = False) -> QuantizedWeights:
-  """w [E, K, P] bf16 in 128x128 blocks, transposed to [E, P, K]."""
+def quantize_weights(w: jax.Array, *, pow2: bool = False, dgrad: bool = False
+                     ) -> QuantizedWeights:
+  """w [E, K, P] bf16 in 128x128 blocks: the operand of rows @ w (q transposed to [E, P, K]);
+  dgrad=True: of rows @ w^T (q [E, K, P] as w is, scale [E, P/128, K/128])."""
   _require_bf16("w", w, 3, (1, 2))
   e, k, p = w.shape
+  if dgrad:
+    k, p = p, k
   out = (jax.ShapeDtypeStruct((e, p, k), jnp.float8_e4m3fn),
          jax.ShapeDtypeStruct((e, k // BLOCK, p // BLOCK), jnp.float32))
-  blocks = QuantizedWeights(*jax.ffi.ffi_call(QUANTIZE_WEIGHTS_TARGET, out)(w, pow2=np.int64(pow2)))
+  call = jax.ffi.ffi_call(QUANTIZE_WEIGHTS_TARGET, out)
+  blocks = QuantizedWeights(*call(w, pow2=np.int64(pow2), dgrad=np.int64(dgrad)))
   return _vary_like(blocks, w)
+
+
+def quantize_wgrad_operand(x: jax.Array, group_sizes: jax.Array, *, pow2: bool = False
+                           ) -> WgradOperand:
+  """x [N, C] bf16 (rows grouped as group_sizes) -> WgradOperand (128 x 1 blocks in groups)."""
+  _require_bf16("x", x, 2, (1,))
+  _require_group_sizes(group_sizes)
+  n, c = x.shape
+  e = group_sizes.shape[0]
+  length = padded_length(n, e)
+  out = (jax.ShapeDtypeStruct((c, length), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((length // BLOCK, c), jnp.float32),
+         jax.ShapeDtypeStruct((8 * (e + 1),), jnp.uint8))
+  q, scale, _ = jax.ffi.ffi_call(QUANTIZE_WGRAD_OPERAND_TARGET, out)(x, group_sizes,
+                                                                      pow2=np.int64(pow2))
+  return _vary_like(WgradOperand(q, scale), x, group_sizes)
+
+
+def grouped_wgrad_quantized(a: WgradOperand, group_sizes: jax.Array, b: WgradOperand
+                            ) -> jax.Array:
+  """[E, Ca, Cb] bf16: for each group g, a_g^T b_g over its rows (the K-grouped weight gradient,
+  fp32 accumulation promoted every 128 rows); a group with no rows gets zeros."""
+  from jax_megamoe.backends import cuda  # the shared workspace size
+  _require_group_sizes(group_sizes)
+  e = group_sizes.shape[0]
+  ca, cb = a.q.shape[0], b.q.shape[0]
+  out = (jax.ShapeDtypeStruct((e, ca, cb), jnp.bfloat16),
+         jax.ShapeDtypeStruct((cuda.workspace_bytes(e),), jnp.uint8))
+  d, _ = jax.ffi.ffi_call(WGRAD_TARGET, out)(a.q, a.scale, group_sizes, b.q, b.scale)
+  return _vary_like((d,), *a, group_sizes, *b)[0]
 
 
 def dequantize_rows(rows: QuantizedRows, dtype=jnp.bfloat16) -> jax.Array:
@@ -137,6 +207,26 @@ def swiglu_quantize(gate_up: jax.Array, group_sizes: jax.Array, *, pow2: bool = 
   return h, QuantizedRows(q, scale)
 
 
+def swiglu_backward_quantize(dh: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, *,
+                             pow2: bool = False) -> tuple[jax.Array, QuantizedRows]:
+  """dh [N, F], gate_up [N, 2F] bf16 -> (dgate_up [N, 2F] bf16: the SwiGLU backward in fp32,
+  zero past sum(group_sizes); dgate_up quantised in 1x128 blocks, rows past the sum
+  unspecified): one pass over the rows in use."""
+  _require_bf16("dh", dh, 2, (1,))
+  _require_bf16("gate_up", gate_up, 2, ())
+  n, f = dh.shape
+  if gate_up.shape != (n, 2 * f):
+    raise ValueError(f"gate_up must be [N={n}, 2F={2 * f}], got {gate_up.shape}")
+  out = (jax.ShapeDtypeStruct((n, 2 * f), jnp.bfloat16),
+         jax.ShapeDtypeStruct((n, 2 * f), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((n, 2 * f // BLOCK), jnp.float32),
+         jax.ShapeDtypeStruct((4 * (group_sizes.shape[0] + 1),), jnp.uint8))
+  dgu, q, scale, _ = jax.ffi.ffi_call(SWIGLU_BACKWARD_QUANTIZE_TARGET, out)(
+      dh, gate_up, group_sizes, pow2=np.int64(pow2))
+  dgu, q, scale = _vary_like((dgu, q, scale), dh, gate_up, group_sizes)
+  return dgu, QuantizedRows(q, scale)
+
+
 def mlp_forward(x_rows: QuantizedRows, group_sizes, w_gate_up, w_down, pow2: bool):
   """FP8 forward of the SwiGLU MLP from quantised rows: (y, gate_up, hidden), all bf16."""
   gate_up = grouped_gemm_quantized(x_rows, group_sizes, quantize_weights(w_gate_up, pow2=pow2))
@@ -145,9 +235,23 @@ def mlp_forward(x_rows: QuantizedRows, group_sizes, w_gate_up, w_down, pow2: boo
   return y, gate_up, hidden
 
 
+def mlp_backward(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden, pow2: bool):
+  """FP8 backward of the SwiGLU MLP (fp8.ragged_dot's definition) from the forward's bf16
+  residuals: (dx [N, H], dw_gate_up [E, H, 2F], dw_down [E, F, H]), all bf16."""
+  dy = dy.astype(jnp.bfloat16)
+  dh = grouped_gemm_quantized(quantize_rows(dy, pow2=pow2), group_sizes,
+                              quantize_weights(w_down, pow2=pow2, dgrad=True))
+  dgate_up, dgate_up_rows = swiglu_backward_quantize(dh, gate_up, group_sizes, pow2=pow2)
+  dx = grouped_gemm_quantized(dgate_up_rows, group_sizes,
+                              quantize_weights(w_gate_up, pow2=pow2, dgrad=True))
+  wgrad_operand = functools.partial(quantize_wgrad_operand, group_sizes=group_sizes, pow2=pow2)
+  dw_down = grouped_wgrad_quantized(wgrad_operand(hidden), group_sizes, wgrad_operand(dy))
+  dw_gate_up = grouped_wgrad_quantized(wgrad_operand(x), group_sizes, wgrad_operand(dgate_up))
+  return dx, dw_gate_up, dw_down
+
+
 def grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, pow2: bool = False):
-  """The expert MLP, recipe "fp8" (pow2: "fp8_pow2"): FP8 forward, straight-through backward
-  on the bf16 kernels with the unquantised operands (fp8.ragged_dot's semantics)."""
+  """The expert MLP, recipe "fp8" (pow2: "fp8_pow2"): every GEMM in FP8, forward and backward."""
   from jax_megamoe.backends import cuda
   return _grouped_mlp(*cuda._align_varying(x_sorted, group_sizes, w_gate_up, w_down), bool(pow2))
 
@@ -164,10 +268,9 @@ def _grouped_mlp_fwd(x_sorted, group_sizes, w_gate_up, w_down, pow2):
 
 
 def _grouped_mlp_bwd(pow2, res, dy):
-  del pow2
-  from jax_megamoe.backends import cuda
   x, group_sizes, w_gate_up, w_down, gate_up, hidden = res
-  dx, dw_gate_up, dw_down = cuda._bwd_call(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden)
+  dx, dw_gate_up, dw_down = mlp_backward(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden,
+                                         pow2)
   return dx, None, dw_gate_up, dw_down
 
 
