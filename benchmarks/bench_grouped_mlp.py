@@ -130,6 +130,13 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
     cases["fp8 L2 wgrad GEMM"] = (lambda: fp8_wgrad(hid_c, gs, dy_c), 2 * n * f * h)
     cases["fp8 L1 wgrad GEMM"] = (lambda: fp8_wgrad(x_c, gs, dgu_c), 2 * n * h * 2 * f)
     cases["fp8 quantize wgrad operand x (TB/s)"] = (lambda: wgrad_op(x, gs), move(n * h))
+    rows_and_op = jax.jit(lambda a, s: fp8k.quantize_wgrad_operand(a, s, with_rows=True))
+    cases["fp8 quantize dy rows + wgrad operand (TB/s)"] = (lambda: rows_and_op(dy, gs),
+                                                            4 * n * h)
+    swiglu_bwd = jax.jit(fp8k.swiglu_backward_quantize)
+    # bytes: dh and gate_up read, dgate_up written twice in e4m3.
+    cases["fp8 SwiGLU bwd + quantize both ways (TB/s)"] = (
+        lambda: swiglu_bwd(hid, gate_up, gs), 2 * n * f + 4 * n * f + 4 * n * f)
     cases["fp8 quantize w_gate_up dgrad (TB/s)"] = (lambda: quant_w_dgrad(wgu),
                                                     move(e * h * 2 * f))
     cases["fp8 MLP bwd"] = (lambda: fp8_bwd(dy, x, gs, wgu, wd, gate_up, hidden, False),

@@ -5,10 +5,12 @@
 //                     dgrad=1: q [E, K, P] (w's layout), scale [E, P/128, K/128]
 //   swiglu_quantize   gate_up [N, 2F] bf16, group_sizes [E] int32 -> h [N, F] bf16,
 //                     q [N, F] e4m3, scale [N, F/128] f32
-//   swiglu_backward_quantize  dh [N, F] bf16, gate_up [N, 2F] bf16, group_sizes [E] int32 ->
-//                     dgate_up [N, 2F] bf16, q [N, 2F] e4m3, scale [N, 2F/128] f32
 //   quantize_wgrad_operand  x [N, C] bf16, group_sizes [E] int32 -> q [C, L] e4m3,
-//                     scale [L/128, C] f32, L = WgradPaddedLength(N, E)
+//                     scale [L/128, C] f32, L = WgradPaddedLength(N, E); with rows=1 also
+//                     q_rows [N, C] e4m3, scale_rows [N, C/128] f32 (1x128), else [0, C], [0, C/128]
+//   swiglu_backward_quantize  dh [N, F] bf16, gate_up [N, 2F] bf16, group_sizes [E] int32 ->
+//                     dgate_up as q_rows [N, 2F] e4m3, scale_rows [N, 2F/128] f32 and as a wgrad
+//                     operand q [2F, L] e4m3, scale [L/128, 2F] f32
 //   grouped_gemm_fp8  a_q [N, L >= K] e4m3, a_scale [N, K/128] f32, group_sizes [E] int32,
 //                     b_q [E, P, K] e4m3, b_scale [E, K/128, P/128] f32 -> d [N, P] bf16
 //   grouped_wgrad_fp8 a_q [Ca, L] e4m3, a_scale [L/128, Ca] f32, group_sizes [E] int32,
@@ -94,38 +96,32 @@ inline ffi::Error CheckSwigluQuantize(const ffi::AnyBuffer& gate_up,
   return CheckQuantOutputs(q, scale, {*n, *f}, {*n, *f / 128});
 }
 
-inline ffi::Error CheckSwigluBackwardQuantize(const ffi::AnyBuffer& dh,
-                                              const ffi::AnyBuffer& gate_up,
-                                              const ffi::AnyBuffer& group_sizes,
-                                              ffi::Result<ffi::AnyBuffer>& dgate_up,
-                                              ffi::Result<ffi::AnyBuffer>& q,
-                                              ffi::Result<ffi::AnyBuffer>& scale, int64_t* n,
-                                              int64_t* f, int64_t* e) {
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("dh", dh.element_type(), ffi::DataType::BF16));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("gate_up", gate_up.element_type(), ffi::DataType::BF16));
-  MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, e));
-  auto hd = dh.dimensions();
-  if (hd.size() != 2 || hd[1] % 128 != 0) {
-    return InvalidArgument("dh must be [N, F] with F a multiple of 128, got ", ShapeString(hd));
-  }
-  *n = hd[0];
-  *f = hd[1];
-  if (*n > INT32_MAX) return InvalidArgument("dh has ", *n, " rows, more than 2^31-1");
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up.dimensions(), {*n, 2 * *f}));
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("dgate_up", dgate_up->element_type(), ffi::DataType::BF16));
-  MEGAMOE_RETURN_IF_ERROR(ExpectShape("dgate_up", dgate_up->dimensions(), {*n, 2 * *f}));
-  return CheckQuantOutputs(q, scale, {*n, 2 * *f}, {*n, 2 * *f / 128});
-}
-
 // Columns of a weight-gradient operand: each group's rows padded to a multiple of 128.
 inline int64_t WgradPaddedLength(int64_t rows, int64_t num_groups) {
   return (rows + 127) / 128 * 128 + 128 * num_groups;
 }
 
+// The weight-gradient operand of [N, C] rows (q, scale) and, where with_rows, their 1x128
+// row quantisation (q_rows, scale_rows; else those are [0, C] and [0, C/128]).
+inline ffi::Error CheckWgradOperandOutputs(int64_t n, int64_t c, int64_t e, bool with_rows,
+                                           ffi::Result<ffi::AnyBuffer>& q,
+                                           ffi::Result<ffi::AnyBuffer>& scale,
+                                           ffi::Result<ffi::AnyBuffer>& q_rows,
+                                           ffi::Result<ffi::AnyBuffer>& scale_rows,
+                                           int64_t* length) {
+  *length = WgradPaddedLength(n, e);
+  if (*length > INT32_MAX) return InvalidArgument(n, " rows are too many for int32 offsets");
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantOutputs(q, scale, {c, *length}, {*length / 128, c}));
+  const int64_t rows = with_rows ? n : 0;
+  return CheckQuantOutputs(q_rows, scale_rows, {rows, c}, {rows, c / 128});
+}
+
 inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x,
-                                            const ffi::AnyBuffer& group_sizes,
+                                            const ffi::AnyBuffer& group_sizes, bool with_rows,
                                             ffi::Result<ffi::AnyBuffer>& q,
-                                            ffi::Result<ffi::AnyBuffer>& scale, int64_t* n,
+                                            ffi::Result<ffi::AnyBuffer>& scale,
+                                            ffi::Result<ffi::AnyBuffer>& q_rows,
+                                            ffi::Result<ffi::AnyBuffer>& scale_rows, int64_t* n,
                                             int64_t* c, int64_t* e, int64_t* length) {
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("x", x.element_type(), ffi::DataType::BF16));
   MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, e));
@@ -135,9 +131,28 @@ inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x,
   }
   *n = xd[0];
   *c = xd[1];
-  *length = WgradPaddedLength(*n, *e);
-  if (*length > INT32_MAX) return InvalidArgument("x has ", *n, " rows, too many for int32");
-  return CheckQuantOutputs(q, scale, {*c, *length}, {*length / 128, *c});
+  return CheckWgradOperandOutputs(*n, *c, *e, with_rows, q, scale, q_rows, scale_rows, length);
+}
+
+inline ffi::Error CheckSwigluBackwardQuantize(const ffi::AnyBuffer& dh,
+                                              const ffi::AnyBuffer& gate_up,
+                                              const ffi::AnyBuffer& group_sizes,
+                                              ffi::Result<ffi::AnyBuffer>& q_rows,
+                                              ffi::Result<ffi::AnyBuffer>& scale_rows,
+                                              ffi::Result<ffi::AnyBuffer>& q,
+                                              ffi::Result<ffi::AnyBuffer>& scale, int64_t* n,
+                                              int64_t* f, int64_t* e, int64_t* length) {
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("dh", dh.element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("gate_up", gate_up.element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, e));
+  auto hd = dh.dimensions();
+  if (hd.size() != 2 || hd[1] % 128 != 0) {
+    return InvalidArgument("dh must be [N, F] with F a multiple of 128, got ", ShapeString(hd));
+  }
+  *n = hd[0];
+  *f = hd[1];
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("gate_up", gate_up.dimensions(), {*n, 2 * *f}));
+  return CheckWgradOperandOutputs(*n, 2 * *f, *e, true, q, scale, q_rows, scale_rows, length);
 }
 
 struct Fp8WgradDims {

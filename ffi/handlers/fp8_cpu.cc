@@ -91,33 +91,46 @@ ffi::Error QuantizeWeightsImpl(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q,
   return ffi::Error::Success();
 }
 
-// Rows of each group in 128 x 1 blocks per column, stored transposed and group-padded (the
-// WgradOperand of cuda_fp8.py): group g's block b of column c -> q[c, p_g + 128 b + i] and
-// scale[p_g / 128 + b, c]; the group's padding bytes are 0 so that the wgrad GEMM may read
-// whole 128-column blocks.
-ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
-                                    ffi::Result<ffi::AnyBuffer> q,
-                                    ffi::Result<ffi::AnyBuffer> scale,
-                                    ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
-  int64_t n, c, e, length;
-  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, group_sizes, q, scale, &n, &c, &e, &length));
-  (void)workspace;
-  const uint16_t* xv = static_cast<const uint16_t*>(x.untyped_data());
-  uint8_t* qv = static_cast<uint8_t*>(q->untyped_data());
-  float* sv = static_cast<float*>(scale->untyped_data());
-  const std::vector<int64_t> off = HostGroupOffsets(group_sizes, e, n);
+// Rows x [n, c] bf16 of each group in 128 x 1 blocks per column, stored transposed and
+// group-padded (the WgradOperand of cuda_fp8.py): group g's block b of column c ->
+// q[c, p_g + 128 b + i] and scale[p_g / 128 + b, c]; the group's padding bytes are 0 so that the
+// wgrad GEMM may read whole 128-column blocks.
+void QuantizeWgradOperandLoop(const uint16_t* xv, int64_t c, const std::vector<int64_t>& off,
+                              int64_t length, bool pow2, uint8_t* qv, float* sv) {
   const std::vector<int64_t> padded = HostPaddedOffsets(off);
-  for (int64_t g = 0; g < e; ++g) {
+  for (size_t g = 0; g + 1 < off.size(); ++g) {
     for (int64_t r0 = off[g], col0 = padded[g]; r0 < off[g + 1]; r0 += 128, col0 += 128) {
       const int valid = int(std::min<int64_t>(128, off[g + 1] - r0));
       for (int64_t col = 0; col < c; ++col) {
         uint8_t* dst = qv + col * length + col0;
         sv[col0 / 128 * c + col] = QuantizeBlock(
-            [&](int i) { return Bf16ToFloat(xv[(r0 + i) * c + col]); }, valid, pow2 != 0,
+            [&](int i) { return Bf16ToFloat(xv[(r0 + i) * c + col]); }, valid, pow2,
             [&](int i, uint8_t b) { dst[i] = b; });
         std::fill(dst + valid, dst + 128, uint8_t{0});
       }
     }
+  }
+}
+
+// The wgrad operand and, with rows, the 1x128 rows of the rows in use (as quantize_rows).
+ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
+                                    ffi::Result<ffi::AnyBuffer> q,
+                                    ffi::Result<ffi::AnyBuffer> scale,
+                                    ffi::Result<ffi::AnyBuffer> q_rows,
+                                    ffi::Result<ffi::AnyBuffer> scale_rows,
+                                    ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2,
+                                    int64_t rows) {
+  int64_t n, c, e, length;
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, group_sizes, rows != 0, q, scale, q_rows,
+                                                    scale_rows, &n, &c, &e, &length));
+  (void)workspace;
+  const uint16_t* xv = static_cast<const uint16_t*>(x.untyped_data());
+  const std::vector<int64_t> off = HostGroupOffsets(group_sizes, e, n);
+  QuantizeWgradOperandLoop(xv, c, off, length, pow2 != 0, static_cast<uint8_t*>(q->untyped_data()),
+                           static_cast<float*>(scale->untyped_data()));
+  if (rows != 0) {
+    QuantizeRowsLoop(xv, off[e], c, pow2 != 0, static_cast<uint8_t*>(q_rows->untyped_data()),
+                     static_cast<float*>(scale_rows->untyped_data()));
   }
   return ffi::Error::Success();
 }
@@ -144,22 +157,24 @@ ffi::Error SwigluQuantizeImpl(ffi::AnyBuffer gate_up, ffi::AnyBuffer group_sizes
 }
 
 // dgate_up = the SwiGLU backward (as GroupedMlpBwdImpl, grouped_mlp_cpu.cc) rounded to bf16,
-// then quantised in 1x128 blocks from those bf16 values: rows in use only, rows past them 0.
+// over the rows in use, then quantised from those bf16 values as 1x128 rows and as a wgrad
+// operand.
 ffi::Error SwigluBackwardQuantizeImpl(ffi::AnyBuffer dh, ffi::AnyBuffer gate_up,
                                       ffi::AnyBuffer group_sizes,
-                                      ffi::Result<ffi::AnyBuffer> dgate_up,
+                                      ffi::Result<ffi::AnyBuffer> q_rows,
+                                      ffi::Result<ffi::AnyBuffer> scale_rows,
                                       ffi::Result<ffi::AnyBuffer> q,
                                       ffi::Result<ffi::AnyBuffer> scale,
                                       ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
-  int64_t n, f, e;
-  MEGAMOE_RETURN_IF_ERROR(
-      CheckSwigluBackwardQuantize(dh, gate_up, group_sizes, dgate_up, q, scale, &n, &f, &e));
+  int64_t n, f, e, length;
+  MEGAMOE_RETURN_IF_ERROR(CheckSwigluBackwardQuantize(dh, gate_up, group_sizes, q_rows,
+                                                      scale_rows, q, scale, &n, &f, &e, &length));
   (void)workspace;
-  const int64_t total = HostGroupOffsets(group_sizes, e, n)[e];
+  const std::vector<int64_t> off = HostGroupOffsets(group_sizes, e, n);
+  const int64_t total = off[e];
   const uint16_t* dhv = static_cast<const uint16_t*>(dh.untyped_data());
   const uint16_t* gu = static_cast<const uint16_t*>(gate_up.untyped_data());
-  uint16_t* dgu = static_cast<uint16_t*>(dgate_up->untyped_data());
-  std::fill(dgu + total * 2 * f, dgu + n * 2 * f, uint16_t{0});
+  std::vector<uint16_t> dgu(total * 2 * f);
   for (int64_t r = 0; r < total; ++r) {
     for (int64_t j = 0; j < f; ++j) {
       const float g = Bf16ToFloat(gu[r * 2 * f + j]), u = Bf16ToFloat(gu[r * 2 * f + f + j]);
@@ -168,8 +183,12 @@ ffi::Error SwigluBackwardQuantizeImpl(ffi::AnyBuffer dh, ffi::AnyBuffer gate_up,
       dgu[r * 2 * f + f + j] = FloatToBf16(d * g * s);
     }
   }
-  QuantizeRowsLoop(dgu, total, 2 * f, pow2 != 0, static_cast<uint8_t*>(q->untyped_data()),
-                   static_cast<float*>(scale->untyped_data()));
+  QuantizeRowsLoop(dgu.data(), total, 2 * f, pow2 != 0,
+                   static_cast<uint8_t*>(q_rows->untyped_data()),
+                   static_cast<float*>(scale_rows->untyped_data()));
+  QuantizeWgradOperandLoop(dgu.data(), 2 * f, off, length, pow2 != 0,
+                           static_cast<uint8_t*>(q->untyped_data()),
+                           static_cast<float*>(scale->untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -276,8 +295,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWgradOperandCpu, QuantizeWgradOperandIm
                                   .Arg<ffi::AnyBuffer>()  // group_sizes
                                   .Ret<ffi::AnyBuffer>()  // q
                                   .Ret<ffi::AnyBuffer>()  // scale
+                                  .Ret<ffi::AnyBuffer>()  // q_rows
+                                  .Ret<ffi::AnyBuffer>()  // scale_rows
                                   .Ret<ffi::AnyBuffer>()  // workspace (unused on CPU)
-                                  .Attr<int64_t>("pow2"));
+                                  .Attr<int64_t>("pow2")
+                                  .Attr<int64_t>("rows"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluQuantizeCpu, SwigluQuantizeImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()  // gate_up
@@ -292,9 +314,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluBackwardQuantizeCpu, SwigluBackwardQuanti
                                   .Arg<ffi::AnyBuffer>()  // dh
                                   .Arg<ffi::AnyBuffer>()  // gate_up
                                   .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>()  // dgate_up
-                                  .Ret<ffi::AnyBuffer>()  // dgate_up_q
-                                  .Ret<ffi::AnyBuffer>()  // dgate_up_scale
+                                  .Ret<ffi::AnyBuffer>()  // q_rows
+                                  .Ret<ffi::AnyBuffer>()  // scale_rows
+                                  .Ret<ffi::AnyBuffer>()  // q
+                                  .Ret<ffi::AnyBuffer>()  // scale
                                   .Ret<ffi::AnyBuffer>()  // workspace (unused on CPU)
                                   .Attr<int64_t>("pow2"));
 // a_q, a_scale, group_sizes, b_q, b_scale -> (d, workspace (unused on CPU)).

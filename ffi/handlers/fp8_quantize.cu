@@ -9,14 +9,15 @@
 //                                 (silu(gate) * up; rows past sum(group_sizes) zero), h_q [N, F]
 //                                 e4m3 and h_scale [N, F/128] f32 (1x128; rows past the sum
 //                                 unwritten), workspace u8[W] (group offsets)
-//   megamoe_fp8_swiglu_backward_quantize  dh [N, F], gate_up [N, 2F] bf16, group_sizes [E] ->
-//                                 dgate_up [N, 2F] bf16 (SwiGLU backward; rows past the sum
-//                                 zero), q [N, 2F] e4m3, scale [N, 2F/128] f32 (1x128; rows past
-//                                 the sum unwritten), workspace u8[W] (group offsets)
 //   megamoe_fp8_quantize_wgrad_operand  x [N, C] bf16, group_sizes [E] -> q [C, L] e4m3,
 //                                 scale [L/128, C] f32 (128x1 blocks inside each group, stored
 //                                 transposed and group-padded; cuda_fp8.WgradOperand),
-//                                 workspace u8[8 (E + 1)] (row and padded offsets)
+//                                 q_rows, scale_rows (attribute rows=1: x's 1x128 rows from the
+//                                 same read, else [0, C], [0, C/128]), workspace u8[8 (E + 1)]
+//   megamoe_fp8_swiglu_backward_quantize  dh [N, F], gate_up [N, 2F] bf16, group_sizes [E] ->
+//                                 the SwiGLU backward dgate_up [N, 2F] (never stored in bf16)
+//                                 as 1x128 rows q_rows, scale_rows (rows past the sum unwritten)
+//                                 and as a weight-gradient operand q, scale; workspace as above
 // Attribute pow2 (0/1): scales rounded up to powers of two ("fp8_pow2").
 #include <cuda_runtime.h>
 
@@ -81,25 +82,14 @@ ffi::Error SwigluQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer gate_up,
   return ffi::Error::Success();
 }
 
-ffi::Error SwigluBackwardQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer dh,
-                                      ffi::AnyBuffer gate_up, ffi::AnyBuffer group_sizes,
-                                      ffi::Result<ffi::AnyBuffer> dgate_up,
-                                      ffi::Result<ffi::AnyBuffer> q,
-                                      ffi::Result<ffi::AnyBuffer> scale,
-                                      ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
-  int64_t n, f, e;
-  MEGAMOE_RETURN_IF_ERROR(
-      CheckSwigluBackwardQuantize(dh, gate_up, group_sizes, dgate_up, q, scale, &n, &f, &e));
-  int32_t* offsets;
-  MEGAMOE_RETURN_IF_ERROR(OffsetsWorkspace(workspace, e + 1, &offsets));
-  std::string err = GroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()), int(e),
-                                 n, offsets, stream);
-  if (err.empty()) {
-    err = SwigluBackwardQuantize1x128(dh.untyped_data(), gate_up.untyped_data(),
-                                      dgate_up->untyped_data(), n, f, offsets, int(e), pow2 != 0,
-                                      q->untyped_data(),
-                                      static_cast<float*>(scale->untyped_data()), stream);
-  }
+// Row and padded offsets of the groups, in the workspace result.
+ffi::Error PaddedOffsets(cudaStream_t stream, const ffi::AnyBuffer& group_sizes, int64_t e,
+                         int64_t n, ffi::Result<ffi::AnyBuffer>& workspace, int32_t** offsets,
+                         int32_t** padded) {
+  MEGAMOE_RETURN_IF_ERROR(OffsetsWorkspace(workspace, 2 * (e + 1), offsets));
+  *padded = *offsets + e + 1;
+  std::string err = PaddedGroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()),
+                                       int(e), n, *offsets, *padded, stream);
   if (!err.empty()) return Internal(err);
   return ffi::Error::Success();
 }
@@ -107,20 +97,39 @@ ffi::Error SwigluBackwardQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer dh,
 ffi::Error QuantizeWgradOperandImpl(cudaStream_t stream, ffi::AnyBuffer x,
                                     ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> q,
                                     ffi::Result<ffi::AnyBuffer> scale,
-                                    ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
+                                    ffi::Result<ffi::AnyBuffer> q_rows,
+                                    ffi::Result<ffi::AnyBuffer> scale_rows,
+                                    ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2,
+                                    int64_t rows) {
   int64_t n, c, e, length;
-  MEGAMOE_RETURN_IF_ERROR(
-      CheckQuantizeWgradOperand(x, group_sizes, q, scale, &n, &c, &e, &length));
-  int32_t* offsets;
-  MEGAMOE_RETURN_IF_ERROR(OffsetsWorkspace(workspace, 2 * (e + 1), &offsets));
-  int32_t* padded = offsets + e + 1;
-  std::string err = PaddedGroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()),
-                                       int(e), n, offsets, padded, stream);
-  if (err.empty()) {
-    err = QuantizeWgradOperand128x1(x.untyped_data(), c, offsets, padded, int(e), length,
-                                    pow2 != 0, q->untyped_data(),
-                                    static_cast<float*>(scale->untyped_data()), stream);
-  }
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, group_sizes, rows != 0, q, scale, q_rows,
+                                                    scale_rows, &n, &c, &e, &length));
+  int32_t *offsets, *padded;
+  MEGAMOE_RETURN_IF_ERROR(PaddedOffsets(stream, group_sizes, e, n, workspace, &offsets, &padded));
+  std::string err = QuantizeWgradOperand128x1(
+      x.untyped_data(), c, offsets, padded, int(e), length, pow2 != 0, q->untyped_data(),
+      static_cast<float*>(scale->untyped_data()), rows != 0 ? q_rows->untyped_data() : nullptr,
+      static_cast<float*>(scale_rows->untyped_data()), stream);
+  if (!err.empty()) return Internal(err);
+  return ffi::Error::Success();
+}
+
+ffi::Error SwigluBackwardQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer dh,
+                                      ffi::AnyBuffer gate_up, ffi::AnyBuffer group_sizes,
+                                      ffi::Result<ffi::AnyBuffer> q_rows,
+                                      ffi::Result<ffi::AnyBuffer> scale_rows,
+                                      ffi::Result<ffi::AnyBuffer> q,
+                                      ffi::Result<ffi::AnyBuffer> scale,
+                                      ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
+  int64_t n, f, e, length;
+  MEGAMOE_RETURN_IF_ERROR(CheckSwigluBackwardQuantize(dh, gate_up, group_sizes, q_rows,
+                                                      scale_rows, q, scale, &n, &f, &e, &length));
+  int32_t *offsets, *padded;
+  MEGAMOE_RETURN_IF_ERROR(PaddedOffsets(stream, group_sizes, e, n, workspace, &offsets, &padded));
+  std::string err = SwigluBackwardQuantize(
+      dh.untyped_data(), gate_up.untyped_data(), f, offsets, padded, int(e), length, pow2 != 0,
+      q_rows->untyped_data(), static_cast<float*>(scale_rows->untyped_data()), q->untyped_data(),
+      static_cast<float*>(scale->untyped_data()), stream);
   if (!err.empty()) return Internal(err);
   return ffi::Error::Success();
 }
@@ -153,23 +162,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluQuantizeCuda, SwigluQuantizeImpl,
                                   .Ret<ffi::AnyBuffer>()  // workspace
                                   .Attr<int64_t>("pow2"),
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWgradOperandCuda, QuantizeWgradOperandImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Ret<ffi::AnyBuffer>()  // q
+                                  .Ret<ffi::AnyBuffer>()  // scale
+                                  .Ret<ffi::AnyBuffer>()  // q_rows
+                                  .Ret<ffi::AnyBuffer>()  // scale_rows
+                                  .Ret<ffi::AnyBuffer>()  // workspace
+                                  .Attr<int64_t>("pow2")
+                                  .Attr<int64_t>("rows"),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluBackwardQuantizeCuda, SwigluBackwardQuantizeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // dh
                                   .Arg<ffi::AnyBuffer>()  // gate_up
                                   .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>()  // dgate_up
-                                  .Ret<ffi::AnyBuffer>()  // q
-                                  .Ret<ffi::AnyBuffer>()  // scale
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<int64_t>("pow2"),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWgradOperandCuda, QuantizeWgradOperandImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
+                                  .Ret<ffi::AnyBuffer>()  // q_rows
+                                  .Ret<ffi::AnyBuffer>()  // scale_rows
                                   .Ret<ffi::AnyBuffer>()  // q
                                   .Ret<ffi::AnyBuffer>()  // scale
                                   .Ret<ffi::AnyBuffer>()  // workspace

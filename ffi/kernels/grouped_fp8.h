@@ -33,15 +33,6 @@ std::string SwigluQuantize1x128(const void* gate_up, void* h, int64_t rows, int6
 std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t n, bool pow2,
                                    bool dgrad, void* q, float* scale, cudaStream_t stream);
 
-// The SwiGLU backward of the grouped MLP (as SwigluBackward) fused with the 1x128 quantisation of
-// its output: dh [rows, F], gate_up [rows, 2F] bf16 -> dgate_up [rows, 2F] bf16, q [rows, 2F]
-// e4m3, scale [rows, 2F/128] for rows < offsets[E]; rows past it: dgate_up zeroed, q and scale
-// untouched.
-std::string SwigluBackwardQuantize1x128(const void* dh, const void* gate_up, void* dgate_up,
-                                        int64_t rows, int64_t f, const int32_t* offsets,
-                                        int num_groups, bool pow2, void* q, float* scale,
-                                        cudaStream_t stream);
-
 // Weight-gradient operands: each group's rows padded to a multiple of 128 and laid side by side
 // as columns. offsets as GroupOffsets (clamped to `rows`); padded[0] = 0, padded[g + 1] =
 // padded[g] + round_up(offsets[g + 1] - offsets[g], 128). Both [E + 1] int32 on the device.
@@ -52,9 +43,21 @@ std::string PaddedGroupOffsets(const int32_t* group_sizes, int num_groups, int64
 // q [C, length] e4m3 with group g's rows at columns [padded[g], padded[g] + n_g) and zeros up
 // to padded[g + 1]; scale [length/128, C] fp32, scale[padded[g]/128 + b][c] that of rows
 // offsets[g] + 128 b ... of column c. Columns past padded[E] untouched. C % 128 == 0.
+// With q_rows (else nullptr), from the same read: the 1x128 row quantisation (as
+// QuantizeActivations1x128) q_rows [rows, C], scale_rows [rows, C/128] of rows < offsets[E].
 std::string QuantizeWgradOperand128x1(const void* x, int64_t c, const int32_t* offsets,
                                       const int32_t* padded, int num_groups, int64_t length,
-                                      bool pow2, void* q, float* scale, cudaStream_t stream);
+                                      bool pow2, void* q, float* scale, void* q_rows,
+                                      float* scale_rows, cudaStream_t stream);
+
+// The SwiGLU backward of the grouped MLP (as SwigluBackward, rounded to bf16) quantised both
+// ways without storing it: dh [rows, F], gate_up [rows, 2F] bf16 -> dgate_up [rows, 2F] as
+// 1x128 rows (q_rows, scale_rows; rows < offsets[E]) and as the weight-gradient operand (q
+// [2F, length], scale [length/128, 2F], as QuantizeWgradOperand128x1).
+std::string SwigluBackwardQuantize(const void* dh, const void* gate_up, int64_t f,
+                                   const int32_t* offsets, const int32_t* padded, int num_groups,
+                                   int64_t length, bool pow2, void* q_rows, float* scale_rows,
+                                   void* q, float* scale, cudaStream_t stream);
 
 struct GroupedGemmFp8Problem {
   int num_groups;

@@ -111,64 +111,6 @@ __global__ void SwigluQuantizeKernel(const __nv_bfloat16* __restrict__ gate_up,
   QuantizeSixteen(v, pow2, part, q + r * f + col, scale + r * fb_count + fb);
 }
 
-// dgate_up = SwiGLU backward of (dh, gate_up) for rows < offsets[E], then dgate_up quantised in
-// 1x128 blocks (its bf16 values). An 8-lane group takes 128 columns of dh, i.e. one 1x128
-// block of the gate half and the matching one of the up half. Rows past offsets[E]: dgate_up
-// zeroed, q and scale not written.
-__global__ void SwigluBackwardQuantizeKernel(const __nv_bfloat16* __restrict__ dh,
-                                             const __nv_bfloat16* __restrict__ gate_up,
-                                             __nv_bfloat16* __restrict__ dgate_up, int64_t rows,
-                                             int64_t f, const int32_t* __restrict__ offsets,
-                                             int num_groups, bool pow2, uint8_t* __restrict__ q,
-                                             float* __restrict__ scale) {
-  const int64_t fb_count = f / 128;
-  int64_t r, fb;
-  int part;
-  if (!LocateSixteen(rows, fb_count, &r, &fb, &part)) return;
-  const int64_t col = fb * 128 + part * 16;
-  uint4* dg_out = reinterpret_cast<uint4*>(dgate_up + r * 2 * f + col);
-  uint4* du_out = reinterpret_cast<uint4*>(dgate_up + r * 2 * f + f + col);
-  if (r >= offsets[num_groups]) {  // padding row (the whole 8-lane group shares r)
-    dg_out[0] = dg_out[1] = du_out[0] = du_out[1] = make_uint4(0u, 0u, 0u, 0u);
-    return;
-  }
-  const __nv_bfloat16* g_in = gate_up + r * 2 * f + col;
-  const uint4 d_raw[2] = {*reinterpret_cast<const uint4*>(dh + r * f + col),
-                          *reinterpret_cast<const uint4*>(dh + r * f + col + 8)};
-  const uint4 g_raw[2] = {*reinterpret_cast<const uint4*>(g_in),
-                          *reinterpret_cast<const uint4*>(g_in + 8)};
-  const uint4 u_raw[2] = {*reinterpret_cast<const uint4*>(g_in + f),
-                          *reinterpret_cast<const uint4*>(g_in + f + 8)};
-  const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(d_raw);
-  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(g_raw);
-  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(u_raw);
-  uint4 dg_raw[2], du_raw[2];
-  __nv_bfloat162* dg2 = reinterpret_cast<__nv_bfloat162*>(dg_raw);
-  __nv_bfloat162* du2 = reinterpret_cast<__nv_bfloat162*>(du_raw);
-  float2 vg[8], vu[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float2 d = __bfloat1622float2(d2[i]), g = __bfloat1622float2(g2[i]),
-                 u = __bfloat1622float2(u2[i]);
-    float dgx, dux, dgy, duy;
-    SwigluGrad(d.x, g.x, u.x, &dgx, &dux);
-    SwigluGrad(d.y, g.y, u.y, &dgy, &duy);
-    dg2[i] = __floats2bfloat162_rn(dgx, dgy);
-    du2[i] = __floats2bfloat162_rn(dux, duy);
-    vg[i] = __bfloat1622float2(dg2[i]);
-    vu[i] = __bfloat1622float2(du2[i]);
-  }
-  dg_out[0] = dg_raw[0];
-  dg_out[1] = dg_raw[1];
-  du_out[0] = du_raw[0];
-  du_out[1] = du_raw[1];
-  const int64_t blocks_per_row = 2 * fb_count;
-  uint8_t* q_row = q + r * 2 * f;
-  float* s_row = scale + r * blocks_per_row;
-  QuantizeSixteen(vg, pow2, part, q_row + col, s_row + fb);
-  QuantizeSixteen(vu, pow2, part, q_row + f + col, s_row + fb_count + fb);
-}
-
 // One block of 256 threads per 128 x 128 weight block, written in w's own layout (dgrad): thread
 // t holds 64 values (8 x 8 columns of rows t / 16 + 16 i), reduces the block's amax, stores.
 __global__ void __launch_bounds__(256) QuantizeWeightsDgradKernel(
@@ -240,14 +182,55 @@ __global__ void __launch_bounds__(kThreads) PaddedOffsetsKernel(const int32_t* _
   }
 }
 
-// One block of 256 threads per (128-column block of the padded operand, 128 columns of x):
-// finds its group, stages the (up to 128) rows in shared memory as (r, r + 1) pairs like the
-// weight kernel below, reduces each column's amax over the rows (two threads per column), and
-// stores the tile transposed: 128 contiguous bytes per column of x.
-__global__ void __launch_bounds__(256) QuantizeWgradOperandKernel(
-    const __nv_bfloat16* __restrict__ x, int64_t c, const int32_t* __restrict__ offsets,
+// The bf16 values a tile kernel quantises, 8 at a time (16 bytes): Load(r, col) = values
+// [r, col .. col + 8) of a [rows, C] matrix.
+struct MatrixValues {  // a matrix in memory
+  const __nv_bfloat16* x;
+  int64_t c;
+  __device__ uint4 Load(int64_t r, int64_t col) const {
+    return *reinterpret_cast<const uint4*>(x + r * c + col);
+  }
+};
+
+struct SwigluGradValues {  // dgate_up [rows, 2F] = the SwiGLU backward of dh [rows, F]
+  const __nv_bfloat16* dh;
+  const __nv_bfloat16* gate_up;
+  int64_t f;
+  __device__ uint4 Load(int64_t r, int64_t col) const {
+    const bool up_half = col >= f;
+    const int64_t j = up_half ? col - f : col;
+    const uint4 dv = *reinterpret_cast<const uint4*>(dh + r * f + j);
+    const uint4 gv = *reinterpret_cast<const uint4*>(gate_up + r * 2 * f + j);
+    const uint4 uv = *reinterpret_cast<const uint4*>(gate_up + r * 2 * f + f + j);
+    const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&dv);
+    const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv);
+    const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
+    uint4 out;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 d = __bfloat1622float2(d2[i]), g = __bfloat1622float2(g2[i]),
+                   u = __bfloat1622float2(u2[i]);
+      float dgx, dux, dgy, duy;
+      SwigluGrad(d.x, g.x, u.x, &dgx, &dux);
+      SwigluGrad(d.y, g.y, u.y, &dgy, &duy);
+      o2[i] = up_half ? __floats2bfloat162_rn(dux, duy) : __floats2bfloat162_rn(dgx, dgy);
+    }
+    return out;
+  }
+};
+
+// One block of 256 threads per (128-column block of the padded operand, 128 columns): finds its
+// group, stages the group's (up to 128) rows in shared memory as (r, r + 1) pairs like the
+// weight kernel below, reduces each column's amax over the rows (two threads per column) and
+// stores the tile transposed, 128 contiguous bytes per column: the weight-gradient operand.
+// kRows: also each row's 1x128 block (two threads per row), from the same staged values.
+template <class Values, bool kRows>
+__global__ void __launch_bounds__(256) QuantizeTileKernel(
+    Values values, int64_t c, const int32_t* __restrict__ offsets,
     const int32_t* __restrict__ padded, int num_groups, int64_t length, bool pow2,
-    uint8_t* __restrict__ q, float* __restrict__ scale) {
+    uint8_t* __restrict__ q, float* __restrict__ scale, uint8_t* __restrict__ q_rows,
+    float* __restrict__ scale_rows) {
   __shared__ __align__(16) __nv_bfloat162 pairs[64][128 + 4];  // [row / 2][column]
   __shared__ float half_max[2][128];
   __shared__ float col_scale[128];
@@ -266,13 +249,12 @@ __global__ void __launch_bounds__(256) QuantizeWgradOperandKernel(
   const int t = threadIdx.x;
   {
     const int oct = t % 16;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int pr = t / 16 + 16 * i;
-      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-      const __nv_bfloat16* src = x + (row0 + 2 * pr) * c + col0 + oct * 8;
-      const uint4 lo_v = 2 * pr < valid ? *reinterpret_cast<const uint4*>(src) : zero;
-      const uint4 hi_v = 2 * pr + 1 < valid ? *reinterpret_cast<const uint4*>(src + c) : zero;
+      const uint4 lo_v = 2 * pr < valid ? values.Load(row0 + 2 * pr, col0 + oct * 8) : zero;
+      const uint4 hi_v = 2 * pr + 1 < valid ? values.Load(row0 + 2 * pr + 1, col0 + oct * 8) : zero;
       const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(&lo_v);
       const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&hi_v);
       __nv_bfloat162 interleaved[8];
@@ -284,6 +266,35 @@ __global__ void __launch_bounds__(256) QuantizeWgradOperandKernel(
     }
   }
   __syncthreads();
+  if constexpr (kRows) {  // row t / 2, columns (t % 2) * 64 .. + 64
+    const int row = t / 2, half = t % 2;
+    const __nv_bfloat162* src = &pairs[row / 2][half * 64];
+    auto value = [&](int j) {
+      const float2 v = __bfloat1622float2(src[j]);
+      return row % 2 ? v.y : v.x;
+    };
+    float amax = 0.0f;
+#pragma unroll 16
+    for (int j = 0; j < 64; ++j) amax = fmaxf(amax, fabsf(value(j)));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    const float s = Fp8BlockScale(amax, pow2);
+    if (row < valid) {
+      if (half == 0) scale_rows[(row0 + row) * (c / 128) + col0 / 128] = s;
+      uint4* dst = reinterpret_cast<uint4*>(q_rows + (row0 + row) * c + col0 + half * 64);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        uint32_t words[4];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const int j = v * 16 + w * 4;
+          words[w] = uint32_t(ToE4m3(value(j) / s)) | (uint32_t(ToE4m3(value(j + 1) / s)) << 8) |
+                     (uint32_t(ToE4m3(value(j + 2) / s)) << 16) |
+                     (uint32_t(ToE4m3(value(j + 3) / s)) << 24);
+        }
+        dst[v] = make_uint4(words[0], words[1], words[2], words[3]);
+      }
+    }
+  }
   {
     const int col = t % 128, half = t / 128;
     float amax = 0.0f;
@@ -425,21 +436,6 @@ std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t 
   return LastError("QuantizeWeights128x128 launch");
 }
 
-std::string SwigluBackwardQuantize1x128(const void* dh, const void* gate_up, void* dgate_up,
-                                        int64_t rows, int64_t f, const int32_t* offsets,
-                                        int num_groups, bool pow2, void* q, float* scale,
-                                        cudaStream_t stream) {
-  const int64_t groups = rows * (f / 128);  // 8 threads each
-  if (groups == 0) return "";
-  const int threads = 256;
-  const int64_t blocks = (groups * 8 + threads - 1) / threads;
-  SwigluBackwardQuantizeKernel<<<dim3(unsigned(blocks)), threads, 0, stream>>>(
-      static_cast<const __nv_bfloat16*>(dh), static_cast<const __nv_bfloat16*>(gate_up),
-      static_cast<__nv_bfloat16*>(dgate_up), rows, f, offsets, num_groups, pow2,
-      static_cast<uint8_t*>(q), scale);
-  return LastError("SwigluBackwardQuantize1x128 launch");
-}
-
 std::string PaddedGroupOffsets(const int32_t* group_sizes, int num_groups, int64_t rows,
                                int32_t* offsets, int32_t* padded, cudaStream_t stream) {
   std::string err = GroupOffsets(group_sizes, num_groups, rows, offsets, stream);
@@ -448,15 +444,38 @@ std::string PaddedGroupOffsets(const int32_t* group_sizes, int num_groups, int64
   return LastError("PaddedGroupOffsets launch");
 }
 
-std::string QuantizeWgradOperand128x1(const void* x, int64_t c, const int32_t* offsets,
-                                      const int32_t* padded, int num_groups, int64_t length,
-                                      bool pow2, void* q, float* scale, cudaStream_t stream) {
+template <class Values>
+std::string LaunchQuantizeTiles(Values values, int64_t c, const int32_t* offsets,
+                                const int32_t* padded, int num_groups, int64_t length, bool pow2,
+                                void* q, float* scale, void* q_rows, float* scale_rows,
+                                cudaStream_t stream) {
   if (length == 0 || c == 0) return "";
   dim3 grid(unsigned(length / 128), unsigned(c / 128));
-  QuantizeWgradOperandKernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), c,
-                                                       offsets, padded, num_groups, length, pow2,
-                                                       static_cast<uint8_t*>(q), scale);
-  return LastError("QuantizeWgradOperand128x1 launch");
+  auto kernel = q_rows != nullptr ? QuantizeTileKernel<Values, true>
+                                  : QuantizeTileKernel<Values, false>;
+  kernel<<<grid, 256, 0, stream>>>(values, c, offsets, padded, num_groups, length, pow2,
+                                   static_cast<uint8_t*>(q), scale,
+                                   static_cast<uint8_t*>(q_rows), scale_rows);
+  return LastError("QuantizeTileKernel launch");
+}
+
+std::string QuantizeWgradOperand128x1(const void* x, int64_t c, const int32_t* offsets,
+                                      const int32_t* padded, int num_groups, int64_t length,
+                                      bool pow2, void* q, float* scale, void* q_rows,
+                                      float* scale_rows, cudaStream_t stream) {
+  return LaunchQuantizeTiles(MatrixValues{static_cast<const __nv_bfloat16*>(x), c}, c, offsets,
+                             padded, num_groups, length, pow2, q, scale, q_rows, scale_rows,
+                             stream);
+}
+
+std::string SwigluBackwardQuantize(const void* dh, const void* gate_up, int64_t f,
+                                   const int32_t* offsets, const int32_t* padded, int num_groups,
+                                   int64_t length, bool pow2, void* q_rows, float* scale_rows,
+                                   void* q, float* scale, cudaStream_t stream) {
+  SwigluGradValues values{static_cast<const __nv_bfloat16*>(dh),
+                          static_cast<const __nv_bfloat16*>(gate_up), f};
+  return LaunchQuantizeTiles(values, 2 * f, offsets, padded, num_groups, length, pow2, q, scale,
+                             q_rows, scale_rows, stream);
 }
 
 }  // namespace megamoe::grouped

@@ -1,12 +1,14 @@
-// Dispatch of the FP8 grouped GEMM to its schedule variants (grouped_gemm_fp8_v<N>.cu). The
-// default is the measured best (benchmarks/RESULTS.md); MEGAMOE_FP8_GEMM_VARIANT=<N> overrides
-// it for benchmarking, read once per process:
-//   0  cooperative, 128x128x128 CTA tile, 1x2x1 cluster
-//   1  cooperative, 128x128x128 CTA tile, 2x1x1 cluster
-//   2  ping-pong,    64x128x128 CTA tile, 1x2x1 cluster
+// Dispatch of the FP8 grouped GEMMs to their schedule variants (grouped_gemm_fp8_v<N>.cu,
+// grouped_gemm_fp8_wgrad_v<N>.cu). The defaults are the measured best (benchmarks/RESULTS.md);
+// MEGAMOE_FP8_GEMM_VARIANT=<N> / MEGAMOE_FP8_WGRAD_VARIANT=<N> override them for benchmarking,
+// read once per process:
+//   rows x weights  0  cooperative, 128x128x128 CTA tile, 1x2x1 cluster
+//                   1  cooperative, 128x128x128 CTA tile, 2x1x1 cluster
+//                   2  ping-pong,    64x128x128 CTA tile, 1x2x1 cluster
+//   wgrad           0  cooperative, 128x128x128 CTA tile, 1x2x1 cluster
+//                   1  ping-pong,    64x128x128 CTA tile, 1x2x1 cluster
 #include <algorithm>
 #include <cstdlib>
-#include <mutex>
 
 #include "ffi/kernels/grouped_fp8.h"
 
@@ -20,6 +22,13 @@ MEGAMOE_DECLARE_GROUPED_GEMM_FP8(0)
 MEGAMOE_DECLARE_GROUPED_GEMM_FP8(1)
 MEGAMOE_DECLARE_GROUPED_GEMM_FP8(2)
 #undef MEGAMOE_DECLARE_GROUPED_GEMM_FP8
+#define MEGAMOE_DECLARE_GROUPED_WGRAD_FP8(VARIANT)                                            \
+  size_t GroupedWgradFp8V##VARIANT##WorkspaceBytes(int, int);                                 \
+  std::string RunGroupedWgradFp8V##VARIANT(const GroupedWgradFp8Problem&, void*, size_t, int, \
+                                           cudaStream_t);
+MEGAMOE_DECLARE_GROUPED_WGRAD_FP8(0)
+MEGAMOE_DECLARE_GROUPED_WGRAD_FP8(1)
+#undef MEGAMOE_DECLARE_GROUPED_WGRAD_FP8
 
 namespace {
 
@@ -31,15 +40,29 @@ constexpr std::string (*kRun[kVariants])(const GroupedGemmFp8Problem&, void*, si
                                          cudaStream_t) = {
     RunGroupedGemmFp8V0, RunGroupedGemmFp8V1, RunGroupedGemmFp8V2};
 
+constexpr int kWgradVariants = 2;
+constexpr size_t (*kWgradWorkspace[kWgradVariants])(int, int) = {
+    GroupedWgradFp8V0WorkspaceBytes, GroupedWgradFp8V1WorkspaceBytes};
+constexpr std::string (*kWgradRun[kWgradVariants])(const GroupedWgradFp8Problem&, void*, size_t,
+                                                   int, cudaStream_t) = {
+    RunGroupedWgradFp8V0, RunGroupedWgradFp8V1};
+
+// The variant named by environment variable `name` (one digit below `count`), else 0.
+int VariantFromEnv(const char* name, int count) {
+  const char* env = std::getenv(name);
+  if (env != nullptr && env[0] >= '0' && env[0] < '0' + count && env[1] == '\0') {
+    return env[0] - '0';
+  }
+  return 0;
+}
+
 int Variant() {
-  static std::once_flag once;
-  static int chosen = 0;
-  std::call_once(once, [] {
-    const char* env = std::getenv("MEGAMOE_FP8_GEMM_VARIANT");
-    if (env != nullptr && env[0] >= '0' && env[0] < '0' + kVariants && env[1] == '\0') {
-      chosen = env[0] - '0';
-    }
-  });
+  static const int chosen = VariantFromEnv("MEGAMOE_FP8_GEMM_VARIANT", kVariants);
+  return chosen;
+}
+
+int WgradVariant() {
+  static const int chosen = VariantFromEnv("MEGAMOE_FP8_WGRAD_VARIANT", kWgradVariants);
   return chosen;
 }
 
@@ -54,6 +77,22 @@ size_t GroupedGemmFp8WorkspaceBytes(int num_groups, int sm_count) {
 std::string RunGroupedGemmFp8(const GroupedGemmFp8Problem& problem, void* workspace,
                               size_t workspace_bytes, int sm_count, cudaStream_t stream) {
   return kRun[Variant()](problem, workspace, workspace_bytes, sm_count, stream);
+}
+
+size_t GroupedWgradFp8WorkspaceBytes(int num_groups, int sm_count) {
+  size_t bytes = 0;
+  for (auto fn : kWgradWorkspace) bytes = std::max(bytes, fn(num_groups, sm_count));
+  return bytes;
+}
+
+std::string RunGroupedWgradFp8(const GroupedWgradFp8Problem& problem, void* workspace,
+                               size_t workspace_bytes, int sm_count, cudaStream_t stream) {
+  if (problem.ca % 128 != 0 || problem.cb % 128 != 0 || problem.length % 128 != 0) {
+    return "FP8 grouped wgrad needs Ca, Cb and length multiples of 128, got Ca=" +
+           std::to_string(problem.ca) + " Cb=" + std::to_string(problem.cb) + " length=" +
+           std::to_string(problem.length);
+  }
+  return kWgradRun[WgradVariant()](problem, workspace, workspace_bytes, sm_count, stream);
 }
 
 }  // namespace megamoe::grouped

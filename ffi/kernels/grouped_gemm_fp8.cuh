@@ -279,3 +279,19 @@ std::string RunWgrad(const GroupedWgradFp8Problem& p, void* ws, size_t ws_bytes,
                                                                  stream);                     \
   }                                                                                           \
   }
+
+// Defines GroupedWgradFp8V<VARIANT>WorkspaceBytes / RunGroupedWgradFp8V<VARIANT> for one
+// schedule of the K-grouped weight gradient (128x1 scales on both operands).
+#define MEGAMOE_DEFINE_GROUPED_WGRAD_FP8(VARIANT, SCHEDULE)                                    \
+  namespace megamoe::grouped {                                                                \
+  size_t GroupedWgradFp8V##VARIANT##WorkspaceBytes(int num_groups, int sm_count) {            \
+    return fp8::WorkspaceBytes<fp8::Fp8Gemm<fp8::SCHEDULE, fp8::WgradScales>>(num_groups,     \
+                                                                              sm_count);      \
+  }                                                                                           \
+  std::string RunGroupedWgradFp8V##VARIANT(const GroupedWgradFp8Problem& p, void* ws,         \
+                                           size_t ws_bytes, int sm_count,                     \
+                                           cudaStream_t stream) {                             \
+    return fp8::RunWgrad<fp8::Fp8Gemm<fp8::SCHEDULE, fp8::WgradScales>>(p, ws, ws_bytes,      \
+                                                                        sm_count, stream);    \
+  }                                                                                           \
+  }

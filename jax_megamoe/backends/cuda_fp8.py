@@ -13,10 +13,11 @@ once per pass, the SwiGLU output (and its gradient) fused with the SwiGLU kernel
                               (q [E, K, P] as w, scale [E, P/128, K/128]), same block values
   quantize_wgrad_operand(x, group_sizes) -> WgradOperand: rows in 128 x 1 blocks inside each
                               group, stored transposed and group-padded (the K-grouped wgrad's
-                              K-major operand)
+                              K-major operand); with_rows: also x's 1x128 rows, same read
   swiglu_quantize(gate_up, group_sizes) -> (h bf16, h as QuantizedRows): the SwiGLU fused with
                               the quantisation of its output, over the rows in use only
-  swiglu_backward_quantize(dh, gate_up, group_sizes) -> (dgate_up bf16, as QuantizedRows)
+  swiglu_backward_quantize(dh, gate_up, group_sizes) -> dgate_up as (QuantizedRows,
+                              WgradOperand), never stored in bf16
   grouped_gemm_quantized(a, group_sizes, b) -> [N, P] bf16; rows of group g times b[g], fp32
                               accumulation promoted every 128 of K, rows past sum(group_sizes) 0;
                               a.q may have a row stride (dispatched rows are read in place)
@@ -129,20 +130,28 @@ def quantize_weights(w: jax.Array, *, pow2: bool = False, dgrad: bool = False
   return _vary_like(blocks, w)
 
 
-def quantize_wgrad_operand(x: jax.Array, group_sizes: jax.Array, *, pow2: bool = False
-                           ) -> WgradOperand:
-  """x [N, C] bf16 (rows grouped as group_sizes) -> WgradOperand (128 x 1 blocks in groups)."""
+def quantize_wgrad_operand(x: jax.Array, group_sizes: jax.Array, *, pow2: bool = False,
+                           with_rows: bool = False):
+  """x [N, C] bf16 (rows grouped as group_sizes) -> WgradOperand (128 x 1 blocks in groups);
+  with_rows: (QuantizedRows of x (1x128, as quantize_rows; rows past the sum unspecified),
+  WgradOperand), both from one read of x."""
   _require_bf16("x", x, 2, (1,))
   _require_group_sizes(group_sizes)
   n, c = x.shape
   e = group_sizes.shape[0]
   length = padded_length(n, e)
+  rows = n if with_rows else 0
   out = (jax.ShapeDtypeStruct((c, length), jnp.float8_e4m3fn),
          jax.ShapeDtypeStruct((length // BLOCK, c), jnp.float32),
+         jax.ShapeDtypeStruct((rows, c), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((rows, c // BLOCK), jnp.float32),
          jax.ShapeDtypeStruct((8 * (e + 1),), jnp.uint8))
-  q, scale, _ = jax.ffi.ffi_call(QUANTIZE_WGRAD_OPERAND_TARGET, out)(x, group_sizes,
-                                                                      pow2=np.int64(pow2))
-  return _vary_like(WgradOperand(q, scale), x, group_sizes)
+  q, scale, q_rows, scale_rows, _ = jax.ffi.ffi_call(QUANTIZE_WGRAD_OPERAND_TARGET, out)(
+      x, group_sizes, pow2=np.int64(pow2), rows=np.int64(with_rows))
+  operand = _vary_like(WgradOperand(q, scale), x, group_sizes)
+  if not with_rows:
+    return operand
+  return _vary_like(QuantizedRows(q_rows, scale_rows), x, group_sizes), operand
 
 
 def grouped_wgrad_quantized(a: WgradOperand, group_sizes: jax.Array, b: WgradOperand
@@ -208,23 +217,28 @@ def swiglu_quantize(gate_up: jax.Array, group_sizes: jax.Array, *, pow2: bool = 
 
 
 def swiglu_backward_quantize(dh: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, *,
-                             pow2: bool = False) -> tuple[jax.Array, QuantizedRows]:
-  """dh [N, F], gate_up [N, 2F] bf16 -> (dgate_up [N, 2F] bf16: the SwiGLU backward in fp32,
-  zero past sum(group_sizes); dgate_up quantised in 1x128 blocks, rows past the sum
-  unspecified): one pass over the rows in use."""
+                             pow2: bool = False) -> tuple[QuantizedRows, WgradOperand]:
+  """dh [N, F], gate_up [N, 2F] bf16 -> dgate_up [N, 2F] (the SwiGLU backward in fp32, rounded
+  to bf16, never stored) quantised in 1x128 blocks (the dx GEMM's rows; rows past
+  sum(group_sizes) unspecified) and as a WgradOperand (dW_gate_up's), in one pass."""
   _require_bf16("dh", dh, 2, (1,))
   _require_bf16("gate_up", gate_up, 2, ())
+  _require_group_sizes(group_sizes)
   n, f = dh.shape
   if gate_up.shape != (n, 2 * f):
     raise ValueError(f"gate_up must be [N={n}, 2F={2 * f}], got {gate_up.shape}")
-  out = (jax.ShapeDtypeStruct((n, 2 * f), jnp.bfloat16),
-         jax.ShapeDtypeStruct((n, 2 * f), jnp.float8_e4m3fn),
+  e = group_sizes.shape[0]
+  length = padded_length(n, e)
+  out = (jax.ShapeDtypeStruct((n, 2 * f), jnp.float8_e4m3fn),
          jax.ShapeDtypeStruct((n, 2 * f // BLOCK), jnp.float32),
-         jax.ShapeDtypeStruct((4 * (group_sizes.shape[0] + 1),), jnp.uint8))
-  dgu, q, scale, _ = jax.ffi.ffi_call(SWIGLU_BACKWARD_QUANTIZE_TARGET, out)(
+         jax.ShapeDtypeStruct((2 * f, length), jnp.float8_e4m3fn),
+         jax.ShapeDtypeStruct((length // BLOCK, 2 * f), jnp.float32),
+         jax.ShapeDtypeStruct((8 * (e + 1),), jnp.uint8))
+  q_rows, scale_rows, q, scale, _ = jax.ffi.ffi_call(SWIGLU_BACKWARD_QUANTIZE_TARGET, out)(
       dh, gate_up, group_sizes, pow2=np.int64(pow2))
-  dgu, q, scale = _vary_like((dgu, q, scale), dh, gate_up, group_sizes)
-  return dgu, QuantizedRows(q, scale)
+  like = (dh, gate_up, group_sizes)
+  return (_vary_like(QuantizedRows(q_rows, scale_rows), *like),
+          _vary_like(WgradOperand(q, scale), *like))
 
 
 def mlp_forward(x_rows: QuantizedRows, group_sizes, w_gate_up, w_down, pow2: bool):
@@ -237,16 +251,17 @@ def mlp_forward(x_rows: QuantizedRows, group_sizes, w_gate_up, w_down, pow2: boo
 
 def mlp_backward(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden, pow2: bool):
   """FP8 backward of the SwiGLU MLP (fp8.ragged_dot's definition) from the forward's bf16
-  residuals: (dx [N, H], dw_gate_up [E, H, 2F], dw_down [E, F, H]), all bf16."""
-  dy = dy.astype(jnp.bfloat16)
-  dh = grouped_gemm_quantized(quantize_rows(dy, pow2=pow2), group_sizes,
+  residuals: (dx [N, H], dw_gate_up [E, H, 2F], dw_down [E, F, H]), all bf16. Each operand is
+  quantised once, both ways where it feeds a dgrad and a wgrad GEMM (dy, dgate_up)."""
+  wgrad_operand = functools.partial(quantize_wgrad_operand, group_sizes=group_sizes, pow2=pow2)
+  dy_rows, dy_op = wgrad_operand(dy.astype(jnp.bfloat16), with_rows=True)
+  dh = grouped_gemm_quantized(dy_rows, group_sizes,
                               quantize_weights(w_down, pow2=pow2, dgrad=True))
-  dgate_up, dgate_up_rows = swiglu_backward_quantize(dh, gate_up, group_sizes, pow2=pow2)
+  dgate_up_rows, dgate_up_op = swiglu_backward_quantize(dh, gate_up, group_sizes, pow2=pow2)
   dx = grouped_gemm_quantized(dgate_up_rows, group_sizes,
                               quantize_weights(w_gate_up, pow2=pow2, dgrad=True))
-  wgrad_operand = functools.partial(quantize_wgrad_operand, group_sizes=group_sizes, pow2=pow2)
-  dw_down = grouped_wgrad_quantized(wgrad_operand(hidden), group_sizes, wgrad_operand(dy))
-  dw_gate_up = grouped_wgrad_quantized(wgrad_operand(x), group_sizes, wgrad_operand(dgate_up))
+  dw_down = grouped_wgrad_quantized(wgrad_operand(hidden), group_sizes, dy_op)
+  dw_gate_up = grouped_wgrad_quantized(wgrad_operand(x), group_sizes, dgate_up_op)
   return dx, dw_gate_up, dw_down
 
 
