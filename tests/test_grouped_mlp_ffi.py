@@ -408,12 +408,13 @@ def test_fp8_swiglu_backward_quantize(pow2):
 
 def fp8_oracle_mlp(recipe):
   """The recipe's definition in pure JAX: every GEMM in FP8, forward and backward, gradients
-  straight through the rounding (fp8.ragged_dot), SwiGLU in fp32, h in the compute dtype."""
+  straight through the rounding (fp8.ragged_dot), SwiGLU in fp32, gate_up and h stored in the
+  compute dtype as the kernels store them (so their gradients are rounded alike)."""
   spec = fp8.get_recipe(recipe)
 
   def mlp(x, gs, wgu, wd):
     f = wd.shape[1]
-    gu = fp8.ragged_dot(x, wgu, gs, spec)
+    gu = fp8.ragged_dot(x, wgu, gs, spec).astype(x.dtype).astype(jnp.float32)
     h = (jax.nn.silu(gu[:, :f]) * gu[:, f:]).astype(x.dtype)
     y = fp8.ragged_dot(h, wd, gs, spec)
     valid = jnp.arange(x.shape[0]) < jnp.sum(gs)
@@ -554,6 +555,9 @@ def test_moe_cuda_fp8_rows_dispatched_in_fp8_two_gpus(recipe):
           **{f"{n} vs reference": rel_err(f32(a), f32(b)) for n, a, b in zip(names, g8, want)}}
   print(recipe, errs)
   assert all(np.isfinite(v) for v in errs.values()), errs
+  # dW_gate_up from FP8 rows: x rounded twice (1x128 on the sender, then 128x1 for the wgrad)
+  # instead of once; measured 4.3e-2 (fp8) and 0 (fp8_pow2: power-of-two scales make the
+  # second rounding exact) on 2 x H200.
   for name, err in errs.items():
-    limit = 4e-2 if name == "dw_gate_up vs bf16 rows" else 2e-2  # x_q vs x: e4m3 rounding
+    limit = 6e-2 if name == "dw_gate_up vs bf16 rows" else 2e-2
     assert err < limit, f"{name}: {err:.3g} (all: {errs})"

@@ -266,33 +266,46 @@ __global__ void __launch_bounds__(256) QuantizeTileKernel(
     }
   }
   __syncthreads();
-  if constexpr (kRows) {  // row t / 2, columns (t % 2) * 64 .. + 64
-    const int row = t / 2, half = t % 2;
-    const __nv_bfloat162* src = &pairs[row / 2][half * 64];
-    auto value = [&](int j) {
+  if constexpr (kRows) {
+    // Rows 2 pr and 2 pr + 1 (one pair entry), 32 columns q * 32 .. + 32 per thread: four
+    // threads per pair, each writing 32 contiguous bytes (a whole sector) of both rows.
+    const int pr = t / 4, q4 = t % 4;
+    const __nv_bfloat162* src = &pairs[pr][q4 * 32];
+    float amax_lo = 0.0f, amax_hi = 0.0f;
+#pragma unroll 8
+    for (int j = 0; j < 32; ++j) {
       const float2 v = __bfloat1622float2(src[j]);
-      return row % 2 ? v.y : v.x;
-    };
-    float amax = 0.0f;
-#pragma unroll 16
-    for (int j = 0; j < 64; ++j) amax = fmaxf(amax, fabsf(value(j)));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    const float s = Fp8BlockScale(amax, pow2);
-    if (row < valid) {
-      if (half == 0) scale_rows[(row0 + row) * (c / 128) + col0 / 128] = s;
-      uint4* dst = reinterpret_cast<uint4*>(q_rows + (row0 + row) * c + col0 + half * 64);
+      amax_lo = fmaxf(amax_lo, fabsf(v.x));
+      amax_hi = fmaxf(amax_hi, fabsf(v.y));
+    }
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        uint32_t words[4];
+    for (int o = 1; o < 4; o <<= 1) {
+      amax_lo = fmaxf(amax_lo, __shfl_xor_sync(0xffffffffu, amax_lo, o));
+      amax_hi = fmaxf(amax_hi, __shfl_xor_sync(0xffffffffu, amax_hi, o));
+    }
+    const float s_lo = Fp8BlockScale(amax_lo, pow2), s_hi = Fp8BlockScale(amax_hi, pow2);
+    uint32_t lo[8], hi[8];
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const int j = v * 16 + w * 4;
-          words[w] = uint32_t(ToE4m3(value(j) / s)) | (uint32_t(ToE4m3(value(j + 1) / s)) << 8) |
-                     (uint32_t(ToE4m3(value(j + 2) / s)) << 16) |
-                     (uint32_t(ToE4m3(value(j + 3) / s)) << 24);
-        }
-        dst[v] = make_uint4(words[0], words[1], words[2], words[3]);
+    for (int w = 0; w < 8; ++w) {
+      uint32_t a = 0, b = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 v = __bfloat1622float2(src[4 * w + i]);
+        a |= uint32_t(ToE4m3(v.x / s_lo)) << (8 * i);
+        b |= uint32_t(ToE4m3(v.y / s_hi)) << (8 * i);
       }
+      lo[w] = a;
+      hi[w] = b;
+    }
+    const int64_t kbs = c / 128;
+    for (int parity = 0; parity < 2; ++parity) {
+      const int row = 2 * pr + parity;
+      if (row >= valid) break;
+      const uint32_t* words = parity ? hi : lo;
+      uint4* dst = reinterpret_cast<uint4*>(q_rows + (row0 + row) * c + col0 + q4 * 32);
+      dst[0] = make_uint4(words[0], words[1], words[2], words[3]);
+      dst[1] = make_uint4(words[4], words[5], words[6], words[7]);
+      if (q4 == 0) scale_rows[(row0 + row) * kbs + col0 / 128] = parity ? s_hi : s_lo;
     }
   }
   {
@@ -312,22 +325,24 @@ __global__ void __launch_bounds__(256) QuantizeTileKernel(
     scale[int64_t(blockIdx.x) * c + col0 + t] = s;
   }
   __syncthreads();
-  // Store transposed: lanes take 32 consecutive columns, the 8 warps the 8 chunks of 16 rows.
-  const int lane = t % 32, chunk = t / 32;
+  // Store transposed: lanes take 32 consecutive columns, each thread 32 rows (a whole 32-byte
+  // sector of its column's output row), 2 rounds over the 4 x 128 (rows / 32, column) units.
 #pragma unroll
-  for (int round = 0; round < 4; ++round) {
-    const int col = round * 32 + lane;
+  for (int round = 0; round < 2; ++round) {
+    const int unit = round * 256 + t;
+    const int col = unit % 128, quarter = unit / 128;
     const float s = col_scale[col];
-    uint32_t words[4];
+    uint32_t words[8];
 #pragma unroll
-    for (int wi = 0; wi < 4; ++wi) {
-      const float2 v0 = __bfloat1622float2(pairs[chunk * 8 + wi * 2][col]);
-      const float2 v1 = __bfloat1622float2(pairs[chunk * 8 + wi * 2 + 1][col]);
+    for (int wi = 0; wi < 8; ++wi) {
+      const float2 v0 = __bfloat1622float2(pairs[quarter * 16 + wi * 2][col]);
+      const float2 v1 = __bfloat1622float2(pairs[quarter * 16 + wi * 2 + 1][col]);
       words[wi] = uint32_t(ToE4m3(v0.x / s)) | (uint32_t(ToE4m3(v0.y / s)) << 8) |
                   (uint32_t(ToE4m3(v1.x / s)) << 16) | (uint32_t(ToE4m3(v1.y / s)) << 24);
     }
-    uint8_t* dst = q + (col0 + col) * length + pcol + chunk * 16;
-    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+    uint4* dst = reinterpret_cast<uint4*>(q + (col0 + col) * length + pcol + quarter * 32);
+    dst[0] = make_uint4(words[0], words[1], words[2], words[3]);
+    dst[1] = make_uint4(words[4], words[5], words[6], words[7]);
   }
 }
 

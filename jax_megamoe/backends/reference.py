@@ -31,8 +31,10 @@ def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Arra
     recipe: None, "fp8" or "mxfp8" (emulated).
 
   Returns:
-    [N, H] in x_sorted's dtype: (silu(x Wg) * (x Wu)) Wd per row, fp32 accumulation, the hidden
-    activation rounded to the compute dtype before the second GEMM; padding rows are zero.
+    [N, H] in x_sorted's dtype: (silu(x Wg) * (x Wu)) Wd per row, fp32 accumulation; the first
+    GEMM's output and the hidden activation are rounded to the compute dtype (as the kernels
+    store them; their gradients are rounded likewise), the SwiGLU runs in fp32; padding rows
+    are zero.
   """
   dtype = x_sorted.dtype
   ffn = w_down.shape[1]
@@ -44,7 +46,7 @@ def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Arra
   else:  # operands rounded as the FP8 kernels round them; backward on the unquantised ones
     def product(a, b):
       return fp8.ragged_dot(a, b, group_sizes, spec)
-  gate_up = product(x_sorted, w_gate_up)
+  gate_up = product(x_sorted, w_gate_up).astype(dtype).astype(jnp.float32)
   hidden = (jax.nn.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]).astype(dtype)
   out = product(hidden, w_down)
   valid_rows = jnp.arange(x_sorted.shape[0]) < jnp.sum(group_sizes)
