@@ -19,6 +19,13 @@ def unavailable_reason(recipe: str | None = None) -> str | None:
   return None
 
 
+def _stored(a: jax.Array, dtype) -> jax.Array:
+  """a rounded to `dtype`, as a kernel stores it. The barrier keeps the rounding: XLA:GPU
+  (xla_allow_excess_precision, on by default) deletes a convert to bf16 and back to f32 inside
+  a fusion (seen on an H200: the EP fp8 test's reference kept gate_up in fp32)."""
+  return jax.lax.optimization_barrier(a.astype(dtype))
+
+
 def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array,
                 w_down: jax.Array, *, recipe: str | None = None) -> jax.Array:
   """SwiGLU expert MLP over rows grouped by expert.
@@ -46,8 +53,8 @@ def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Arra
   else:  # operands rounded as the FP8 kernels round them; backward on the unquantised ones
     def product(a, b):
       return fp8.ragged_dot(a, b, group_sizes, spec)
-  gate_up = product(x_sorted, w_gate_up).astype(dtype).astype(jnp.float32)
-  hidden = (jax.nn.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]).astype(dtype)
+  gate_up = _stored(product(x_sorted, w_gate_up), dtype).astype(jnp.float32)
+  hidden = _stored(jax.nn.silu(gate_up[:, :ffn]) * gate_up[:, ffn:], dtype)
   out = product(hidden, w_down)
   valid_rows = jnp.arange(x_sorted.shape[0]) < jnp.sum(group_sizes)
   return jnp.where(valid_rows[:, None], out, 0.0).astype(dtype)
