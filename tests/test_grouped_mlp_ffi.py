@@ -302,8 +302,9 @@ def test_fp8_swiglu_quantize_matches_swiglu_then_quantize(pow2):
 def _group_columns(op: cuda_fp8.WgradOperand, sizes) -> np.ndarray:
   """A WgradOperand dequantised back to rows [sum(sizes), C] (group by group), and asserts that
   each group's padding columns are zero bytes."""
-  q = np.asarray(op.q.astype(jnp.float32))
-  s = np.repeat(np.asarray(op.scale), 128, axis=0).T  # [C, L]
+  used = int((-(-np.asarray(sizes) // 128) * 128).sum())  # columns past the groups: unspecified
+  q = np.asarray(op.q[:, :used].astype(jnp.float32))
+  s = np.repeat(np.asarray(op.scale[:used // 128]), 128, axis=0).T  # [C, used]
   deq = q * s
   rows, col = [], 0
   for n in sizes:

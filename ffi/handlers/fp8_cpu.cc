@@ -192,6 +192,22 @@ ffi::Error SwigluBackwardQuantizeImpl(ffi::AnyBuffer dh, ffi::AnyBuffer gate_up,
   return ffi::Error::Success();
 }
 
+// The data of a grouped FP8 GEMM's operands and result, as the loops read and write them.
+struct Fp8GemmData {
+  const uint8_t* a;
+  const uint8_t* b;
+  const float* a_scale;
+  const float* b_scale;
+  uint16_t* d;  // bf16 bits
+  Fp8GemmData(const ffi::AnyBuffer& a_q, const ffi::AnyBuffer& a_s, const ffi::AnyBuffer& b_q,
+              const ffi::AnyBuffer& b_s, ffi::Result<ffi::AnyBuffer>& out)
+      : a(static_cast<const uint8_t*>(a_q.untyped_data())),
+        b(static_cast<const uint8_t*>(b_q.untyped_data())),
+        a_scale(static_cast<const float*>(a_s.untyped_data())),
+        b_scale(static_cast<const float*>(b_s.untyped_data())),
+        d(static_cast<uint16_t*>(out->untyped_data())) {}
+};
+
 ffi::Error GroupedGemmFp8Impl(ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
                               ffi::AnyBuffer group_sizes, ffi::AnyBuffer b_q,
                               ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer> d,
@@ -199,11 +215,10 @@ ffi::Error GroupedGemmFp8Impl(ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
   Fp8GemmDims g;
   MEGAMOE_RETURN_IF_ERROR(CheckGroupedGemmFp8(a_q, a_scale, group_sizes, b_q, b_scale, d, &g));
   (void)workspace;
-  const uint8_t* av = static_cast<const uint8_t*>(a_q.untyped_data());
-  const uint8_t* bv = static_cast<const uint8_t*>(b_q.untyped_data());
-  const float* as = static_cast<const float*>(a_scale.untyped_data());
-  const float* bs = static_cast<const float*>(b_scale.untyped_data());
-  uint16_t* dv = static_cast<uint16_t*>(d->untyped_data());
+  const Fp8GemmData o(a_q, a_scale, b_q, b_scale, d);
+  const uint8_t *av = o.a, *bv = o.b;
+  const float *as = o.a_scale, *bs = o.b_scale;
+  uint16_t* dv = o.d;
   const std::vector<int64_t> off = HostGroupOffsets(group_sizes, g.e, g.n);
   const int64_t kbs = g.k / 128, pbs = g.p / 128;
   std::vector<float> a_row(g.k);
@@ -247,11 +262,10 @@ ffi::Error GroupedWgradFp8Impl(ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
   Fp8WgradDims g;
   MEGAMOE_RETURN_IF_ERROR(CheckGroupedWgradFp8(a_q, a_scale, group_sizes, b_q, b_scale, d, &g));
   (void)workspace;
-  const uint8_t* av = static_cast<const uint8_t*>(a_q.untyped_data());
-  const uint8_t* bv = static_cast<const uint8_t*>(b_q.untyped_data());
-  const float* as = static_cast<const float*>(a_scale.untyped_data());
-  const float* bs = static_cast<const float*>(b_scale.untyped_data());
-  uint16_t* dv = static_cast<uint16_t*>(d->untyped_data());
+  const Fp8GemmData o(a_q, a_scale, b_q, b_scale, d);
+  const uint8_t *av = o.a, *bv = o.b;
+  const float *as = o.a_scale, *bs = o.b_scale;
+  uint16_t* dv = o.d;
   // The operands hold round_up(N, 128) rows' worth of columns before the groups' padding.
   const std::vector<int64_t> padded =
       HostPaddedOffsets(HostGroupOffsets(group_sizes, g.e, g.length - 128 * g.e));

@@ -91,29 +91,23 @@ ffi::Error GroupedWgradFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::Any
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cuda, GroupedGemmFp8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // a_q
-                                  .Arg<ffi::AnyBuffer>()  // a_scale
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Arg<ffi::AnyBuffer>()  // b_q
-                                  .Arg<ffi::AnyBuffer>()  // b_scale
-                                  .Ret<ffi::AnyBuffer>()  // d
-                                  .Ret<ffi::AnyBuffer>(),  // workspace
-                              {ffi::Traits::kCmdBufferCompatible});
+// Both GEMMs: (a_q, a_scale, group_sizes, b_q, b_scale) -> (d, workspace).
+#define MEGAMOE_FP8_GEMM_BINDING                                                       \
+  ffi::Ffi::Bind()                                                                     \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                        \
+      .Arg<ffi::AnyBuffer>()                                                           \
+      .Arg<ffi::AnyBuffer>()                                                           \
+      .Arg<ffi::AnyBuffer>()                                                           \
+      .Arg<ffi::AnyBuffer>()                                                           \
+      .Arg<ffi::AnyBuffer>()                                                           \
+      .Ret<ffi::AnyBuffer>()                                                           \
+      .Ret<ffi::AnyBuffer>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedWgradFp8Cuda, GroupedWgradFp8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // a_q
-                                  .Arg<ffi::AnyBuffer>()  // a_scale
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Arg<ffi::AnyBuffer>()  // b_q
-                                  .Arg<ffi::AnyBuffer>()  // b_scale
-                                  .Ret<ffi::AnyBuffer>()  // d
-                                  .Ret<ffi::AnyBuffer>(),  // workspace
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cuda, GroupedGemmFp8Impl, MEGAMOE_FP8_GEMM_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedWgradFp8Cuda, GroupedWgradFp8Impl, MEGAMOE_FP8_GEMM_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+#undef MEGAMOE_FP8_GEMM_BINDING
 
 MEGAMOE_REGISTER_FFI("megamoe_grouped_gemm_fp8", "CUDA", GroupedGemmFp8Cuda);
 MEGAMOE_REGISTER_FFI("megamoe_grouped_wgrad_fp8", "CUDA", GroupedWgradFp8Cuda);

@@ -33,12 +33,6 @@ std::string SwigluQuantize1x128(const void* gate_up, void* h, int64_t rows, int6
 std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t n, bool pow2,
                                    bool dgrad, void* q, float* scale, cudaStream_t stream);
 
-// Weight-gradient operands: each group's rows padded to a multiple of 128 and laid side by side
-// as columns. offsets as GroupOffsets (clamped to `rows`); padded[0] = 0, padded[g + 1] =
-// padded[g] + round_up(offsets[g + 1] - offsets[g], 128). Both [E + 1] int32 on the device.
-std::string PaddedGroupOffsets(const int32_t* group_sizes, int num_groups, int64_t rows,
-                               int32_t* offsets, int32_t* padded, cudaStream_t stream);
-
 // 128 x 1 blocks along the rows inside each group, stored transposed: x [rows, C] bf16 ->
 // q [C, length] e4m3 with group g's rows at columns [padded[g], padded[g] + n_g) and zeros up
 // to padded[g + 1]; scale [length/128, C] fp32, scale[padded[g]/128 + b][c] that of rows

@@ -4,7 +4,6 @@
 
 #include <cfloat>
 
-#include <cub/block/block_scan.cuh>
 
 #include "ffi/common/fp8_scale.h"
 #include "ffi/kernels/grouped_fp8.h"
@@ -16,6 +15,12 @@ namespace {
 
 __device__ __forceinline__ uint8_t ToE4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Four values (lo.x, lo.y, hi.x, hi.y) divided by the block scale s, as e4m3 bytes in order.
+__device__ __forceinline__ uint32_t FourE4m3(float2 lo, float2 hi, float s) {
+  return uint32_t(ToE4m3(lo.x / s)) | (uint32_t(ToE4m3(lo.y / s)) << 8) |
+         (uint32_t(ToE4m3(hi.x / s)) << 16) | (uint32_t(ToE4m3(hi.y / s)) << 24);
 }
 
 // 1x128 blocks are quantised by 8 threads, 16 consecutive values each: the block's amax is
@@ -34,8 +39,7 @@ __device__ __forceinline__ void QuantizeSixteen(const float2 (&v)[8], bool pow2,
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     const float2 a = v[2 * w], b = v[2 * w + 1];
-    words[w] = uint32_t(ToE4m3(a.x / s)) | (uint32_t(ToE4m3(a.y / s)) << 8) |
-               (uint32_t(ToE4m3(b.x / s)) << 16) | (uint32_t(ToE4m3(b.y / s)) << 24);
+    words[w] = FourE4m3(a, b, s);
   }
   *reinterpret_cast<uint4*>(q) = make_uint4(words[0], words[1], words[2], words[3]);
   if (part == 0) *scale = s;
@@ -52,6 +56,19 @@ __device__ __forceinline__ bool LocateSixteen(int64_t rows, int64_t blocks_per_r
   *r = block / blocks_per_row;
   *b = block - *r * blocks_per_row;
   return true;
+}
+
+// The max of `amax` over the 256 threads of the block (all of them must call it).
+__device__ __forceinline__ float BlockAmax256(float amax) {
+  __shared__ float warp_max[8];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+#pragma unroll
+  for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
+  return amax;
 }
 
 // x [rows, k] bf16: one 8-thread group per (row, 128-column block).
@@ -116,7 +133,6 @@ __global__ void SwigluQuantizeKernel(const __nv_bfloat16* __restrict__ gate_up,
 __global__ void __launch_bounds__(256) QuantizeWeightsDgradKernel(
     const __nv_bfloat16* __restrict__ w, int64_t k, int64_t n, bool pow2,
     uint8_t* __restrict__ q, float* __restrict__ scale) {
-  __shared__ float warp_max[8];
   const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
   const int64_t nbs = n / 128, kbs = k / 128;
   const int t = threadIdx.x, oct = t % 16;
@@ -133,14 +149,7 @@ __global__ void __launch_bounds__(256) QuantizeWeightsDgradKernel(
       amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (t % 32 == 0) warp_max[t / 32] = amax;
-  __syncthreads();
-  amax = warp_max[0];
-#pragma unroll
-  for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
-  const float s = Fp8BlockScale(amax, pow2);
+  const float s = Fp8BlockScale(BlockAmax256(amax), pow2);
   if (t == 0) scale[(g * nbs + nb) * kbs + kb] = s;  // [E, N/128, K/128]
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -149,36 +158,10 @@ __global__ void __launch_bounds__(256) QuantizeWeightsDgradKernel(
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
       const float2 v0 = __bfloat1622float2(p[2 * wi]), v1 = __bfloat1622float2(p[2 * wi + 1]);
-      words[wi] = uint32_t(ToE4m3(v0.x / s)) | (uint32_t(ToE4m3(v0.y / s)) << 8) |
-                  (uint32_t(ToE4m3(v1.x / s)) << 16) | (uint32_t(ToE4m3(v1.y / s)) << 24);
+      words[wi] = FourE4m3(v0, v1, s);
     }
     *reinterpret_cast<uint2*>(q + base + int64_t(t / 16 + 16 * i) * n) =
         make_uint2(words[0], words[1]);
-  }
-}
-
-template <int kThreads>
-__global__ void __launch_bounds__(kThreads) PaddedOffsetsKernel(const int32_t* __restrict__ offsets,
-                                                                int num_groups,
-                                                                int32_t* __restrict__ padded) {
-  using Scan = cub::BlockScan<int32_t, kThreads>;
-  __shared__ typename Scan::TempStorage temp;
-  __shared__ int32_t carry;
-  if (threadIdx.x == 0) {
-    carry = 0;
-    padded[0] = 0;
-  }
-  __syncthreads();
-  for (int base = 0; base < num_groups; base += kThreads) {
-    const int g = base + threadIdx.x;
-    const int32_t v = g < num_groups ? (offsets[g + 1] - offsets[g] + 127) / 128 * 128 : 0;
-    int32_t inclusive, total;
-    Scan(temp).InclusiveSum(v, inclusive, total);
-    const int32_t c = carry;
-    if (g < num_groups) padded[g + 1] = c + inclusive;
-    __syncthreads();
-    if (threadIdx.x == 0) carry = c + total;
-    __syncthreads();
   }
 }
 
@@ -337,8 +320,7 @@ __global__ void __launch_bounds__(256) QuantizeTileKernel(
     for (int wi = 0; wi < 8; ++wi) {
       const float2 v0 = __bfloat1622float2(pairs[quarter * 16 + wi * 2][col]);
       const float2 v1 = __bfloat1622float2(pairs[quarter * 16 + wi * 2 + 1][col]);
-      words[wi] = uint32_t(ToE4m3(v0.x / s)) | (uint32_t(ToE4m3(v0.y / s)) << 8) |
-                  (uint32_t(ToE4m3(v1.x / s)) << 16) | (uint32_t(ToE4m3(v1.y / s)) << 24);
+      words[wi] = FourE4m3(v0, v1, s);
     }
     uint4* dst = reinterpret_cast<uint4*>(q + (col0 + col) * length + pcol + quarter * 32);
     dst[0] = make_uint4(words[0], words[1], words[2], words[3]);
@@ -354,7 +336,6 @@ __global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16
                                                              uint8_t* __restrict__ q,
                                                              float* __restrict__ scale) {
   __shared__ __align__(16) __nv_bfloat162 pairs[64][128 + 4];  // [k / 2][n]: (w[k][n], w[k + 1][n])
-  __shared__ float warp_max[8];
   const int64_t nb = blockIdx.x, kb = blockIdx.y, g = blockIdx.z;
   const int64_t nbs = n / 128, kbs = k / 128;
   const int t = threadIdx.x;
@@ -382,14 +363,7 @@ __global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16
       dst[1] = *reinterpret_cast<const uint4*>(&interleaved[4]);
     }
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if (t % 32 == 0) warp_max[t / 32] = amax;
-  __syncthreads();
-  amax = warp_max[0];
-#pragma unroll
-  for (int i = 1; i < 8; ++i) amax = fmaxf(amax, warp_max[i]);
-  const float s = Fp8BlockScale(amax, pow2);
+  const float s = Fp8BlockScale(BlockAmax256(amax), pow2);
   if (t == 0) scale[(g * kbs + kb) * nbs + nb] = s;
   // Store transposed: output row (column n of w) has 128 k bytes = 8 chunks of 16; warp lanes
   // take 32 consecutive n, the 8 warps the 8 chunks, 4 rounds over the 128 columns.
@@ -402,8 +376,7 @@ __global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16
     for (int wi = 0; wi < 4; ++wi) {
       const float2 v0 = __bfloat1622float2(pairs[chunk * 8 + wi * 2][col]);
       const float2 v1 = __bfloat1622float2(pairs[chunk * 8 + wi * 2 + 1][col]);
-      words[wi] = uint32_t(ToE4m3(v0.x / s)) | (uint32_t(ToE4m3(v0.y / s)) << 8) |
-                  (uint32_t(ToE4m3(v1.x / s)) << 16) | (uint32_t(ToE4m3(v1.y / s)) << 24);
+      words[wi] = FourE4m3(v0, v1, s);
     }
     uint8_t* dst = q + g * n * k + (nb * 128 + col) * k + kb * 128 + chunk * 16;
     *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
@@ -449,14 +422,6 @@ std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t 
   kernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), k, n, pow2,
                                    static_cast<uint8_t*>(q), scale);
   return LastError("QuantizeWeights128x128 launch");
-}
-
-std::string PaddedGroupOffsets(const int32_t* group_sizes, int num_groups, int64_t rows,
-                               int32_t* offsets, int32_t* padded, cudaStream_t stream) {
-  std::string err = GroupOffsets(group_sizes, num_groups, rows, offsets, stream);
-  if (!err.empty()) return err;
-  PaddedOffsetsKernel<256><<<1, 256, 0, stream>>>(offsets, num_groups, padded);
-  return LastError("PaddedGroupOffsets launch");
 }
 
 template <class Values>

@@ -15,6 +15,12 @@ namespace megamoe::grouped {
 std::string GroupOffsets(const int32_t* group_sizes, int num_groups, int64_t rows,
                          int32_t* offsets, cudaStream_t stream);
 
+// Weight-gradient operands: each group's rows padded to a multiple of 128 and laid side by side
+// as columns. offsets as GroupOffsets (clamped to `rows`); padded[0] = 0, padded[g + 1] =
+// padded[g] + round_up(offsets[g + 1] - offsets[g], 128). Both [E + 1] int32 on the device.
+std::string PaddedGroupOffsets(const int32_t* group_sizes, int num_groups, int64_t rows,
+                               int32_t* offsets, int32_t* padded, cudaStream_t stream);
+
 // h[r, j] = silu(gu[r, j]) * gu[r, F + j] in fp32, stored as bf16, for r < offsets[E];
 // rows past it are not written. gu [rows, 2F], h [rows, F], all bf16.
 std::string SwigluForward(const void* gate_up, void* h, int64_t rows, int64_t f,
