@@ -3,12 +3,14 @@
 Recipes (DESIGN.md §5):
   None     matmuls in the inputs' dtype with fp32 accumulation.
   "fp8"    DeepSeek-V3 blockwise FP8 for Hopper: e4m3 values with fp32 scales; activations in
-           1 x 128 blocks along the contraction (K) axis, weights in 128 x 128 blocks; scale =
-           amax * fp32(1/448) per block.
+           1 x 128 blocks along the contraction (K) axis, weights in 128 x 128 blocks, the
+           weight-gradient operands in 128 x 1 blocks (along the rows); scale =
+           max(amax * fp32(1/448), FLT_MIN) per block.
   "fp8_pow2"  the same with each scale rounded up to a power of two (2^ceil(log2(amax / 448)),
            exact through frexp; never saturates), as DeepSeek-V3 does for its wgrad operands.
   "mxfp8"  OCP MXFP8 for Blackwell: e4m3 values in 1 x 32 blocks along K with E8M0
-           (power-of-two) scales, for activations and weights alike.
+           (power-of-two) scales, for activations and weights alike (32 x 1 for the
+           weight-gradient operands); the scale exponent is floored at -126 (a normal float).
 
 The emulation rounds each GEMM operand to exactly the values the kernel multiplies (the CUDA
 quantisation kernels match it bit for bit: same fp32 division, round-to-nearest-even, saturation
