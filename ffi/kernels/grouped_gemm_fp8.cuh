@@ -5,8 +5,8 @@
 //                B = weights e4m3 [E, N, K] (K-major) with 128x128 scales [E, K/128, N/128].
 //   wgrad        A, B = weight-gradient operands e4m3 [Ca | Cb, length] (K = the group's padded
 //                rows, K-major) with 128x1 scales [length/128, Ca | Cb] (M- / N-major).
-// Each grouped_gemm_fp8_*.cu instantiates one (they compile in parallel); grouped_gemm_fp8.cu
-// picks the fprop schedule at run time.
+// Each grouped_gemm_fp8_v<N>.cu / grouped_gemm_fp8_wgrad_v<N>.cu instantiates one schedule
+// (they compile in parallel); grouped_gemm_fp8.cu picks one of each at run time.
 // CUTLASS asserts inside the wgmma consumer loop become function calls that serialise wgmma
 // (ptxas C7510): every including TU defines NDEBUG before any include.
 #pragma once
@@ -199,20 +199,13 @@ typename G::Gemm::Arguments MakeArgs(const Fp8Layout<G>& l, uint8_t* ws, int e, 
   decltype(args.epilogue.thread) fusion;
   fusion.alpha = 1.0f;
   fusion.beta = 0.0f;
+  const Fp8GroupArgs<G> a(l, ws);
   args = typename G::Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
-      {e, reinterpret_cast<typename G::Shape3*>(ws + l.shapes), nullptr},
-      {reinterpret_cast<const typename G::ElementA**>(ws + l.ptr_a),
-       reinterpret_cast<typename G::StrideA*>(ws + l.stride_a),
-       reinterpret_cast<const typename G::ElementB**>(ws + l.ptr_b),
-       reinterpret_cast<typename G::StrideB*>(ws + l.stride_b),
-       reinterpret_cast<const float**>(ws + l.ptr_sfa),
-       reinterpret_cast<typename G::LayoutSFA*>(ws + l.layout_sfa),
-       reinterpret_cast<const float**>(ws + l.ptr_sfb),
-       reinterpret_cast<typename G::LayoutSFB*>(ws + l.layout_sfb)},
-      {fusion, nullptr, reinterpret_cast<typename G::StrideD*>(ws + l.stride_d),
-       reinterpret_cast<typename G::ElementD**>(ws + l.ptr_d),
-       reinterpret_cast<typename G::StrideD*>(ws + l.stride_d)},
+      {e, a.shapes, nullptr},
+      {a.ptr_a, a.stride_a, a.ptr_b, a.stride_b, a.ptr_sfa, a.layout_sfa, a.ptr_sfb,
+       a.layout_sfb},
+      {fusion, nullptr, a.stride_d, a.ptr_d, a.stride_d},
       hw};
   return args;
 }

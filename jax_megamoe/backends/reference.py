@@ -50,7 +50,7 @@ def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Arra
     def product(a, b):
       return jax.lax.ragged_dot(a, b, group_sizes, precision=jax.lax.Precision.HIGHEST,
                                 preferred_element_type=jnp.float32)
-  else:  # operands rounded as the FP8 kernels round them; backward on the unquantised ones
+  else:  # every GEMM in FP8, forward and backward, operands rounded as the kernels round them
     def product(a, b):
       return fp8.ragged_dot(a, b, group_sizes, spec)
   gate_up = _stored(product(x_sorted, w_gate_up), dtype).astype(jnp.float32)
