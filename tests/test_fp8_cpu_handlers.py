@@ -267,6 +267,17 @@ def test_grouped_wgrad_rejects_a_bad_scale_shape_by_name():
     jax.block_until_ready(cuda_fp8.grouped_wgrad_quantized(bad, gs, a))
 
 
+def test_backward_wrappers_name_the_bad_argument():
+  gs, _, _ = _wgrad_groups()
+  x = _wgrad_rows(14, 128)
+  with pytest.raises(ValueError, match=r"group_sizes must be \[E\] int32.*float32"):
+    cuda_fp8.quantize_wgrad_operand(x, gs.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"x axis 1 must be a multiple of 128.*\(\d+, 96\)"):
+    cuda_fp8.quantize_wgrad_operand(x[:, :96], gs)
+  with pytest.raises(ValueError, match=r"gate_up must be \[N=\d+, 2F=256\], got \(\d+, 384\)"):
+    cuda_fp8.swiglu_backward_quantize(x, jnp.zeros((x.shape[0], 384), jnp.bfloat16), gs)
+
+
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
 def test_fp8_mlp_forward_and_gradients_match_the_recipe(recipe):
   """cuda_fp8.grouped_mlp (CPU handlers: FP8 forward, and cuda_fp8.mlp_backward, every
