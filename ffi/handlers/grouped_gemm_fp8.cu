@@ -25,6 +25,29 @@
 namespace megamoe::grouped {
 namespace {
 
+// The workspace result: `ints` int32 group offsets (rounded up to 256 bytes), then one GEMM's
+// argument arrays and CUTLASS workspace (at least `gemm_need` bytes).
+struct GemmWorkspace {
+  int32_t* offsets;
+  void* gemm;
+  size_t gemm_bytes;
+};
+
+ffi::Error SplitWorkspace(ffi::Result<ffi::AnyBuffer>& workspace, int64_t ints, size_t gemm_need,
+                          GemmWorkspace* out) {
+  const size_t offsets_bytes = (size_t(ints) * 4 + 255) / 256 * 256;
+  const size_t need = offsets_bytes + gemm_need;
+  if (workspace->element_type() != ffi::DataType::U8 || workspace->size_bytes() < need) {
+    return InvalidArgument("workspace must be uint8 with at least ", need, " bytes, got ",
+                           workspace->size_bytes());
+  }
+  uint8_t* base = static_cast<uint8_t*>(workspace->untyped_data());
+  out->offsets = reinterpret_cast<int32_t*>(base);
+  out->gemm = base + offsets_bytes;
+  out->gemm_bytes = workspace->size_bytes() - offsets_bytes;
+  return ffi::Error::Success();
+}
+
 ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
                               ffi::AnyBuffer group_sizes, ffi::AnyBuffer b_q,
                               ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer> d,
@@ -33,14 +56,10 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyB
   MEGAMOE_RETURN_IF_ERROR(CheckGroupedGemmFp8(a_q, a_scale, group_sizes, b_q, b_scale, d, &g));
   const int64_t e = g.e, n = g.n, lda = g.lda, p = g.p, k = g.k;
   const int sm = CurrentDeviceSmCount();
-  const size_t offsets_bytes = ((e + 1) * 4 + 255) / 256 * 256;
-  const size_t need = offsets_bytes + GroupedGemmFp8WorkspaceBytes(int(e), sm);
-  if (workspace->element_type() != ffi::DataType::U8 || workspace->size_bytes() < need) {
-    return InvalidArgument("workspace must be uint8 with at least ", need, " bytes, got ",
-                           workspace->size_bytes());
-  }
-  uint8_t* ws = static_cast<uint8_t*>(workspace->untyped_data());
-  int32_t* offsets = reinterpret_cast<int32_t*>(ws);
+  GemmWorkspace ws;
+  MEGAMOE_RETURN_IF_ERROR(
+      SplitWorkspace(workspace, e + 1, GroupedGemmFp8WorkspaceBytes(int(e), sm), &ws));
+  int32_t* offsets = ws.offsets;
   std::string err = GroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()), int(e),
                                  n, offsets, stream);
   if (err.empty() && n > 0) {
@@ -49,8 +68,7 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyB
                                b_q.untyped_data(),
                                static_cast<const float*>(b_scale.untyped_data()),
                                d->untyped_data(), n, p, k, lda};
-    err = RunGroupedGemmFp8(prob, ws + offsets_bytes, workspace->size_bytes() - offsets_bytes, sm,
-                            stream);
+    err = RunGroupedGemmFp8(prob, ws.gemm, ws.gemm_bytes, sm, stream);
   }
   if (err.empty()) err = ZeroPaddingRows(d->untyped_data(), n, p, offsets, int(e), stream);
   if (!err.empty()) return Internal(err);
@@ -64,14 +82,10 @@ ffi::Error GroupedWgradFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::Any
   Fp8WgradDims g;
   MEGAMOE_RETURN_IF_ERROR(CheckGroupedWgradFp8(a_q, a_scale, group_sizes, b_q, b_scale, d, &g));
   const int sm = CurrentDeviceSmCount();
-  const size_t offsets_bytes = (2 * (g.e + 1) * 4 + 255) / 256 * 256;
-  const size_t need = offsets_bytes + GroupedWgradFp8WorkspaceBytes(int(g.e), sm);
-  if (workspace->element_type() != ffi::DataType::U8 || workspace->size_bytes() < need) {
-    return InvalidArgument("workspace must be uint8 with at least ", need, " bytes, got ",
-                           workspace->size_bytes());
-  }
-  uint8_t* ws = static_cast<uint8_t*>(workspace->untyped_data());
-  int32_t* offsets = reinterpret_cast<int32_t*>(ws);
+  GemmWorkspace ws;
+  MEGAMOE_RETURN_IF_ERROR(
+      SplitWorkspace(workspace, 2 * (g.e + 1), GroupedWgradFp8WorkspaceBytes(int(g.e), sm), &ws));
+  int32_t* offsets = ws.offsets;
   int32_t* padded = offsets + g.e + 1;
   std::string err = PaddedGroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()),
                                        int(g.e), g.length - 128 * g.e, offsets, padded, stream);
@@ -81,8 +95,7 @@ ffi::Error GroupedWgradFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::Any
                                 b_q.untyped_data(),
                                 static_cast<const float*>(b_scale.untyped_data()),
                                 d->untyped_data(), g.ca, g.cb, g.length};
-    err = RunGroupedWgradFp8(prob, ws + offsets_bytes, workspace->size_bytes() - offsets_bytes,
-                             sm, stream);
+    err = RunGroupedWgradFp8(prob, ws.gemm, ws.gemm_bytes, sm, stream);
   }
   if (err.empty()) err = ZeroEmptyGroups(d->untyped_data(), g.ca * g.cb, offsets, int(g.e), stream);
   if (!err.empty()) return Internal(err);
