@@ -285,29 +285,29 @@ def _plant(path: pathlib.Path, text: str = "// planted by the test\n"):
 
 
 def test_planted_sources_are_seen_by_both_globs(tree):
-  _plant(tree / "ffi/kernels/planted_kernel.cu")
+  _plant(tree / "ffi/impls/planted_kernel.cu")
   _plant(tree / "ffi/planted_host.cc")
   _plant(tree / "ffi/common/planted.cuh")
   assert inconsistencies(tree) == []
-  assert "ffi/kernels/planted_kernel.cu" in BuildFile(tree, cuda=True).compiled(EXTENSION_TARGET)
-  assert "ffi/kernels/planted_kernel.cu" not in BuildFile(tree, cuda=False).compiled(
+  assert "ffi/impls/planted_kernel.cu" in BuildFile(tree, cuda=True).compiled(EXTENSION_TARGET)
+  assert "ffi/impls/planted_kernel.cu" not in BuildFile(tree, cuda=False).compiled(
       EXTENSION_TARGET)
   assert "ffi/planted_host.cc" in CMakeLists(tree).compiled(cuda=False)
 
 
 def test_a_sub_package_hides_files_from_bazel(tree):
-  _plant(tree / "ffi/kernels/BUILD.bazel", "")
-  _plant(tree / "ffi/kernels/hidden.cu")
+  _plant(tree / "ffi/impls/BUILD.bazel", "")
+  _plant(tree / "ffi/impls/hidden.cu")
   problems = inconsistencies(tree)
-  assert any("CMake compiles ffi/kernels/hidden.cu" in p for p in problems), problems
+  assert any("CMake compiles ffi/impls/hidden.cu" in p for p in problems), problems
 
 
 def test_a_non_recursive_bazel_glob_misses_nested_files(tree):
   build = tree / "BUILD"
   build.write_text(build.read_text().replace('"ffi/**/*.cu"', '"ffi/*.cu"'))
-  _plant(tree / "ffi/kernels/nested.cu")
+  _plant(tree / "ffi/impls/nested.cu")
   problems = inconsistencies(tree)
-  assert "CUDA: CMake compiles ffi/kernels/nested.cu, Bazel //:_megamoe does not" in problems
+  assert "CUDA: CMake compiles ffi/impls/nested.cu, Bazel //:_megamoe does not" in problems
   assert all(p.startswith("CUDA: CMake compiles ffi/") for p in problems), problems
 
 

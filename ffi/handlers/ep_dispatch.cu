@@ -1,8 +1,8 @@
 // XLA FFI handlers of expert-parallel dispatch: forward, and its backward (combine-shaped).
-// Binding and validation only; the kernels are in ffi/kernels/dispatch.cu and combine.cu.
+// Binding and validation only; the kernels are in ffi/impls/ep_dispatch.cu and ep_combine.cu.
 // Attributes: workspace_id (int64, jax_megamoe.symmetric), num_experts (int64, global E).
-#include "ffi/common/peer_signal.h"
-#include "ffi/handlers/ep_common.h"
+#include "ffi/comm/peer_signal.h"
+#include "ffi/handlers/ep_args.h"
 #include "ffi/registry.h"
 
 namespace megamoe::ep {
