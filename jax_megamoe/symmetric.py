@@ -163,6 +163,9 @@ class SymmetricWorkspace:
   bytes_per_device: int
   multiprocess: bool
   closed: bool = False
+  # A virtual group (jax_megamoe.virtual_ranks): all num_ranks ranks on one GPU, driven by one
+  # call with rank-stacked operands.
+  virtual: bool = False
 
   def fits(self, *, num_ranks: int, max_tokens: int, hidden: int, top_k: int,
            elem_bytes: int) -> bool:

@@ -154,6 +154,19 @@ __device__ __forceinline__ void BlockSignalArrival(const PeerView& v, int region
   }
 }
 
+// Whether a wait of this rank has failed (now or in an earlier call): its data cannot be trusted.
+__device__ __forceinline__ bool RankFailed(const PeerView& v) {
+  return *reinterpret_cast<volatile unsigned int*>(&v.signals(v.rank)->error_claim) != 0u;
+}
+
+// Block-wide (the same answer for every thread of the block): RankFailed as thread 0 saw it.
+__device__ __forceinline__ bool BlockRankFailed(const PeerView& v) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = RankFailed(v);
+  __syncthreads();
+  return failed != 0;
+}
+
 __device__ __forceinline__ unsigned long long LoadUses(const PeerView& v, int region) {
   return *reinterpret_cast<volatile unsigned long long*>(&v.signals(v.rank)->uses[region]);
 }

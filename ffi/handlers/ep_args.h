@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <string>
 
 #include "ffi/comm/symmetric_memory.h"
@@ -13,16 +14,58 @@ namespace megamoe::ep {
 
 namespace ffi = xla::ffi;
 
-// The view of this device in workspace `id`, after checking no earlier call recorded an error.
-inline ffi::Error ResolveView(int64_t id, int32_t ordinal, const PeerView** view) {
+// The local ranks of workspace `id` on this device (one, or R of a virtual group), after
+// checking that no earlier call recorded an error on any of them.
+inline ffi::Error ResolveRanks(int64_t id, int32_t ordinal, LocalRanks* ranks) {
   std::string message;
-  *view = FindPeerView(id, ordinal, &message);
-  if (*view == nullptr) return ffi::Error::InvalidArgument(message);
-  std::string error = DescribeError(**view);
-  if (!error.empty()) return ffi::Error::Internal(error);
+  if (!FindLocalRanks(id, ordinal, ranks, &message)) return ffi::Error::InvalidArgument(message);
+  for (int r = 0; r < ranks->count; ++r) {
+    std::string error = DescribeError(*ranks->views[r]);
+    if (!error.empty()) return ffi::Error::Internal(error);
+  }
   int current = -1;
   cudaGetDevice(&current);
   if (current != ordinal) cudaSetDevice(ordinal);
+  return ffi::Error::Success();
+}
+
+// One operand of an EP call as each local rank sees it: on a virtual group the buffer has a
+// leading axis of one entry per rank, and rank r's part is its r-th slice.
+struct RankOperand {
+  char* data = nullptr;
+  size_t rank_bytes = 0;
+  int64_t dims[4] = {};  // one rank's dimensions
+
+  template <typename T = void>
+  T* at(int r) const {
+    return reinterpret_cast<T*>(data + static_cast<size_t>(r) * rank_bytes);
+  }
+};
+
+// The first failure among `statuses` (all already evaluated), else success.
+inline ffi::Error FirstFailure(std::initializer_list<ffi::Error> statuses) {
+  for (const ffi::Error& e : statuses) {
+    if (e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+template <typename Buffer>
+ffi::Error SplitRanks(const Buffer& buffer, const LocalRanks& ranks, size_t rank_ndim,
+                      const char* name, RankOperand* out) {
+  const auto dims = buffer.dimensions();
+  const size_t lead = ranks.stacked ? 1 : 0;
+  if (dims.size() != rank_ndim + lead || (lead == 1 && dims[0] != ranks.count)) {
+    return ffi::Error::InvalidArgument(
+        std::string("jax_megamoe EP: ") + name + " must be " + std::to_string(rank_ndim) +
+        "-D" + (lead ? " per rank, with a leading axis of " + std::to_string(ranks.count) +
+                           " virtual ranks"
+                     : "") +
+        ", got " + std::to_string(dims.size()) + " dimensions");
+  }
+  out->data = static_cast<char*>(buffer.untyped_data());
+  out->rank_bytes = buffer.size_bytes() / ranks.count;
+  for (size_t i = 0; i < rank_ndim; ++i) out->dims[i] = dims[lead + i];
   return ffi::Error::Success();
 }
 

@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kSendThreads)
 // One thread: every source may reuse its slots in this rank's `region`; this rank's epoch += 1.
 static __global__ void ReleaseKernel(PeerView v, int region) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  if (*reinterpret_cast<volatile unsigned int*>(&v.signals(v.rank)->error_claim) != 0u) return;
+  if (RankFailed(v)) return;
   __threadfence_system();
   for (int s = 0; s < v.num_ranks; ++s) AddReleaseSys(&v.signals(s)->consumed[region][v.rank], 1);
   unsigned long long* uses = &v.signals(v.rank)->uses[region];

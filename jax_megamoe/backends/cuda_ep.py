@@ -47,14 +47,30 @@ MAX_TOP_K = 32  # slots of a token handled by one warp (ffi/kernels/ep_transfer.
 
 @dataclasses.dataclass(frozen=True)
 class EpConfig:
-  """Static configuration of one EP op (hashable: a nondiff argument of the custom VJPs)."""
+  """Static configuration of one EP op (hashable: a nondiff argument of the custom VJPs).
+
+  stacked: the workspace is a virtual group (jax_megamoe.virtual_ranks): one call runs all R
+  ranks on one GPU, every operand with a leading axis of one entry per rank."""
   workspace_id: int
   num_ranks: int
   num_experts: int
+  stacked: bool = False
 
   @property
   def experts_per_rank(self) -> int:
     return self.num_experts // self.num_ranks
+
+  @property
+  def lead(self) -> tuple[int, ...]:
+    """The leading axes of every operand: (R,) on a virtual group, () on a GPU."""
+    return (self.num_ranks,) if self.stacked else ()
+
+  def per_rank(self, fn: Callable, *args):
+    """fn applied to each rank's slice of `args` (stacked), or to `args` as they are."""
+    if not self.stacked:
+      return fn(*args)
+    outs = [fn(*(a[r] for a in args)) for r in range(self.num_ranks)]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outs)
 
   def attrs(self) -> dict[str, Any]:
     return dict(workspace_id=np.int64(self.workspace_id), num_experts=np.int64(self.num_experts))
@@ -94,32 +110,34 @@ def _scratch_ints(num_rows: int, experts_per_rank: int) -> int:
 
 
 def _dispatch_call(x, ids, w, cfg: EpConfig, n_cap: int) -> Dispatched:
-  tokens, hidden = x.shape
-  k = ids.shape[1]
+  tokens, hidden = x.shape[-2:]
+  k = ids.shape[-1]
   rows = cfg.num_ranks * tokens
   epr = cfg.experts_per_rank
+  lead = cfg.lead
   out_types = (
-      jax.ShapeDtypeStruct((n_cap, hidden), x.dtype),
-      jax.ShapeDtypeStruct((epr,), jnp.int32),
-      jax.ShapeDtypeStruct((rows, k), jnp.int32),
-      jax.ShapeDtypeStruct((rows, k), jnp.float32),
-      jax.ShapeDtypeStruct((4,), jnp.int32),
-      jax.ShapeDtypeStruct((_scratch_ints(rows, epr),), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, n_cap, hidden), x.dtype),
+      jax.ShapeDtypeStruct((*lead, epr), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, rows, k), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, rows, k), jnp.float32),
+      jax.ShapeDtypeStruct((*lead, 4), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, _scratch_ints(rows, epr)), jnp.int32),
   )
   outs = jax.ffi.ffi_call("megamoe_ep_dispatch_fwd", out_types)(x, ids, w, **cfg.attrs())
   return Dispatched(*outs[:5])
 
 
 def _dispatch_bwd_call(dx_sorted, d_recv_w, slot_pos, ids, cfg: EpConfig):
-  tokens, k = ids.shape
-  out_types = (jax.ShapeDtypeStruct((tokens, dx_sorted.shape[1]), dx_sorted.dtype),
-               jax.ShapeDtypeStruct((tokens, k), jnp.float32))
+  tokens, k = ids.shape[-2:]
+  out_types = (jax.ShapeDtypeStruct((*cfg.lead, tokens, dx_sorted.shape[-1]), dx_sorted.dtype),
+               jax.ShapeDtypeStruct((*cfg.lead, tokens, k), jnp.float32))
   return jax.ffi.ffi_call("megamoe_ep_dispatch_bwd", out_types)(
       dx_sorted, d_recv_w, slot_pos, ids, **cfg.attrs())
 
 
 def _combine_call(y_sorted, slot_pos, recv_w, ids, cfg: EpConfig):
-  out_type = jax.ShapeDtypeStruct((ids.shape[0], y_sorted.shape[1]), y_sorted.dtype)
+  out_type = jax.ShapeDtypeStruct((*cfg.lead, ids.shape[-2], y_sorted.shape[-1]),
+                                  y_sorted.dtype)
   return jax.ffi.ffi_call("megamoe_ep_combine_fwd", out_type)(
       y_sorted, slot_pos, recv_w, ids, **cfg.attrs())
 
@@ -191,10 +209,11 @@ def _dispatch_mlp_fp8(x, ids, w, w_gate_up, w_down, cfg, n_cap, mlp):
 
 def _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, mlp):
   """-> (y_sorted, group_sizes, slot_pos, recv_w, stats), residuals. mlp: a cuda_fp8.RowsMlp."""
-  packed = cuda_fp8.pack_rows(cuda_fp8.quantize_rows(x, pow2=mlp.pow2))
-  d = _dispatch_call(packed, ids, w, cfg, n_cap)
-  x_rows = cuda_fp8.unpack_rows(d.x_sorted, x.shape[1])
-  y, gate_up, hidden = mlp.forward(x_rows, d.group_sizes, w_gate_up, w_down)
+  hidden_size = x.shape[-1]
+  quantize = lambda x: cuda_fp8.pack_rows(cuda_fp8.quantize_rows(x, pow2=mlp.pow2))
+  d = _dispatch_call(cfg.per_rank(quantize, x), ids, w, cfg, n_cap)
+  x_rows = cfg.per_rank(lambda rows: cuda_fp8.unpack_rows(rows, hidden_size), d.x_sorted)
+  y, gate_up, hidden = cfg.per_rank(mlp.forward, x_rows, d.group_sizes, w_gate_up, w_down)
   out = (y, d.group_sizes, d.slot_pos, d.recv_w, d.stats)
   return out, (x_rows, d.group_sizes, d.slot_pos, ids, w_gate_up, w_down, gate_up, hidden)
 
@@ -203,9 +222,9 @@ def _dispatch_mlp_fp8_bwd(cfg, n_cap, mlp, res, cts):
   del n_cap
   x_rows, group_sizes, slot_pos, ids, w_gate_up, w_down, gate_up, hidden = res
   dy_sorted, _, _, d_recv_w, _ = cts
-  x_sorted = cuda_fp8.dequantize_rows(x_rows, jnp.bfloat16)
-  dx_sorted, dw_gate_up, dw_down = mlp.backward(dy_sorted, x_sorted, group_sizes, w_gate_up,
-                                                w_down, gate_up, hidden)
+  x_sorted = cfg.per_rank(lambda rows: cuda_fp8.dequantize_rows(rows, jnp.bfloat16), x_rows)
+  dx_sorted, dw_gate_up, dw_down = cfg.per_rank(mlp.backward, dy_sorted, x_sorted, group_sizes,
+                                                w_gate_up, w_down, gate_up, hidden)
   dx, dw = _dispatch_bwd_call(dx_sorted, d_recv_w.astype(jnp.float32), slot_pos, ids, cfg)
   return dx, None, dw, dw_gate_up, dw_down
 
@@ -213,52 +232,54 @@ def _dispatch_mlp_fp8_bwd(cfg, n_cap, mlp, res, cts):
 _dispatch_mlp_fp8.defvjp(_dispatch_mlp_fp8_fwd, _dispatch_mlp_fp8_bwd)
 
 
-def _check_inputs(x, topk_ids, topk_weights):
-  if x.ndim != 2:
-    raise ValueError(f"x must be [tokens, hidden], got shape {x.shape}")
+def _check_inputs(x, topk_ids, topk_weights, lead=()):
+  if x.ndim != 2 + len(lead) or x.shape[:len(lead)] != lead:
+    raise ValueError(f"x must be [{'ranks, ' if lead else ''}tokens, hidden], got shape "
+                     f"{x.shape}")
   if x.dtype not in _SUPPORTED_DTYPES:
     raise TypeError(f"x dtype must be float32, bfloat16 or float16 for the EP kernels, got "
                     f"{x.dtype}")
-  if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+  if topk_ids.shape != topk_weights.shape or topk_ids.shape[:-1] != x.shape[:-1]:
     raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both "
-                     f"be [tokens={x.shape[0]}, top_k]")
-  if topk_ids.shape[1] > MAX_TOP_K:
-    raise ValueError(f"top_k must be <= {MAX_TOP_K} for the EP kernels, got {topk_ids.shape[1]}")
+                     f"be [{'ranks, ' if lead else ''}tokens={x.shape[-2]}, top_k]")
+  if topk_ids.shape[-1] > MAX_TOP_K:
+    raise ValueError(f"top_k must be <= {MAX_TOP_K} for the EP kernels, got {topk_ids.shape[-1]}")
 
 
 def dispatch(x, topk_ids, topk_weights, *, workspace: symmetric.SymmetricWorkspace,
              num_experts: int, n_cap: int | None = None) -> Dispatched:
   """Per-device dispatch (call inside shard_map over the workspace's mesh); differentiable in x
   and topk_weights."""
-  _check_inputs(x, topk_ids, topk_weights)
   cfg = _config(workspace, num_experts, x, topk_ids)
+  _check_inputs(x, topk_ids, topk_weights, cfg.lead)
   if n_cap is None:
-    n_cap = dropless_capacity(cfg.num_ranks, x.shape[0], topk_ids.shape[1], cfg.experts_per_rank)
+    n_cap = dropless_capacity(cfg.num_ranks, x.shape[-2], topk_ids.shape[-1],
+                              cfg.experts_per_rank)
   return _dispatch(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), cfg, n_cap)
 
 
 def combine(y_sorted, dispatched: Dispatched, topk_ids, *, workspace: symmetric.SymmetricWorkspace,
             num_experts: int):
   """Per-device combine of the expert outputs (rows of y_sorted as laid out by `dispatch`)."""
-  cfg = EpConfig(workspace.id, workspace.num_ranks, num_experts)
+  cfg = EpConfig(workspace.id, workspace.num_ranks, num_experts, workspace.virtual)
   return _combine(y_sorted, dispatched.slot_pos, dispatched.recv_w, topk_ids.astype(jnp.int32),
                   dispatched.group_sizes, cfg)
 
 
 def _config(workspace, num_experts, x, topk_ids) -> EpConfig:
-  tokens, hidden = x.shape
+  tokens, hidden = x.shape[-2:]
   elem = jnp.dtype(x.dtype).itemsize
   if num_experts % workspace.num_ranks:
     raise ValueError(f"num_experts={num_experts} must divide evenly over the "
                      f"{workspace.num_ranks} ranks of the expert axis")
   if not workspace.fits(num_ranks=workspace.num_ranks, max_tokens=tokens, hidden=hidden,
-                        top_k=topk_ids.shape[1], elem_bytes=elem):
+                        top_k=topk_ids.shape[-1], elem_bytes=elem):
     raise ValueError(
         f"the symmetric workspace {workspace.id} (max_tokens={workspace.max_tokens}, hidden="
         f"{workspace.hidden}, top_k={workspace.top_k}, {workspace.elem_bytes}-byte elements"
         f"{', closed' if workspace.closed else ''}) cannot hold {tokens} tokens x {hidden} of "
-        f"{x.dtype} with top_k={topk_ids.shape[1]} per rank")
-  return EpConfig(workspace.id, workspace.num_ranks, num_experts)
+        f"{x.dtype} with top_k={topk_ids.shape[-1]} per rank")
+  return EpConfig(workspace.id, workspace.num_ranks, num_experts, workspace.virtual)
 
 
 def raise_on_bad_stats(stats):
@@ -274,6 +295,47 @@ def raise_on_bad_stats(stats):
       raise RuntimeError(
           f"jax_megamoe EP dispatch: {int(repeated)} slots repeat an expert id already chosen by "
           f"the same token; top-k expert ids must be distinct per token")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+  """How one EP layer runs: receive capacity, whether overflow is checked, the row format."""
+  n_cap: int            # rows of x_sorted per rank
+  check_capacity: bool  # raise on overflow (a host callback on dispatch's stats)
+  fp8_rows: bool        # rows travel in FP8 (the MLP is a cuda_fp8.RowsMlp)
+
+  @classmethod
+  def of(cls, shape: LayerShape, mlp, capacity_factor: float | None = None,
+         check_capacity: bool | None = None, fp8_dispatch: bool | None = None) -> "LayerPlan":
+    """capacity_factor / check_capacity / fp8_dispatch as in expert_parallel_moe."""
+    fp8_reason = fp8_rows_reason(mlp, shape)
+    if fp8_dispatch and fp8_reason:
+      raise ValueError(f"fp8_dispatch=True cannot be served: {fp8_reason}")
+    tokens, top_k, epr = shape.tokens_per_device, shape.top_k, shape.experts_per_rank
+    n_cap = capacity_rows(shape.ep_size, tokens, top_k, epr, capacity_factor)
+    if check_capacity is None:
+      check_capacity = n_cap < dropless_capacity(shape.ep_size, tokens, top_k, epr)
+    fp8_rows = fp8_reason is None if fp8_dispatch is None else bool(fp8_dispatch)
+    return cls(n_cap, bool(check_capacity), fp8_rows)
+
+
+def layer_on_local_ranks(x, ids, w, w_gate_up, w_down, *, workspace, num_experts: int,
+                         mlp: Callable, plan: LayerPlan):
+  """dispatch -> mlp -> combine for this device's local ranks of `workspace`: one rank inside
+  shard_map (x [T, H], ids / w [T, k], its experts' weights), or all R ranks of a virtual group
+  (every operand with a leading rank axis). The kernels are the same either way."""
+  cfg = _config(workspace, num_experts, x, ids)
+  _check_inputs(x, ids, w, cfg.lead)
+  if plan.fp8_rows:
+    y_sorted, group_sizes, slot_pos, recv_w, stats = _dispatch_mlp_fp8(
+        x, ids, w, w_gate_up, w_down, cfg, plan.n_cap, mlp)
+    d = Dispatched(None, group_sizes, slot_pos, recv_w, stats)
+  else:
+    d = _dispatch(x, ids, w, cfg, plan.n_cap)
+    y_sorted = cfg.per_rank(mlp, d.x_sorted, d.group_sizes, w_gate_up, w_down)
+  if plan.check_capacity:
+    jax.debug.callback(raise_on_bad_stats, d.stats)
+  return _combine(y_sorted.astype(x.dtype), d.slot_pos, d.recv_w, ids, d.group_sizes, cfg)
 
 
 def unavailable_reason(mesh, expert_axis: str = "expert", shape: LayerShape | None = None
@@ -330,11 +392,8 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
   if shape is None:
     shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down, mesh, expert_axis)
   _check_inputs(x, topk_ids, topk_weights)
-  fp8_reason = fp8_rows_reason(mlp, shape)
-  if fp8_dispatch and fp8_reason:
-    raise ValueError(f"fp8_dispatch=True cannot be served: {fp8_reason}")
-  fp8_rows = fp8_reason is None if fp8_dispatch is None else fp8_dispatch
-  tokens, num_experts, num_ranks = shape.tokens_per_device, shape.num_experts, shape.ep_size
+  plan = LayerPlan.of(shape, mlp, capacity_factor, check_capacity, fp8_dispatch)
+  tokens = shape.tokens_per_device
   if workspace is None:
     workspace = symmetric.workspace_for(mesh, expert_axis, max_tokens=tokens,
                                         hidden=shape.hidden, top_k=shape.top_k,
@@ -344,24 +403,7 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
     raise ValueError(f"the symmetric workspace {workspace.id} was created for devices "
                      f"{workspace.device_ids} (EP groups in rank order), but this mesh's EP "
                      f"groups are {mesh_ids}: create the workspace from this mesh and expert_axis")
-  epr = shape.experts_per_rank
-  n_cap = capacity_rows(num_ranks, tokens, shape.top_k, epr, capacity_factor)
-  if check_capacity is None:
-    check_capacity = n_cap < dropless_capacity(num_ranks, tokens, shape.top_k, epr)
-
-  def per_device(x, ids, w, w_gu, w_dn):
-    if fp8_rows:
-      cfg = _config(workspace, num_experts, x, ids)
-      y_sorted, group_sizes, slot_pos, recv_w, stats = _dispatch_mlp_fp8(
-          x, ids, w, w_gu, w_dn, cfg, n_cap, mlp)
-      d = Dispatched(None, group_sizes, slot_pos, recv_w, stats)
-    else:
-      d = dispatch(x, ids, w, workspace=workspace, num_experts=num_experts, n_cap=n_cap)
-      y_sorted = mlp(d.x_sorted, d.group_sizes, w_gu, w_dn)
-    if check_capacity:
-      jax.debug.callback(raise_on_bad_stats, d.stats)
-    return combine(y_sorted.astype(x.dtype), d, ids, workspace=workspace,
-                   num_experts=num_experts)
-
+  per_device = functools.partial(layer_on_local_ranks, workspace=workspace,
+                                 num_experts=shape.num_experts, mlp=mlp, plan=plan)
   args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
   return parallel.shard_over_mesh(per_device, mesh, expert_axis, args, check_vma=False)
