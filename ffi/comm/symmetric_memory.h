@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi/common/align.h"
+
 namespace megamoe::ep {
 
 constexpr int kMaxRanks = 8;
@@ -44,8 +46,6 @@ struct WorkspaceLayout {
   int64_t signals = 0, meta_ids = 0, meta_w = 0, pool_d = 0, meta_c = 0, pool_c = 0;
   int64_t total_bytes = 0;
 };
-
-inline constexpr int64_t AlignUp(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 inline WorkspaceLayout MakeWorkspaceLayout(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
                                            int64_t top_k, int64_t elem_bytes) {

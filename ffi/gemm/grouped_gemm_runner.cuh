@@ -1,7 +1,12 @@
-// CUTLASS 3.x (CuTe) Hopper grouped GEMM over token rows sorted by expert: one persistent
-// TMA + wgmma warp-specialised kernel per layout, its per-group problem shapes, pointers and
-// strides written on the device by a small prepare kernel from the group offsets, so the host
-// never learns the group sizes (no sync; CUDA-graph friendly). Included by one .cu per layout.
+// The one runner of the CUTLASS 3.x ptr-array grouped GEMMs (sm90 bf16 and FP8, sm100 MXFP8).
+// Each group's problem shape, pointers and strides (and scale-factor layouts) are written on the
+// device by a small prepare kernel from the group offsets, so the host never learns the group
+// sizes (no sync; CUDA-graph friendly). Templated over a traits class G:
+//   Kernel, Gemm      the CUTLASS kernel and device adapter (gemm/sm90_collective.cuh for sm90)
+//   kName             what error messages call the GEMM
+//   kBlockScaled      whether the mainloop takes scale factors; then also ElementSF, LayoutSFA,
+//                     LayoutSFB and ScaleConfig (a group's scale layouts from its m, n, k)
+// Workspace: the per-group argument arrays (GroupArgsLayout), then CUTLASS's own workspace.
 #pragma once
 
 #include <cstdint>
@@ -12,98 +17,13 @@
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/operations.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "ffi/gemm/grouped_gemm.h"
+#include "cutlass/gemm/gemm.h"
+#include "cutlass/kernel_hardware_info.h"
+#include "ffi/common/align.h"
+#include "ffi/common/device_info.h"
 
-namespace megamoe::grouped::sm90 {
-
-using namespace cute;
-
-// Layout tags for the three GEMMs of the MLP (see grouped_gemm.h).
-template <GemmKind Kind>
-struct KindLayouts;
-template <>
-struct KindLayouts<GemmKind::kFprop> {  // A [rows, K] K-major, B [K, N] N-major
-  using A = cutlass::layout::RowMajor;
-  using B = cutlass::layout::RowMajor;
-};
-template <>
-struct KindLayouts<GemmKind::kDgrad> {  // A [rows, K] K-major, B [N, K] K-major
-  using A = cutlass::layout::RowMajor;
-  using B = cutlass::layout::ColumnMajor;
-};
-template <>
-struct KindLayouts<GemmKind::kWgrad> {  // A [T, M] M-major, B [T, N] N-major
-  using A = cutlass::layout::ColumnMajor;
-  using B = cutlass::layout::RowMajor;
-};
-
-// Tile schedules (kernel + epilogue schedule, CTA tile, cluster), chosen per GEMM by variant.
-struct Cooperative128x256Cluster2x1 {
-  using TileShape = Shape<_128, _256, _64>;
-  using ClusterShape = Shape<_2, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-struct Cooperative256x128Cluster2x1 {
-  using TileShape = Shape<_256, _128, _64>;
-  using ClusterShape = Shape<_2, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-struct Pingpong128x128Cluster2x1 {
-  using TileShape = Shape<_128, _128, _64>;
-  using ClusterShape = Shape<_2, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-
-template <GemmKind Kind, class Schedule, class ElementD_>
-struct GroupedGemm {
-  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-  using ElementA = cutlass::bfloat16_t;
-  using ElementB = cutlass::bfloat16_t;
-  using ElementD = ElementD_;
-  using ElementAcc = float;
-  using LayoutA = typename KindLayouts<Kind>::A;
-  using LayoutB = typename KindLayouts<Kind>::B;
-  using LayoutD = cutlass::layout::RowMajor;
-  static constexpr int kAlignA = 8;
-  static constexpr int kAlignB = 8;
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-  using TileShape = typename Schedule::TileShape;
-  using ClusterShape = typename Schedule::ClusterShape;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementAcc,
-      void, LayoutD*, kAlignD,  // no source C
-      ElementD, LayoutD*, kAlignD,
-      typename Schedule::EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc, void, ElementAcc>>::CollectiveOp;
-
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignA, ElementB,
-      LayoutB*, kAlignB, ElementAcc, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      typename Schedule::KernelSchedule>::CollectiveOp;
-
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
-                                                      CollectiveEpilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
-};
+namespace megamoe::gemm {
 
 // A rank-3 (outer, inner, batch) CuTe stride with unit stride on its static mode and `ld` on
 // its dynamic one; batch stride 0 (one batch).
@@ -121,91 +41,150 @@ CUTE_HOST_DEVICE Stride LeadingStride(int64_t ld) {
   return s;
 }
 
-// Per-group argument arrays in the workspace, then CUTLASS's own workspace.
+// The types of one group's arguments, as the kernel reads them.
 template <class G>
-struct WorkspaceLayout {
-  static constexpr size_t kAlign = 256;
-  static size_t Round(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-  size_t shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, cutlass_ws, end;
-  explicit WorkspaceLayout(int e) {
+struct GroupTypes {
+  using Shape3 = typename G::Kernel::ProblemShape::UnderlyingProblemShape;
+  using ElementA = typename G::Kernel::ElementA;
+  using ElementB = typename G::Kernel::ElementB;
+  using ElementD = typename G::Kernel::ElementD;
+  using StrideA = typename G::Kernel::InternalStrideA;
+  using StrideB = typename G::Kernel::InternalStrideB;
+  using StrideD = typename G::Kernel::InternalStrideD;
+};
+
+// Byte offsets of the per-group argument arrays in the workspace (each 256-byte aligned).
+template <class G>
+struct GroupArgsLayout {
+  using T = GroupTypes<G>;
+  size_t shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d;
+  size_t ptr_sfa = 0, ptr_sfb = 0, layout_sfa = 0, layout_sfb = 0;  // block-scaled only
+  size_t cutlass_ws;  // CUTLASS's workspace starts here
+
+  explicit GroupArgsLayout(int e) {
     size_t o = 0;
-    shapes = o;   o += Round(sizeof(typename G::Shape3) * e);
-    ptr_a = o;    o += Round(sizeof(void*) * e);
-    ptr_b = o;    o += Round(sizeof(void*) * e);
-    ptr_d = o;    o += Round(sizeof(void*) * e);
-    stride_a = o; o += Round(sizeof(typename G::StrideA) * e);
-    stride_b = o; o += Round(sizeof(typename G::StrideB) * e);
-    stride_d = o; o += Round(sizeof(typename G::StrideD) * e);
+    auto take = [&o, e](size_t bytes_per_group) {
+      const size_t at = o;
+      o += size_t(AlignUp(int64_t(bytes_per_group) * e, 256));
+      return at;
+    };
+    shapes = take(sizeof(typename T::Shape3));
+    ptr_a = take(sizeof(void*));
+    ptr_b = take(sizeof(void*));
+    ptr_d = take(sizeof(void*));
+    stride_a = take(sizeof(typename T::StrideA));
+    stride_b = take(sizeof(typename T::StrideB));
+    stride_d = take(sizeof(typename T::StrideD));
+    if constexpr (G::kBlockScaled) {
+      ptr_sfa = take(sizeof(void*));
+      ptr_sfb = take(sizeof(void*));
+      layout_sfa = take(sizeof(typename G::LayoutSFA));
+      layout_sfb = take(sizeof(typename G::LayoutSFB));
+    }
     cutlass_ws = o;
-    end = o;
   }
 };
 
-template <class G, GemmKind Kind>
-__global__ void PrepareGroupedGemm(int num_groups, const int32_t* __restrict__ offsets,
-                                   const typename G::ElementA* a, const typename G::ElementB* b,
-                                   typename G::ElementD* d, int64_t m, int64_t n, int64_t k,
-                                   typename G::Shape3* shapes, const typename G::ElementA** ptr_a,
-                                   const typename G::ElementB** ptr_b,
-                                   typename G::ElementD** ptr_d, typename G::StrideA* stride_a,
-                                   typename G::StrideB* stride_b, typename G::StrideD* stride_d) {
-  const int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g >= num_groups) return;
-  const int64_t r0 = offsets[g];
-  const int64_t rows = offsets[g + 1] - r0;
-  if constexpr (Kind == GemmKind::kWgrad) {
-    // An empty group gets no tiles (M = 0): its output is zeroed by the caller.
-    shapes[g] = typename G::Shape3(rows > 0 ? int(m) : 0, int(n), int(rows));
-    ptr_a[g] = a + r0 * m;
-    ptr_b[g] = b + r0 * n;
-    ptr_d[g] = d + int64_t(g) * m * n;
-    stride_a[g] = LeadingStride<typename G::StrideA>(m);
-    stride_b[g] = LeadingStride<typename G::StrideB>(n);
-  } else {
-    shapes[g] = typename G::Shape3(int(rows), int(n), int(k));
-    ptr_a[g] = a + r0 * k;
-    ptr_b[g] = b + int64_t(g) * k * n;
-    ptr_d[g] = d + r0 * n;
-    stride_a[g] = LeadingStride<typename G::StrideA>(k);
-    stride_b[g] = LeadingStride<typename G::StrideB>(Kind == GemmKind::kFprop ? n : k);
-  }
-  stride_d[g] = LeadingStride<typename G::StrideD>(n);
-}
+// The scale-factor arrays of a block-scaled GEMM (none otherwise).
+template <class G, bool = G::kBlockScaled>
+struct GroupScaleArrays {
+  const typename G::ElementSF** ptr_sfa;
+  const typename G::ElementSF** ptr_sfb;
+  typename G::LayoutSFA* layout_sfa;
+  typename G::LayoutSFB* layout_sfb;
+  GroupScaleArrays(const GroupArgsLayout<G>& l, uint8_t* ws)
+      : ptr_sfa(reinterpret_cast<const typename G::ElementSF**>(ws + l.ptr_sfa)),
+        ptr_sfb(reinterpret_cast<const typename G::ElementSF**>(ws + l.ptr_sfb)),
+        layout_sfa(reinterpret_cast<typename G::LayoutSFA*>(ws + l.layout_sfa)),
+        layout_sfb(reinterpret_cast<typename G::LayoutSFB*>(ws + l.layout_sfb)) {}
 
+  // Group g's scale factors and their layouts for the problem (m, n, k).
+  __device__ void SetScales(int g, int m, int n, int k, const typename G::ElementSF* sfa,
+                            const typename G::ElementSF* sfb) const {
+    ptr_sfa[g] = sfa;
+    ptr_sfb[g] = sfb;
+    layout_sfa[g] = G::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
+    layout_sfb[g] = G::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
+  }
+};
 template <class G>
-typename G::Gemm::Arguments MakeArguments(const WorkspaceLayout<G>& layout, uint8_t* ws,
-                                          int num_groups, int sm_count, int max_active_clusters) {
-  typename G::Gemm::Arguments args;
+struct GroupScaleArrays<G, false> {
+  GroupScaleArrays(const GroupArgsLayout<G>&, uint8_t*) {}
+};
+
+// The per-group argument arrays in the workspace: what the prepare kernels write (Set, and
+// SetScales where block-scaled) and the CUTLASS arguments point to.
+template <class G>
+struct GroupArgs : GroupScaleArrays<G> {
+  using T = GroupTypes<G>;
+  typename T::Shape3* shapes;
+  const typename T::ElementA** ptr_a;
+  const typename T::ElementB** ptr_b;
+  typename T::ElementD** ptr_d;
+  typename T::StrideA* stride_a;
+  typename T::StrideB* stride_b;
+  typename T::StrideD* stride_d;
+
+  GroupArgs(const GroupArgsLayout<G>& l, uint8_t* ws)
+      : GroupScaleArrays<G>(l, ws),
+        shapes(reinterpret_cast<typename T::Shape3*>(ws + l.shapes)),
+        ptr_a(reinterpret_cast<const typename T::ElementA**>(ws + l.ptr_a)),
+        ptr_b(reinterpret_cast<const typename T::ElementB**>(ws + l.ptr_b)),
+        ptr_d(reinterpret_cast<typename T::ElementD**>(ws + l.ptr_d)),
+        stride_a(reinterpret_cast<typename T::StrideA*>(ws + l.stride_a)),
+        stride_b(reinterpret_cast<typename T::StrideB*>(ws + l.stride_b)),
+        stride_d(reinterpret_cast<typename T::StrideD*>(ws + l.stride_d)) {}
+
+  // Group g: D [m, n] (row stride ldd) = A [m, k] (leading stride lda) times B [k, n] (leading
+  // stride ldb), in the operand layouts of G.
+  __device__ void Set(int g, int m, int n, int k, const void* a, int64_t lda, const void* b,
+                      int64_t ldb, void* d, int64_t ldd) const {
+    shapes[g] = typename T::Shape3(m, n, k);
+    ptr_a[g] = static_cast<const typename T::ElementA*>(a);
+    ptr_b[g] = static_cast<const typename T::ElementB*>(b);
+    ptr_d[g] = static_cast<typename T::ElementD*>(d);
+    stride_a[g] = LeadingStride<typename T::StrideA>(lda);
+    stride_b[g] = LeadingStride<typename T::StrideB>(ldb);
+    stride_d[g] = LeadingStride<typename T::StrideD>(ldd);
+  }
+};
+
+// CUTLASS's arguments for `num_groups` groups whose arrays are at `a`.
+template <class G>
+typename G::Gemm::Arguments MakeArguments(const GroupArgs<G>& a, int num_groups, int sm_count,
+                                          int max_active_clusters) {
   cutlass::KernelHardwareInfo hw;
   cudaGetDevice(&hw.device_id);
   hw.sm_count = sm_count;
   hw.max_active_clusters = max_active_clusters;
-  typename G::Shape3* shapes = reinterpret_cast<typename G::Shape3*>(ws + layout.shapes);
+  typename G::Gemm::Arguments args;
   decltype(args.epilogue.thread) fusion;
   fusion.alpha = 1.0f;
   fusion.beta = 0.0f;
-  args = typename G::Gemm::Arguments{
-      cutlass::gemm::GemmUniversalMode::kGrouped,
-      {num_groups, shapes, nullptr},
-      {reinterpret_cast<const typename G::ElementA**>(ws + layout.ptr_a),
-       reinterpret_cast<typename G::StrideA*>(ws + layout.stride_a),
-       reinterpret_cast<const typename G::ElementB**>(ws + layout.ptr_b),
-       reinterpret_cast<typename G::StrideB*>(ws + layout.stride_b)},
-      {fusion, nullptr, reinterpret_cast<typename G::StrideD*>(ws + layout.stride_d),
-       reinterpret_cast<typename G::ElementD**>(ws + layout.ptr_d),
-       reinterpret_cast<typename G::StrideD*>(ws + layout.stride_d)},
-      hw};
+  typename G::Kernel::MainloopArguments mainloop;
+  if constexpr (G::kBlockScaled) {
+    mainloop = {a.ptr_a, a.stride_a, a.ptr_b, a.stride_b,
+                a.ptr_sfa, a.layout_sfa, a.ptr_sfb, a.layout_sfb};
+  } else {
+    mainloop = {a.ptr_a, a.stride_a, a.ptr_b, a.stride_b};
+  }
+  args = typename G::Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                     {num_groups, a.shapes, nullptr},
+                                     mainloop,
+                                     {fusion, nullptr, a.stride_d, a.ptr_d, a.stride_d},
+                                     hw};
   return args;
 }
 
+// Clusters of G's kernel that fit the current device at once; queried once per device (host
+// only, not a stream operation).
 template <class G>
 int MaxActiveClusters() {
-  // Per device; queried once (host only, not a stream operation).
-  static std::once_flag once[64];
-  static int value[64];
+  static std::once_flag once[kMaxDevices];
+  static int value[kMaxDevices];
   int dev = 0;
   cudaGetDevice(&dev);
-  dev &= 63;
+  dev %= kMaxDevices;
   std::call_once(once[dev], [&] {
     cudaFuncSetAttribute(cutlass::device_kernel<typename G::Kernel>,
                          cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -215,11 +194,12 @@ int MaxActiveClusters() {
   return value[dev];
 }
 
+// Device bytes of workspace G needs for `num_groups` groups on `sm_count` multiprocessors.
 template <class G>
 size_t WorkspaceBytes(int num_groups, int sm_count) {
-  WorkspaceLayout<G> layout(num_groups);
-  typename G::Gemm::Arguments args = MakeArguments<G>(layout, nullptr, num_groups, sm_count, 0);
-  return layout.end + G::Gemm::get_workspace_size(args);
+  const GroupArgsLayout<G> l(num_groups);
+  return l.cutlass_ws + G::Gemm::get_workspace_size(MakeArguments<G>(
+                            GroupArgs<G>(l, nullptr), num_groups, sm_count, 0));
 }
 
 // can_implement, initialize and run of one CUTLASS GemmUniversalAdapter on `stream`; "" or the
@@ -245,51 +225,35 @@ std::string RunCutlass(const typename Gemm::Arguments& args, void* cutlass_works
   return "";
 }
 
-template <class G, GemmKind Kind>
-std::string Run(const GroupedGemmProblem& p, void* workspace, size_t workspace_bytes,
+// Enqueues `prepare(GroupArgs<G>, stream)` (the launch of a kernel that writes every group's
+// arguments), then G's kernel. "" or what failed.
+template <class G, class Prepare>
+std::string Run(int num_groups, Prepare prepare, void* workspace, size_t workspace_bytes,
                 int sm_count, cudaStream_t stream) {
-  WorkspaceLayout<G> layout(p.num_groups);
+  const GroupArgsLayout<G> l(num_groups);
   uint8_t* ws = static_cast<uint8_t*>(workspace);
-  typename G::Gemm::Arguments args =
-      MakeArguments<G>(layout, ws, p.num_groups, sm_count, MaxActiveClusters<G>());
-  const size_t need = layout.end + G::Gemm::get_workspace_size(args);
+  const GroupArgs<G> group_args(l, ws);
+  const typename G::Gemm::Arguments args =
+      MakeArguments<G>(group_args, num_groups, sm_count, MaxActiveClusters<G>());
+  const size_t need = l.cutlass_ws + G::Gemm::get_workspace_size(args);
   if (need > workspace_bytes) {
-    return "grouped GEMM workspace too small: need " + std::to_string(need) + " bytes, have " +
-           std::to_string(workspace_bytes);
+    return std::string(G::kName) + " workspace too small: need " + std::to_string(need) +
+           " bytes, have " + std::to_string(workspace_bytes);
   }
-  const int threads = 128;
-  PrepareGroupedGemm<G, Kind><<<(p.num_groups + threads - 1) / threads, threads, 0, stream>>>(
-      p.num_groups, p.offsets, static_cast<const typename G::ElementA*>(p.a),
-      static_cast<const typename G::ElementB*>(p.b), static_cast<typename G::ElementD*>(p.d),
-      p.m, p.n, p.k, reinterpret_cast<typename G::Shape3*>(ws + layout.shapes),
-      reinterpret_cast<const typename G::ElementA**>(ws + layout.ptr_a),
-      reinterpret_cast<const typename G::ElementB**>(ws + layout.ptr_b),
-      reinterpret_cast<typename G::ElementD**>(ws + layout.ptr_d),
-      reinterpret_cast<typename G::StrideA*>(ws + layout.stride_a),
-      reinterpret_cast<typename G::StrideB*>(ws + layout.stride_b),
-      reinterpret_cast<typename G::StrideD*>(ws + layout.stride_d));
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return std::string("prepare kernel launch: ") + cudaGetErrorString(err);
-
-  return RunCutlass<typename G::Gemm>(args, ws + layout.cutlass_ws, stream, "grouped GEMM");
+  prepare(group_args, stream);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return std::string(G::kName) + " prepare launch: " + cudaGetErrorString(err);
+  }
+  return RunCutlass<typename G::Gemm>(args, ws + l.cutlass_ws, stream, G::kName);
 }
 
-}  // namespace megamoe::grouped::sm90
+// A compiled instance of a GEMM family, as the family's dispatch table holds it.
+template <class Problem>
+struct CompiledGemm {
+  size_t (*workspace_bytes)(int num_groups, int sm_count) = nullptr;
+  std::string (*run)(const Problem& problem, void* workspace, size_t workspace_bytes,
+                     int sm_count, cudaStream_t stream) = nullptr;
+};
 
-// Defines GroupedGemm<KIND>V<VARIANT>WorkspaceBytes / RunGroupedGemm<KIND>V<VARIANT> for one
-// instantiation (one per .cu file, so that they compile in parallel).
-#define MEGAMOE_DEFINE_GROUPED_GEMM(KIND, VARIANT, SCHEDULE)                                    \
-  namespace megamoe::grouped {                                                                  \
-  using KIND##V##VARIANT##Config =                                                              \
-      sm90::GroupedGemm<GemmKind::k##KIND, sm90::SCHEDULE, cutlass::bfloat16_t>;                \
-  size_t GroupedGemm##KIND##V##VARIANT##WorkspaceBytes(int num_groups, int sm_count) {          \
-    return sm90::WorkspaceBytes<KIND##V##VARIANT##Config>(num_groups, sm_count);                \
-  }                                                                                             \
-  std::string RunGroupedGemm##KIND##V##VARIANT(const GroupedGemmProblem& p, void* workspace,    \
-                                               size_t workspace_bytes, int sm_count,            \
-                                               cudaStream_t stream) {                           \
-    return sm90::Run<KIND##V##VARIANT##Config, GemmKind::k##KIND>(p, workspace,                 \
-                                                                  workspace_bytes, sm_count,    \
-                                                                  stream);                      \
-  }                                                                                             \
-  }
+}  // namespace megamoe::gemm

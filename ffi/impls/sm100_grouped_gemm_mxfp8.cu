@@ -1,10 +1,13 @@
 // MXFP8 grouped GEMM for Blackwell (sm_100a): e4m3 operands with E8M0 scales per 32 elements of
-// K (OCP MX), CUTLASS's ptr-array block-scaled tcgen05 kernel, bf16 out, fp32 accumulation.
+// K (OCP MX), CUTLASS's ptr-array block-scaled tcgen05 kernel, bf16 out, fp32 accumulation, run
+// by the grouped-GEMM runner (gemm/grouped_gemm_runner.cuh).
 // COMPILED ONLY: there is no Blackwell GPU on this project's machines, so this instantiation has
 // never run; recipe "mxfp8" is served by the reference emulation (jax_megamoe.fp8) and
 // backends.cuda reports it unavailable. Not wired to an FFI handler: the quantisation into
-// CUTLASS's interleaved scale-factor layout (Sm1xxBlkScaledConfig) is not written yet.
-// Interface (no header yet, nothing calls it): RunGroupedGemmMxfp8Sm100 below.
+// CUTLASS's interleaved scale-factor layout (Sm1xxBlkScaledConfig) and the prepare kernel that
+// writes each group's arguments are not written yet.
+// Interface (no header yet, nothing calls it): GroupedGemmMxfp8Sm100WorkspaceBytes and
+// RunGroupedGemmMxfp8Sm100 below.
 #ifndef NDEBUG
 #define NDEBUG
 #endif
@@ -24,11 +27,13 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "ffi/gemm/grouped_gemm_runner.cuh"
 
 namespace megamoe::grouped::sm100 {
 
 using namespace cute;
 
+// The traits of the instance (gemm/grouped_gemm_runner.cuh).
 struct Mxfp8Gemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementA = cutlass::mx_float8_t<cutlass::float_e4m3_t>;
@@ -55,52 +60,33 @@ struct Mxfp8Gemm {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop,
                                                       CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using LayoutSFA = typename Kernel::CollectiveMainloop::InternalLayoutSFA;
-  using LayoutSFB = typename Kernel::CollectiveMainloop::InternalLayoutSFB;
+
+  static constexpr bool kBlockScaled = true;
+  static constexpr const char* kName = "MXFP8 grouped GEMM";
   using ElementSF = typename Kernel::ElementSF;
-  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+  using ScaleConfig = typename CollectiveMainloop::Sm1xxBlkScaledConfig;
+  using LayoutSFA = typename CollectiveMainloop::InternalLayoutSFA;
+  using LayoutSFB = typename CollectiveMainloop::InternalLayoutSFB;
 };
 
 }  // namespace megamoe::grouped::sm100
 
 namespace megamoe::grouped {
 
-// Per-group argument arrays (device pointers, filled by the caller on the device) and one
-// enqueue of the sm_100a kernel. Returns "" or what failed.
-std::string RunGroupedGemmMxfp8Sm100(
-    int num_groups, sm100::Mxfp8Gemm::Shape3* shapes,
-    const typename sm100::Mxfp8Gemm::Kernel::ElementA** ptr_a, sm100::Mxfp8Gemm::StrideA* stride_a,
-    const typename sm100::Mxfp8Gemm::Kernel::ElementB** ptr_b, sm100::Mxfp8Gemm::StrideB* stride_b,
-    const sm100::Mxfp8Gemm::ElementSF** ptr_sfa, sm100::Mxfp8Gemm::LayoutSFA* layout_sfa,
-    const sm100::Mxfp8Gemm::ElementSF** ptr_sfb, sm100::Mxfp8Gemm::LayoutSFB* layout_sfb,
-    cutlass::bfloat16_t** ptr_d, sm100::Mxfp8Gemm::StrideD* stride_d, void* workspace,
-    size_t workspace_bytes, int sm_count, cudaStream_t stream) {
-  using G = sm100::Mxfp8Gemm;
-  cutlass::KernelHardwareInfo hw;
-  cudaGetDevice(&hw.device_id);
-  hw.sm_count = sm_count;
-  typename G::Gemm::Arguments args;
-  decltype(args.epilogue.thread) fusion;
-  fusion.alpha = 1.0f;
-  fusion.beta = 0.0f;
-  args = typename G::Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
-                                     {num_groups, shapes, nullptr},
-                                     {ptr_a, stride_a, ptr_b, stride_b, ptr_sfa, layout_sfa,
-                                      ptr_sfb, layout_sfb},
-                                     {fusion, nullptr, stride_d, ptr_d, stride_d},
-                                     hw};
-  if (G::Gemm::get_workspace_size(args) > workspace_bytes) return "MXFP8 workspace too small";
-  G::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "MXFP8: cannot implement";
-  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) {
-    return "MXFP8: initialize failed";
-  }
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return "MXFP8: run failed";
-  cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
+// Bytes of workspace: the per-group argument arrays (gemm::GroupArgsLayout<sm100::Mxfp8Gemm>),
+// then CUTLASS's workspace.
+size_t GroupedGemmMxfp8Sm100WorkspaceBytes(int num_groups, int sm_count) {
+  return gemm::WorkspaceBytes<sm100::Mxfp8Gemm>(num_groups, sm_count);
+}
+
+// One enqueue of the sm_100a kernel on argument arrays the caller has written into the
+// workspace on the device beforehand (gemm::GroupArgs<sm100::Mxfp8Gemm>: Set and SetScales per
+// group). Returns "" or what failed.
+std::string RunGroupedGemmMxfp8Sm100(int num_groups, void* workspace, size_t workspace_bytes,
+                                     int sm_count, cudaStream_t stream) {
+  auto written_by_the_caller = [](const gemm::GroupArgs<sm100::Mxfp8Gemm>&, cudaStream_t) {};
+  return gemm::Run<sm100::Mxfp8Gemm>(num_groups, written_by_the_caller, workspace,
+                                     workspace_bytes, sm_count, stream);
 }
 
 }  // namespace megamoe::grouped

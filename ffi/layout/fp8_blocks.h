@@ -5,11 +5,7 @@
 #include <cfloat>
 #include <cmath>
 
-#ifdef __CUDACC__
-#define MEGAMOE_HOST_DEVICE __host__ __device__
-#else
-#define MEGAMOE_HOST_DEVICE
-#endif
+#include "ffi/common/host_device.h"
 
 namespace megamoe {
 
