@@ -4,6 +4,10 @@ in-memory key-value store. Covers which layouts need an exchange, mismatches, mi
 peers, and close without a collective."""
 
 import concurrent.futures
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -223,3 +227,33 @@ def test_handshake_timeout_setting(monkeypatch):
 def test_distributed_store_needs_jax_distributed():
   with pytest.raises(RuntimeError, match="jax.distributed is not initialised"):
     ipc_exchange.DistributedStore().get("anything", 0.1)
+
+
+def test_two_real_processes_exchange_inside_jit_through_jax_distributed():
+  """jax.distributed on CPU (2 processes x 1 device): workspace_for called while jax.jit traces,
+  the handles through jax's key-value store, data=2, expert=1 without exchange, close_all."""
+  tests = os.path.dirname(os.path.abspath(__file__))
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+             PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests),
+                                         os.environ.get("PYTHONPATH", "")]))
+  env.pop("XLA_FLAGS", None)  # one CPU device per process
+  procs = [subprocess.Popen([sys.executable, "-m", "ipc_exchange_worker", str(i), str(port)],
+                            env=env, cwd=tests, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for i in range(2)]
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=180)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0 and f"IPC-EXCHANGE-OK {i}" in out, f"process {i}:\n{out[-4000:]}"
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
