@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_megamoe import backends, fp8, parallel, token_layout
+from jax_megamoe import backends, eager, fp8, parallel, token_layout
 
 BACKENDS = backends.NAMES
 RECIPES = (None, *fp8.RECIPES)
-_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # the dtypes x may have
 
 
 def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: jax.Array,
@@ -42,6 +42,9 @@ def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: j
     y [T, H] in x's dtype. Differentiable w.r.t. x, topk_weights, w_gate_up and w_down.
   """
   _validate(x, topk_ids, topk_weights, w_gate_up, w_down, mesh, expert_axis, backend, recipe)
+  if mesh is not None and eager.is_eager(x, topk_ids, topk_weights, w_gate_up, w_down):
+    return eager.call(moe, x, topk_ids, topk_weights, w_gate_up, w_down, mesh=mesh,
+                      expert_axis=expert_axis, backend=backend, recipe=recipe)
   impl = backends.resolve(backend, recipe)
   topk_ids = topk_ids.astype(jnp.int32)
   topk_weights = topk_weights.astype(jnp.float32)
@@ -74,13 +77,20 @@ def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, mesh, expert_axis, b
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if recipe not in RECIPES:
     raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+  for name, value in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                      ("w_gate_up", w_gate_up), ("w_down", w_down)):
+    if not isinstance(value, (jax.Array, np.ndarray)):
+      raise ValueError(f"{name} must be a jax.Array or numpy array, got {type(value).__name__}")
   if x.ndim != 2:
     raise ValueError(f"x must be [tokens, hidden], got shape {x.shape}")
-  if x.dtype not in _FLOAT_DTYPES:
+  if x.dtype not in COMPUTE_DTYPES:
     raise ValueError(f"x must be float32, bfloat16 or float16, got dtype {x.dtype}")
   num_tokens, hidden = x.shape
   if topk_ids.ndim != 2 or topk_ids.shape[0] != num_tokens:
     raise ValueError(f"topk_ids must be [tokens={num_tokens}, k], got shape {topk_ids.shape}")
+  if topk_ids.shape[1] < 1:
+    raise ValueError(f"topk_ids must have at least one slot per token (k >= 1), got shape "
+                     f"{topk_ids.shape}")
   if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
     raise ValueError(f"topk_ids must be an integer array (int32), got dtype {topk_ids.dtype}")
   if topk_weights.shape != topk_ids.shape:
@@ -92,6 +102,8 @@ def _validate(x, topk_ids, topk_weights, w_gate_up, w_down, mesh, expert_axis, b
     raise ValueError(f"w_gate_up must be [experts, hidden={hidden}, 2 * ffn], got shape "
                      f"{w_gate_up.shape}")
   num_experts, _, two_ffn = w_gate_up.shape
+  if num_experts < 1:
+    raise ValueError(f"w_gate_up must hold at least one expert, got shape {w_gate_up.shape}")
   if w_down.shape != (num_experts, two_ffn // 2, hidden):
     raise ValueError(f"w_down must be [experts={num_experts}, ffn={two_ffn // 2}, "
                      f"hidden={hidden}], got shape {w_down.shape}")
