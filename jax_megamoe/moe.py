@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jax_megamoe import backends, fp8
-from jax_megamoe.validation import check_layer_args
+from jax_megamoe import backends, eager, fp8
+from jax_megamoe.validation import COMPUTE_DTYPES, check_layer_args
 
 BACKENDS = backends.NAMES
 RECIPES = (None, *fp8.RECIPES)
+__all__ = ["BACKENDS", "COMPUTE_DTYPES", "RECIPES", "moe"]
 
 
 def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: jax.Array,
@@ -42,6 +43,9 @@ def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: j
   if recipe not in RECIPES:
     raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
   shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down, mesh, expert_axis)
+  if mesh is not None and eager.is_eager(x, topk_ids, topk_weights, w_gate_up, w_down):
+    return eager.call(moe, x, topk_ids, topk_weights, w_gate_up, w_down, mesh=mesh,
+                      expert_axis=expert_axis, backend=backend, recipe=recipe)
   impl = backends.resolve(backend, recipe)
   return impl.moe(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up,
                   w_down, mesh=mesh, expert_axis=expert_axis, recipe=recipe, shape=shape)

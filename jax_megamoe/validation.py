@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+COMPUTE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)  # the dtypes x may have
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,17 +39,20 @@ def check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down, mesh: Mesh | 
                      expert_axis: str = "expert") -> LayerShape:
   """Validates the arguments of jax_megamoe.moe (see its docstring); raises ValueError naming
   the parameter and the value. Returns the layer's sizes."""
-  for name, a in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
-                  ("w_gate_up", w_gate_up), ("w_down", w_down)):
-    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-      raise ValueError(f"{name} must be an array (jax.Array or numpy), got {type(a).__name__}")
+  for name, value in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                      ("w_gate_up", w_gate_up), ("w_down", w_down)):
+    if not isinstance(value, (jax.Array, np.ndarray)):
+      raise ValueError(f"{name} must be a jax.Array or numpy array, got {type(value).__name__}")
   if x.ndim != 2:
     raise ValueError(f"x must be [tokens, hidden], got shape {x.shape}")
-  if x.dtype not in FLOAT_DTYPES:
+  if x.dtype not in COMPUTE_DTYPES:
     raise ValueError(f"x must be float32, bfloat16 or float16, got dtype {x.dtype}")
   num_tokens, hidden = x.shape
   if topk_ids.ndim != 2 or topk_ids.shape[0] != num_tokens:
     raise ValueError(f"topk_ids must be [tokens={num_tokens}, k], got shape {topk_ids.shape}")
+  if topk_ids.shape[1] < 1:
+    raise ValueError(f"topk_ids must have at least one slot per token (k >= 1), got shape "
+                     f"{topk_ids.shape}")
   if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
     raise ValueError(f"topk_ids must be an integer array (int32), got dtype {topk_ids.dtype}")
   if topk_weights.shape != topk_ids.shape:
@@ -61,6 +64,8 @@ def check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down, mesh: Mesh | 
     raise ValueError(f"w_gate_up must be [experts, hidden={hidden}, 2 * ffn], got shape "
                      f"{w_gate_up.shape}")
   num_experts, _, two_ffn = w_gate_up.shape
+  if num_experts < 1:
+    raise ValueError(f"w_gate_up must hold at least one expert, got shape {w_gate_up.shape}")
   if w_down.shape != (num_experts, two_ffn // 2, hidden):
     raise ValueError(f"w_down must be [experts={num_experts}, ffn={two_ffn // 2}, "
                      f"hidden={hidden}], got shape {w_down.shape}")
