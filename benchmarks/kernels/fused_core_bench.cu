@@ -637,10 +637,13 @@ static std::vector<int32_t> Samples(const Problem& p) {
 }
 
 int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
   bool quick = false;
-  int iters = 15;
+  int iters = 15, only_problem = -1, only_engine = -1;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--quick")) quick = true;
+    if (!strcmp(argv[i], "--problem") && i + 1 < argc) only_problem = atoi(argv[++i]);
+    if (!strcmp(argv[i], "--engine") && i + 1 < argc) only_engine = atoi(argv[++i]);
     if (!strcmp(argv[i], "--sms") && i + 1 < argc) g_sms = atoi(argv[++i]);
     if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
   }
@@ -679,6 +682,7 @@ int main(int argc, char** argv) {
   int failures = 0;
   std::vector<std::string> table;
   for (size_t pi = 0; pi < problems.size(); ++pi) {
+    if (only_problem >= 0 && int(pi) != only_problem) continue;
     Problem& p = problems[pi];
     FinishProblem(p, 100 + pi);
     int empty = 0, maxg = 0, ming = 1 << 30;
@@ -695,6 +699,7 @@ int main(int argc, char** argv) {
     const bool big = p.rows() >= 100000;
     const double fl1 = 2.0 * p.rows() * p.h * 2.0 * p.f, fl2 = 2.0 * p.rows() * p.f * p.h;
     for (size_t ei = 0; ei < engines.size(); ++ei) {
+      if (only_engine >= 0 && int(ei) != only_engine) continue;
       Launcher& L = *engines[ei];
       // Correctness with every engine on the small cases, with the first two on big ones.
       for (const Variant& v : variants) {
