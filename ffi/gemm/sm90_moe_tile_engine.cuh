@@ -21,25 +21,36 @@
 //                 hooks.wait_rows_ready(tile) before the tile's first A load, publishes the tile
 //                 in a small job ring, then fills the stage ring: B by TMA (4 boxes of 64 N x
 //                 64 K, 128B swizzle, natural [E, K, N] layout = N-major B), A by one of
-//                   kTmaBlock:     one TMA box {64 K, 128 rows} over contiguous rows,
+//                   kTmaBlock:     one TMA box {64 K, 128 rows} over rows contiguous in group
+//                                  order (the fast path: see FUSED_CORE_NOTES.md),
 //                   kTmaRows:      one TMA box {64 K, 1 row} per row, row index from a list
 //                                  (the 128B swizzle is a function of the smem address, so a
 //                                  row written at stage + r * 128 lands exactly where the
-//                                  128-row box would have put it),
+//                                  128-row box would have put it) — correct but op-bound,
 //                   kCpAsyncRows:  cp.async 16-byte copies with the 128B swizzle applied by
 //                                  hand (8 lanes per row, 4 rows per instruction).
-//   warp 1        storer: takes each staged epilogue chunk from shared memory and writes it
-//                 with one cp.async.bulk (1-D, smem -> global, any address incl. a peer's) per
-//                 row and chunk, waits for completion, fences, calls hooks.tile_done(tile).
-//                 The consumer warpgroups never wait for global stores.
-//   warps 2, 3    free for the caller (dispatch / combine roles of the fused kernel).
+//   warps 1..W    storer (kStorerWarps = W): reads the staged bf16 tile from shared memory with
+//                 16-byte loads and writes whole 16-byte vectors per row with generic stores (any
+//                 address, a peer's over NVLink too), releases the staging smem, fences, calls
+//                 hooks.tile_done(tile). The consumer warpgroups never wait for global stores.
+//   other warps   of warpgroup 0: free for the caller (dispatch / combine roles).
 //   warps 4..11   two consumer warpgroups: wgmma mainloop, fp32 accumulators (128 regs), then
-//                 the epilogue math (SwiGLU or plain cast), bf16 into a padded staging buffer.
+//                 the epilogue math (SwiGLU or plain cast) into the staging smem.
 //
-// Synchronisation (all mbarriers, no named barriers, nothing grid-wide):
-//   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps)
-//   job_full/job_empty     the job ring, producer -> 8 math warps + storer
-//   epi_full/epi_empty     the staging buffers, 256 math threads -> storer
+// Epilogue staging lives inside the stage ring: the consumers do not release the stages of a
+// tile's last two K-blocks (96 KB) but write the bf16 tile there; the storer releases them
+// once it has read them. The producer meanwhile fills the other kStages - 2 stages with the
+// next tile, so no smem is set aside for the epilogue and the ring keeps 4 stages. Staging
+// slots (128 rows x 128 columns bf16, 256 B per row, 16-byte chunks XOR-swizzled by row % 8,
+// conflict-free for both sides): slot 0 = B of the last stage, slot 1 = B of the one before,
+// slot 2 = A of the last (rows 0..63) and of the one before (rows 64..127). L1: h -> 0,
+// gate -> 1, up -> 2; L2: columns 0..127 -> 0, 128..255 -> 1.
+//
+// Synchronisation (all mbarriers; the storer warps use one named barrier among themselves):
+//   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps;
+//                          the storer arrives for the two held stages)
+//   job_full/job_empty     the job ring, producer -> 8 math warps + storer warps
+//   epi_full[2]            staged tile ready, 256 math threads -> storer (tile parity)
 // The ring's counters run on across tiles, so the producer loads tile i+1 while the consumers
 // finish tile i and the storer writes tile i-1.
 //
@@ -48,11 +59,9 @@
 //     tile may be read (spin with ld.acquire). The engine then runs __syncwarp() and
 //     fence.proxy.async.global on every producer lane before any TMA of the tile, so writes that
 //     the acquire made visible (generic stores, NVLink stores, TMA stores) are seen by TMA.
-//     Writers on the other side should fence.proxy.async.global after async-proxy stores and
-//     before their release.
-//   tile_done(tile): called by lane 0 of the storer warp after cp.async.bulk.wait_group 0 and
-//     fence.proxy.async.global, i.e. when every row of the tile is written; bump a counter with
-//     a release reduction (red.release.gpu / .sys for peers) there.
+//   tile_done(tile): called by one storer thread once every row of the tile is stored and
+//     fenced at Hooks::kStoreFence scope (0: none, 1: fence.acq_rel.gpu, 2: .sys for stores to
+//     peers); bump a counter with a release reduction there.
 #pragma once
 
 #include <cstdint>
@@ -104,6 +113,7 @@ struct IndexedRowDest {
 
 // Hooks that do nothing (a plain grouped GEMM).
 struct NoHooks {
+  static constexpr int kStoreFence = 0;  // nothing waits on the stores inside the kernel
   __device__ __forceinline__ void wait_rows_ready(const ExpertTile&) const {}
   __device__ __forceinline__ void tile_done(const ExpertTile&) const {}
 };
@@ -114,6 +124,7 @@ struct alignas(128) EngineParams {
   __nv_bfloat16* h;       // L1 output [rows, f]
   __nv_bfloat16* gate_up; // optional L1 output [rows, 2f] (nullptr: not stored)
   int32_t f;              // F (L1 gate/up split, h width), a multiple of 128
+  int32_t l1_raw_gate;    // benchmark only: 1 = store the gate half as h (no SwiGLU math)
   RowDest l2_dest;        // L2 output rows
 };
 
@@ -162,10 +173,34 @@ __device__ __forceinline__ float round_bf16(float x) {
   return __bfloat162float(__float2bfloat16_rn(x));
 }
 
-__device__ __forceinline__ void bulk_store_s2g(void* gmem, uint32_t smem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem),
-               "r"(smem), "r"(bytes)
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
                : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_cnt(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
+               : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int kScope>
+__device__ __forceinline__ void store_fence() {
+  if constexpr (kScope == 1) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  if constexpr (kScope == 2) asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
 __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
@@ -176,41 +211,39 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, boo
 
 }  // namespace detail
 
-template <int kStages_, int kEpiCols_ = 64, int kEpiBuffers_ = 1, int kJobSlots_ = 4>
+template <int kStages_ = 4, int kStorerWarps_ = 1, int kJobSlots_ = 4>
 struct Sm90MoeTileEngine {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;
   static constexpr int kStages = kStages_;
-  static constexpr int kEpiCols = kEpiCols_;        // columns per staged epilogue chunk
-  static constexpr int kEpiBuffers = kEpiBuffers_;  // staging buffers (ring)
+  static constexpr int kStorerWarps = kStorerWarps_;
   static constexpr int kJobSlots = kJobSlots_;
-  static_assert(kEpiCols == 64 || kEpiCols == 128, "chunks of 64 or 128 columns");
+  static_assert(kStages >= 3, "two stages hold the staged tile; at least one must stream");
+  static_assert(kStorerWarps == 1 || kStorerWarps == 2, "1 or 2 storer warps (warpgroup 0)");
 
   static constexpr int kThreads = 384;
   static constexpr int kProducerWarp = 0;
-  static constexpr int kStorerWarp = 1;
+  static constexpr int kFirstStorerWarp = 1;
   static constexpr int kFirstMathWarp = 4;
   static constexpr int kMathThreads = 256;
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kMathRegs = 224;
+  static constexpr int kProducerRegs = 56;  // warpgroup 0 (producer, storer, free warps)
+  static constexpr int kMathRegs = 224;     // 2 x 128 x 224 + 128 x 56 = 64 K registers
+  static constexpr uint32_t kStorerBarrier = 1;  // named barrier id among the storer warps
 
   static constexpr int kABytes = kBlockM * kBlockK * 2;  // 16 KB
   static constexpr int kBBytes = kBlockK * kBlockN * 2;  // 32 KB
   static constexpr int kBBoxBytes = kBlockK * 64 * 2;    // 8 KB: 64 K-rows x 64 N
-  static constexpr int kEpiRowBytes = kEpiCols * 2 + 16;  // padded: conflict-free st.shared
-  static constexpr int kEpiBytes = kBlockM * kEpiRowBytes;
-  static constexpr int kL1Chunks = 128 / kEpiCols;  // per output matrix (h, gate, up)
-  static constexpr int kL2Chunks = 256 / kEpiCols;
+  static constexpr int kSlotRowBytes = 256;              // 128 bf16 columns per staging slot
 
   struct alignas(1024) SharedStorage {
     alignas(1024) uint8_t a[kStages][kABytes];
     alignas(1024) uint8_t b[kStages][kBBytes];
-    alignas(1024) uint8_t epi[kEpiBuffers][kEpiBytes];
     ExpertTile jobs[kJobSlots];
     int32_t row_src[kBlockM];  // kCpAsyncRows: source row of each tile row (producer only)
+    __nv_bfloat16* row_dst[kBlockM];  // L2: destination of each tile row (storer only)
     uint64_t full[kStages], empty[kStages];
-    uint64_t epi_full[kEpiBuffers], epi_empty[kEpiBuffers];
+    uint64_t epi_full[2];
     uint64_t job_full[kJobSlots], job_empty[kJobSlots];
   };
 
@@ -222,15 +255,21 @@ struct Sm90MoeTileEngine {
       Barrier::init(&ss.full[s], 32);  // one arrival per producer lane (+ TMA bytes)
       Barrier::init(&ss.empty[s], kMathThreads / 32);
     }
-    for (int b = 0; b < kEpiBuffers; ++b) {
-      Barrier::init(&ss.epi_full[b], kMathThreads);
-      Barrier::init(&ss.epi_empty[b], 1);
-    }
+    for (int b = 0; b < 2; ++b) Barrier::init(&ss.epi_full[b], kMathThreads);
     for (int j = 0; j < kJobSlots; ++j) {
       Barrier::init(&ss.job_full[j], 1);
-      Barrier::init(&ss.job_empty[j], kMathThreads / 32 + 1);
+      Barrier::init(&ss.job_empty[j], kMathThreads / 32 + kStorerWarps);
     }
     cutlass::arch::fence_barrier_init();
+  }
+
+  // Base (shared address) of half h (rows 64h .. 64h+63) of staging slot `slot`, for a tile
+  // whose last K-block used stage s_last and the one before s_prev.
+  __device__ __forceinline__ static uint32_t slot_half(SharedStorage& ss, int slot, int h,
+                                                       int s_last, int s_prev) {
+    if (slot == 0) return detail::smem_u32(ss.b[s_last]) + h * (64 * kSlotRowBytes);
+    if (slot == 1) return detail::smem_u32(ss.b[s_prev]) + h * (64 * kSlotRowBytes);
+    return detail::smem_u32(h == 0 ? ss.a[s_last] : ss.a[s_prev]);
   }
 
   // ---------------------------------------------------------------- producer (one warp)
@@ -338,14 +377,15 @@ struct Sm90MoeTileEngine {
   // ---------------------------------------------------------------- math (two warpgroups)
   template <class Params>
   __device__ static void math(SharedStorage& ss, const Params& p) {
-    const int wg = (threadIdx.x / 128) - kFirstMathWarp / 4;  // 0 or 1
+    const int wg = (threadIdx.x / 128) - kFirstMathWarp / 4;  // 0 or 1 = staging half
     const int warp_in_wg = (threadIdx.x / 32) & 3;
     const int lane = threadIdx.x & 31;
     float acc[128];
-    uint32_t it = 0, jn = 0, q = 0;
-    // Staging-buffer byte offset of this thread's (row, column pair) in a chunk.
-    const uint32_t epi_thread_off =
-        uint32_t(wg * 64 + warp_in_wg * 16 + (lane >> 2)) * kEpiRowBytes + (lane & 3) * 4;
+    uint32_t it = 0, jn = 0, tn = 0;
+    // This thread's rows inside its half: warp_in_wg * 16 + lane / 4 (+ 8); row % 8 = lane / 4.
+    const uint32_t row_off = uint32_t(warp_in_wg * 16 + (lane >> 2)) * kSlotRowBytes;
+    const uint32_t sw = uint32_t(lane >> 2);
+    const uint32_t col_off = uint32_t(lane & 3) * 4;
     while (true) {
       const int slot = jn % kJobSlots;
       Barrier::wait(&ss.job_full[slot], (jn / kJobSlots) & 1);
@@ -358,6 +398,7 @@ struct Sm90MoeTileEngine {
       const GemmOperands& op = p.op[job.kind];
       const bool fence_a = op.a_load == int32_t(ALoad::kCpAsyncRows);
       const int num_kb = op.k / kBlockK;
+      if (num_kb < 2) __trap();  // K >= 128: the tile's last two stages become the staging
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
         const int s = it % kStages;
         Barrier::wait(&ss.full[s], (it / kStages) & 1);
@@ -378,73 +419,67 @@ struct Sm90MoeTileEngine {
         cute::warpgroup_commit_batch();
 #pragma unroll
         for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
+        // Release the previous stage, except the second-to-last one of the tile (staging).
         if (kb > 0) {
           cute::warpgroup_wait<1>();
-          if (lane == 0) Barrier::arrive(&ss.empty[(it - 1) % kStages]);
+          if (kb != num_kb - 1 && lane == 0) Barrier::arrive(&ss.empty[(it - 1) % kStages]);
         }
       }
       cute::warpgroup_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
-      if (lane == 0) Barrier::arrive(&ss.empty[(it - 1) % kStages]);
-
-      if (job.kind == kL1GateUp) {
-        // h = silu(g) * u from the bf16-rounded gate/up (what the stored gate_up holds, as the
-        // cuda backend's SwigluForward and the reference compute it).
+      // The last two stages of this tile are now ours until the storer releases them.
+      const int s_last = (it - 1) % kStages, s_prev = (it - 2) % kStages;
+      auto put = [&](int slot, auto&& value) {
+        const uint32_t base = slot_half(ss, slot, wg, s_last, s_prev) + row_off + col_off;
 #pragma unroll
-        for (int c = 0; c < kL1Chunks; ++c) {
-          stage_chunk(ss, q, epi_thread_off, [&](int ii, int hh, int e) {
-            const int i = c * (kEpiCols / 8) + ii;
-            const float g = detail::round_bf16(acc[4 * i + 2 * hh + e]);
-            const float u = detail::round_bf16(acc[4 * (i + 16) + 2 * hh + e]);
+        for (int ii = 0; ii < 16; ++ii) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            detail::st_shared_b32(base + hh * 8 * kSlotRowBytes + ((uint32_t(ii) ^ sw) << 4),
+                                  detail::pack_bf16x2(value(ii, hh, 0), value(ii, hh, 1)));
+          }
+        }
+      };
+      // value(ii, hh, e): this thread's fp32 value of slot column 8 ii + 2 (lane % 4) + e, row
+      // (lane / 4) + 8 hh of its 16-row slice; accumulator column c <-> acc[4 (c / 8) + ...].
+      if (job.kind == kL1GateUp) {
+        if (p.l1_raw_gate) {
+          put(0, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
+        } else {
+          // h = silu(g) * u from the bf16-rounded gate/up (what the stored gate_up holds, as
+          // the cuda backend's SwigluForward and the reference compute it).
+          put(0, [&](int ii, int hh, int e) {
+            const float g = detail::round_bf16(acc[4 * ii + 2 * hh + e]);
+            const float u = detail::round_bf16(acc[4 * (ii + 16) + 2 * hh + e]);
             return megamoe::grouped::Swiglu(g, u);
           });
         }
         if (p.gate_up != nullptr) {
-#pragma unroll
-          for (int c = 0; c < 2 * kL1Chunks; ++c) {
-            stage_chunk(ss, q, epi_thread_off, [&](int ii, int hh, int e) {
-              return acc[4 * (c * (kEpiCols / 8) + ii) + 2 * hh + e];
-            });
-          }
+          put(1, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
+          put(2, [&](int ii, int hh, int e) { return acc[4 * (ii + 16) + 2 * hh + e]; });
         }
       } else {
-#pragma unroll
-        for (int c = 0; c < kL2Chunks; ++c) {
-          stage_chunk(ss, q, epi_thread_off, [&](int ii, int hh, int e) {
-            return acc[4 * (c * (kEpiCols / 8) + ii) + 2 * hh + e];
-          });
-        }
+        put(0, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
+        put(1, [&](int ii, int hh, int e) { return acc[4 * (ii + 16) + 2 * hh + e]; });
       }
+      // st.shared (generic) now, TMA (async proxy) refills these stages after the storer.
+      cutlass::arch::fence_view_async_shared();
+      Barrier::arrive(&ss.epi_full[tn & 1]);
+      ++tn;
     }
   }
 
-  // One staged chunk of kEpiCols columns: value(ii, hh, e) is the fp32 value of this thread's
-  // column 8 ii + 2 (lane % 4) + e of the chunk, row (lane / 4) + 8 hh of its 16-row slice.
-  template <class F>
-  __device__ __forceinline__ static void stage_chunk(SharedStorage& ss, uint32_t& q,
-                                                     uint32_t thread_off, F&& value) {
-    const int b = q % kEpiBuffers;
-    Barrier::wait(&ss.epi_empty[b], ((q / kEpiBuffers) & 1) ^ 1);
-    const uint32_t base = detail::smem_u32(ss.epi[b]) + thread_off;
-#pragma unroll
-    for (int ii = 0; ii < kEpiCols / 8; ++ii) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        detail::st_shared_b32(base + hh * 8 * kEpiRowBytes + ii * 16,
-                              detail::pack_bf16x2(value(ii, hh, 0), value(ii, hh, 1)));
-      }
-    }
-    cutlass::arch::fence_view_async_shared();  // st.shared (generic) -> bulk copy (async)
-    Barrier::arrive(&ss.epi_full[b]);
-    ++q;
-  }
-
-  // ---------------------------------------------------------------- storer (one warp)
+  // ---------------------------------------------------------------- storer (kStorerWarps)
+  // Row pairs: instruction j of warp w covers rows 2 (w + W j) and 2 (w + W j) + 1, 16 lanes
+  // (16 bytes each) per 256-byte row slice.
   template <class Params, class Hooks>
   __device__ static void storer(SharedStorage& ss, const Params& p, const Hooks& hooks) {
     const int lane = threadIdx.x & 31;
-    uint32_t jn = 0, q = 0;
+    const int w = threadIdx.x / 32 - kFirstStorerWarp;
+    const int half_lane = lane >> 4;  // which row of the pair
+    const int cc = lane & 15;         // 16-byte chunk of the row slice
+    uint32_t it = 0, jn = 0, tn = 0;
     while (true) {
       const int slot = jn % kJobSlots;
       Barrier::wait(&ss.job_full[slot], (jn / kJobSlots) & 1);
@@ -453,60 +488,59 @@ struct Sm90MoeTileEngine {
       if (lane == 0) Barrier::arrive(&ss.job_empty[slot]);
       ++jn;
       if (job.kind < 0) break;
+      const bool l1 = job.kind == kL1GateUp;
+      it += p.op[job.kind].k / kBlockK;
+      const int s_last = (it - 1) % kStages, s_prev = (it - 2) % kStages;
 
-      // Row bases (element 0 of the tile's first output column) of this lane's 4 rows.
-      __nv_bfloat16* dst[4];
-      __nv_bfloat16* dst2[4];  // L1 gate_up row (gate part), or unused
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = lane + 32 * i;
-        dst[i] = nullptr;
-        dst2[i] = nullptr;
-        if (r < job.rows) {
-          const int64_t row = job.row_begin + r;
-          if (job.kind == kL1GateUp) {
-            dst[i] = p.h + row * p.f + job.n_block * 128;
-            if (p.gate_up != nullptr) dst2[i] = p.gate_up + row * 2 * p.f + job.n_block * 128;
-          } else {
-            __nv_bfloat16* d = p.l2_dest.row(job, r);
-            dst[i] = d == nullptr ? nullptr : d + job.n_block * kBlockN;
-          }
+      // L2: destination row pointers into smem (each warp for the rows it stores).
+      if (!l1) {
+        for (int pr = w + kStorerWarps * (lane >> 1); pr < kBlockM / 2;
+             pr += kStorerWarps * 16) {
+          const int r = 2 * pr + (lane & 1);
+          __nv_bfloat16* d = r < job.rows ? p.l2_dest.row(job, r) : nullptr;
+          ss.row_dst[r] = d == nullptr ? nullptr : d + job.n_block * kBlockN;
         }
-      }
-      const int chunks = job.kind == kL1GateUp ? (p.gate_up != nullptr ? 3 : 1) * kL1Chunks
-                                               : kL2Chunks;
-      for (int c = 0; c < chunks; ++c) {
-        const int b = q % kEpiBuffers;
-        Barrier::wait(&ss.epi_full[b], (q / kEpiBuffers) & 1);
-        const uint32_t src = detail::smem_u32(ss.epi[b]);
-        // Column offset of chunk c in its destination row.
-        int64_t col;
-        bool second;
-        if (job.kind == kL1GateUp) {
-          const int m = c / kL1Chunks;  // 0 = h, 1 = gate, 2 = up
-          col = (m == 2 ? p.f : 0) + (c % kL1Chunks) * kEpiCols;
-          second = m > 0;
-        } else {
-          col = c * kEpiCols;
-          second = false;
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          __nv_bfloat16* d = second ? dst2[i] : dst[i];
-          if (d != nullptr)
-            detail::bulk_store_s2g(d + col, src + (lane + 32 * i) * kEpiRowBytes, kEpiCols * 2);
-        }
-        cute::tma_store_arrive();   // commit_group
-        cute::tma_store_wait<0>();  // the staging buffer has been read
         __syncwarp();
-        if (lane == 0) Barrier::arrive(&ss.epi_empty[b]);
-        ++q;
       }
-      // Every row of the tile written: complete, then make it visible to the caller's release.
-      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-      detail::fence_proxy_async_global();
+      Barrier::wait(&ss.epi_full[tn & 1], (tn >> 1) & 1);
+      ++tn;
+
+      const int slots = l1 ? (p.gate_up != nullptr ? 3 : 1) : 2;
+      for (int sl = 0; sl < slots; ++sl) {
+        const uint32_t half0 = slot_half(ss, sl, 0, s_last, s_prev);
+        const uint32_t half1 = slot_half(ss, sl, 1, s_last, s_prev);
+#pragma unroll 2
+        for (int pr = w; pr < kBlockM / 2; pr += kStorerWarps) {
+          const int r = 2 * pr + half_lane;
+          if (r >= job.rows) continue;
+          __nv_bfloat16* d;
+          if (l1) {
+            const int64_t row = job.row_begin + r;
+            d = sl == 0   ? p.h + row * p.f + job.n_block * 128
+                : sl == 1 ? p.gate_up + row * 2 * p.f + job.n_block * 128
+                          : p.gate_up + row * 2 * p.f + p.f + job.n_block * 128;
+          } else {
+            d = ss.row_dst[r];
+            if (d == nullptr) continue;
+            d += sl * 128;
+          }
+          const int rr = r & 63;
+          const uint32_t src = (r < 64 ? half0 : half1) + rr * kSlotRowBytes +
+                               ((uint32_t(cc) ^ uint32_t(rr & 7)) << 4);
+          detail::st_global_v4(d + cc * 8, detail::ld_shared_v4(src));
+        }
+      }
+      // This warp's reads are done (each store consumed its load): hand the stages back.
+      cutlass::arch::fence_view_async_shared();  // generic reads before the TMA refill
       __syncwarp();
-      if (lane == 0) hooks.tile_done(job);
+      if (lane == 0) {
+        detail::mbar_arrive_cnt(&ss.empty[s_last], kMathThreads / 32 / kStorerWarps);
+        detail::mbar_arrive_cnt(&ss.empty[s_prev], kMathThreads / 32 / kStorerWarps);
+      }
+      detail::store_fence<Hooks::kStoreFence>();
+      if constexpr (kStorerWarps > 1)
+        detail::named_barrier_sync(kStorerBarrier, 32 * kStorerWarps);
+      if (w == 0 && lane == 0) hooks.tile_done(job);
     }
   }
 
@@ -522,7 +556,7 @@ struct Sm90MoeTileEngine {
     if (warp < kFirstMathWarp) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (warp == kProducerWarp) producer(ss, p, sched, hooks);
-      else if (warp == kStorerWarp) storer(ss, p, hooks);
+      else if (warp < kFirstStorerWarp + kStorerWarps) storer(ss, p, hooks);
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
       math(ss, p);

@@ -75,22 +75,33 @@ struct ExpertTileWalk {
   // Tile t of a GEMM with n_blocks N-blocks (t < num_m_blocks() * n_blocks). `cursor` is an
   // expert index that only moves forward: callers that decode increasing t (a persistent CTA's
   // static stride) pass the same variable every time and pay O(1) per tile on average; start it
-  // at 0. Any t may be decoded with a fresh cursor of 0 (linear scan) or after a binary search.
-  __device__ __forceinline__ ExpertTile decode(int t, int n_blocks, int kind, int& cursor) const {
+  // at 0. Order inside an expert: n_major = false: M-block-major (N fastest: consecutive tiles
+  // share A rows); true: N-block-major (M fastest: consecutive tiles share one weight slice).
+  // Either way the expert's tiles are t in [mb_prefix[e] * n_blocks, mb_prefix[e+1] * n_blocks).
+  __device__ __forceinline__ ExpertTile decode(int t, int n_blocks, int kind, int& cursor,
+                                               bool n_major = false) const {
     ExpertTile job;
-    const int mb = t / n_blocks;
-    job.n_block = t - mb * n_blocks;
-    if (cursor > 0 && mb < s->mb_prefix[cursor]) cursor = 0;
-    while (mb >= s->mb_prefix[cursor + 1]) ++cursor;  // skips empty experts
+    const int q = t / n_blocks;  // selects the expert in either order
+    if (cursor > 0 && q < s->mb_prefix[cursor]) cursor = 0;
+    while (q >= s->mb_prefix[cursor + 1]) ++cursor;  // skips empty experts
     const int e = cursor;
+    const int base = s->mb_prefix[e];
+    if (n_major) {
+      const int mbs = s->mb_prefix[e + 1] - base;
+      const int local = t - base * n_blocks;
+      job.n_block = local / mbs;
+      job.m_block = local - job.n_block * mbs;
+    } else {
+      job.n_block = t - q * n_blocks;
+      job.m_block = q - base;
+    }
     job.kind = kind;
     job.expert = e;
-    job.m_block = mb - s->mb_prefix[e];
     job.row_begin = s->offsets[e] + job.m_block * kBlockM;
     const int end = s->offsets[e + 1];
     job.rows = min(kBlockM, end - job.row_begin);
     job.tile = t;
-    job.mb_global = mb;
+    job.mb_global = base + job.m_block;
     return job;
   }
 };
