@@ -647,11 +647,14 @@ static std::vector<int32_t> Samples(const Problem& p) {
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   bool quick = false;
-  int iters = 15, only_problem = -1, only_engine = -1;
+  int iters = 15, only_problem = -1, only_engine = -1, only_variant = -1;
+  bool no_check = false;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--quick")) quick = true;
     if (!strcmp(argv[i], "--problem") && i + 1 < argc) only_problem = atoi(argv[++i]);
     if (!strcmp(argv[i], "--engine") && i + 1 < argc) only_engine = atoi(argv[++i]);
+    if (!strcmp(argv[i], "--variant") && i + 1 < argc) only_variant = atoi(argv[++i]);
+    if (!strcmp(argv[i], "--nocheck")) no_check = true;
     if (!strcmp(argv[i], "--sms") && i + 1 < argc) g_sms = atoi(argv[++i]);
     if (!strcmp(argv[i], "--iters") && i + 1 < argc) iters = atoi(argv[++i]);
   }
@@ -717,8 +720,10 @@ int main(int argc, char** argv) {
       if (only_engine >= 0 && int(ei) != only_engine) continue;
       Launcher& L = *engines[ei];
       // Correctness with every engine on the small cases, with the first two on big ones.
-      for (const Variant& v : variants) {
-        const bool do_check = (!big || ei < 2) && !v.raw_gate;
+      for (size_t vi = 0; vi < sizeof(variants) / sizeof(variants[0]); ++vi) {
+        const Variant& v = variants[vi];
+        if (only_variant >= 0 && int(vi) != only_variant) continue;
+        const bool do_check = (!big || ei < 2) && !v.raw_gate && !no_check;
         if (do_check) {
           Poison(d);
           if (v.mode == 2) {
@@ -746,7 +751,7 @@ int main(int argc, char** argv) {
         }
       }
     }
-    if (big && pi == 2) {  // 30B uniform: the one-launch L1+L2 on fewer SMs (room for comm CTAs)
+    if (big && pi == 2 && only_variant < 0) {  // 30B uniform: the one-launch L1+L2 on fewer SMs (room for comm CTAs)
       const Variant& v = variants[kOneLaunchVariant];
       for (int grid : {132, 124, 116, 100, 66}) {
         if (grid > prop.multiProcessorCount) continue;
