@@ -29,39 +29,42 @@
 //                                  128-row box would have put it) — correct but op-bound,
 //                   kCpAsyncRows:  cp.async 16-byte copies with the 128B swizzle applied by
 //                                  hand (8 lanes per row, 4 rows per instruction).
-//   warps 1..W    storer (kStorerWarps = W): reads the staged bf16 tile from shared memory with
-//                 16-byte loads and writes whole 16-byte vectors per row with generic stores (any
-//                 address, a peer's over NVLink too), releases the staging smem, fences, calls
-//                 hooks.tile_done(tile). The consumer warpgroups never wait for global stores.
-//   other warps   of warpgroup 0: free for the caller (dispatch / combine roles).
+//   warp 1        signaller: once both consumer warpgroups have issued a tile's stores, fences
+//                 at Hooks::kStoreFence scope and calls hooks.tile_done(tile). Nothing else.
+//   warps 2, 3    free for the caller (dispatch / combine roles of the fused kernel).
 //   warps 4..11   two consumer warpgroups: wgmma mainloop, fp32 accumulators (128 regs), then
-//                 the epilogue math (SwiGLU or plain cast) into the staging smem.
+//                 the epilogue: SwiGLU or plain cast into staging smem, and each warpgroup
+//                 writes its 64 rows with 16-byte generic stores (whole 16-byte vectors, any
+//                 address, a peer's over NVLink too).
 //
-// Epilogue staging lives inside the stage ring: the consumers do not release the stages of a
-// tile's last two K-blocks (96 KB) but write the bf16 tile there; the storer releases them
-// once it has read them. The producer meanwhile fills the other kStages - 2 stages with the
-// next tile, so no smem is set aside for the epilogue and the ring keeps 4 stages. Staging
-// slots (128 rows x 128 columns bf16, 256 B per row, 16-byte chunks XOR-swizzled by row % 8,
-// conflict-free for both sides): slot 0 = B of the last stage, slot 1 = B of the one before,
-// slot 2 = A of the last (rows 0..63) and of the one before (rows 64..127). L1: h -> 0,
-// gate -> 1, up -> 2; L2: columns 0..127 -> 0, 128..255 -> 1.
+// Epilogue staging lives inside the stage ring: the consumers keep the stages of a tile's last
+// two K-blocks (warpgroup 0 the last, warpgroup 1 the one before: 48 KB each), stage their bf16
+// rows there, store them, and release the stage. Meanwhile the producer fills the other
+// kStages - 2 stages with the next tile, so no smem is set aside for the epilogue. A staging
+// slot is 64 rows x 128 columns bf16, 256 B per row, 16-byte chunks XOR-swizzled by row % 8
+// (conflict-free for the fragment writes and the row reads): slots 0, 1 = the B region of the
+// warpgroup's stage, slot 2 = its A region. L1: h -> 0, gate -> 1, up -> 2; L2: columns
+// 0..127 -> 0, 128..255 -> 1.
 //
-// Synchronisation (all mbarriers; the storer warps use one named barrier among themselves):
-//   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps;
-//                          the storer arrives for the two held stages)
-//   job_full/job_empty     the job ring, producer -> 8 math warps + storer warps
-//   epi_full[2]            staged tile ready, 256 math threads -> storer (tile parity)
+// Synchronisation (mbarriers + two named barriers):
+//   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps)
+//   job_full/job_empty     the job ring, producer -> 8 math warps + signaller
+//   stored[2]              a tile's stores issued, 256 math threads -> signaller
+//   named barrier 1 (256)  both warpgroups done reading the tile's stages (before staging)
+//   named barrier 2, 3     per warpgroup: staging written (before the row reads)
 // The ring's counters run on across tiles, so the producer loads tile i+1 while the consumers
-// finish tile i and the storer writes tile i-1.
+// finish tile i.
 //
 // Memory-ordering contract of the hooks (the caller implements them):
 //   wait_rows_ready(tile): called by lane 0 of the producer warp; return once the A rows of the
 //     tile may be read (spin with ld.acquire). The engine then runs __syncwarp() and
 //     fence.proxy.async.global on every producer lane before any TMA of the tile, so writes that
 //     the acquire made visible (generic stores, NVLink stores, TMA stores) are seen by TMA.
-//   tile_done(tile): called by one storer thread once every row of the tile is stored and
-//     fenced at Hooks::kStoreFence scope (0: none, 1: fence.acq_rel.gpu, 2: .sys for stores to
-//     peers); bump a counter with a release reduction there.
+//   tile_done(tile): called by lane 0 of the signaller warp after every consumer thread issued
+//     its stores of the tile and arrived on an mbarrier (release, CTA scope), the signaller
+//     acquired it and ran fence.acq_rel.{gpu,sys} (Hooks::kStoreFence = 1, 2; 0: no fence):
+//     the CUTLASS pattern of a CTA barrier followed by one thread's fenced release. Bump a
+//     counter with a red.release / red.relaxed after that fence.
 #pragma once
 
 #include <cstdint>
@@ -125,6 +128,7 @@ struct alignas(128) EngineParams {
   __nv_bfloat16* gate_up; // optional L1 output [rows, 2f] (nullptr: not stored)
   int32_t f;              // F (L1 gate/up split, h width), a multiple of 128
   int32_t l1_raw_gate;    // benchmark only: 1 = store the gate half as h (no SwiGLU math)
+  int32_t bench_skip_epilogue;  // benchmark only: 1 = compute, store nothing (mainloop rate)
   RowDest l2_dest;        // L2 output rows
 };
 
@@ -211,39 +215,38 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, boo
 
 }  // namespace detail
 
-template <int kStages_ = 4, int kStorerWarps_ = 1, int kJobSlots_ = 4>
+template <int kStages_ = 4, int kJobSlots_ = 4>
 struct Sm90MoeTileEngine {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = 64;
   static constexpr int kStages = kStages_;
-  static constexpr int kStorerWarps = kStorerWarps_;
   static constexpr int kJobSlots = kJobSlots_;
   static_assert(kStages >= 3, "two stages hold the staged tile; at least one must stream");
-  static_assert(kStorerWarps == 1 || kStorerWarps == 2, "1 or 2 storer warps (warpgroup 0)");
 
   static constexpr int kThreads = 384;
   static constexpr int kProducerWarp = 0;
-  static constexpr int kFirstStorerWarp = 1;
+  static constexpr int kSignallerWarp = 1;
   static constexpr int kFirstMathWarp = 4;
   static constexpr int kMathThreads = 256;
-  static constexpr int kProducerRegs = 56;  // warpgroup 0 (producer, storer, free warps)
+  static constexpr int kProducerRegs = 56;  // warpgroup 0 (producer, signaller, free warps)
   static constexpr int kMathRegs = 224;     // 2 x 128 x 224 + 128 x 56 = 64 K registers
-  static constexpr uint32_t kStorerBarrier = 1;  // named barrier id among the storer warps
+  static constexpr uint32_t kBothWgBarrier = 1;   // named barrier ids used by the consumers
+  static constexpr uint32_t kFirstWgBarrier = 2;  // 2, 3
 
   static constexpr int kABytes = kBlockM * kBlockK * 2;  // 16 KB
   static constexpr int kBBytes = kBlockK * kBlockN * 2;  // 32 KB
   static constexpr int kBBoxBytes = kBlockK * 64 * 2;    // 8 KB: 64 K-rows x 64 N
   static constexpr int kSlotRowBytes = 256;              // 128 bf16 columns per staging slot
+  static constexpr int kSlotBytes = 64 * kSlotRowBytes;  // 16 KB
 
   struct alignas(1024) SharedStorage {
     alignas(1024) uint8_t a[kStages][kABytes];
     alignas(1024) uint8_t b[kStages][kBBytes];
     ExpertTile jobs[kJobSlots];
     int32_t row_src[kBlockM];  // kCpAsyncRows: source row of each tile row (producer only)
-    __nv_bfloat16* row_dst[kBlockM];  // L2: destination of each tile row (storer only)
     uint64_t full[kStages], empty[kStages];
-    uint64_t epi_full[2];
+    uint64_t stored[2];
     uint64_t job_full[kJobSlots], job_empty[kJobSlots];
   };
 
@@ -255,21 +258,12 @@ struct Sm90MoeTileEngine {
       Barrier::init(&ss.full[s], 32);  // one arrival per producer lane (+ TMA bytes)
       Barrier::init(&ss.empty[s], kMathThreads / 32);
     }
-    for (int b = 0; b < 2; ++b) Barrier::init(&ss.epi_full[b], kMathThreads);
+    for (int b = 0; b < 2; ++b) Barrier::init(&ss.stored[b], kMathThreads);
     for (int j = 0; j < kJobSlots; ++j) {
       Barrier::init(&ss.job_full[j], 1);
-      Barrier::init(&ss.job_empty[j], kMathThreads / 32 + kStorerWarps);
+      Barrier::init(&ss.job_empty[j], kMathThreads / 32 + 1);
     }
     cutlass::arch::fence_barrier_init();
-  }
-
-  // Base (shared address) of half h (rows 64h .. 64h+63) of staging slot `slot`, for a tile
-  // whose last K-block used stage s_last and the one before s_prev.
-  __device__ __forceinline__ static uint32_t slot_half(SharedStorage& ss, int slot, int h,
-                                                       int s_last, int s_prev) {
-    if (slot == 0) return detail::smem_u32(ss.b[s_last]) + h * (64 * kSlotRowBytes);
-    if (slot == 1) return detail::smem_u32(ss.b[s_prev]) + h * (64 * kSlotRowBytes);
-    return detail::smem_u32(h == 0 ? ss.a[s_last] : ss.a[s_prev]);
   }
 
   // ---------------------------------------------------------------- producer (one warp)
@@ -377,15 +371,21 @@ struct Sm90MoeTileEngine {
   // ---------------------------------------------------------------- math (two warpgroups)
   template <class Params>
   __device__ static void math(SharedStorage& ss, const Params& p) {
-    const int wg = (threadIdx.x / 128) - kFirstMathWarp / 4;  // 0 or 1 = staging half
-    const int warp_in_wg = (threadIdx.x / 32) & 3;
-    const int lane = threadIdx.x & 31;
+    const int wg = (threadIdx.x / 128) - kFirstMathWarp / 4;  // 0 or 1: rows 64 wg ..
+    const int t = threadIdx.x & 127;                           // thread in the warpgroup
+    const int warp_in_wg = t >> 5;
+    const int lane = t & 31;
     float acc[128];
     uint32_t it = 0, jn = 0, tn = 0;
-    // This thread's rows inside its half: warp_in_wg * 16 + lane / 4 (+ 8); row % 8 = lane / 4.
-    const uint32_t row_off = uint32_t(warp_in_wg * 16 + (lane >> 2)) * kSlotRowBytes;
-    const uint32_t sw = uint32_t(lane >> 2);
-    const uint32_t col_off = uint32_t(lane & 3) * 4;
+    // Fragment writes: rows warp_in_wg * 16 + lane / 4 (+ 8), row % 8 = lane / 4.
+    const uint32_t frag_off = uint32_t(warp_in_wg * 16 + (lane >> 2)) * kSlotRowBytes +
+                              uint32_t(lane & 3) * 4;
+    const uint32_t frag_sw = uint32_t(lane >> 2);
+    // Row reads: rows (t / 16) + 8 k (k = 0..7), chunk t % 16; row % 8 = (t / 16) % 8.
+    const int rd_row0 = t >> 4;
+    const int rd_chunk = t & 15;
+    const uint32_t rd_off = uint32_t(rd_row0) * kSlotRowBytes +
+                            ((uint32_t(rd_chunk) ^ uint32_t(rd_row0 & 7)) << 4);
     while (true) {
       const int slot = jn % kJobSlots;
       Barrier::wait(&ss.job_full[slot], (jn / kJobSlots) & 1);
@@ -399,6 +399,24 @@ struct Sm90MoeTileEngine {
       const bool fence_a = op.a_load == int32_t(ALoad::kCpAsyncRows);
       const int num_kb = op.k / kBlockK;
       if (num_kb < 2) __trap();  // K >= 128: the tile's last two stages become the staging
+      const bool l1 = job.kind == kL1GateUp;
+      const int nslots = p.bench_skip_epilogue ? 0 : l1 ? (p.gate_up != nullptr ? 3 : 1) : 2;
+      // Destinations of the 8 rows this thread stores (row 64 wg + rd_row0 + 8 k), looked up
+      // before the mainloop so that the row functor's loads are long done at the epilogue.
+      __nv_bfloat16* dst[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int r = 64 * wg + rd_row0 + 8 * k;
+        dst[k] = nullptr;
+        if (nslots > 0 && r < job.rows) {
+          if (l1) {
+            dst[k] = p.h + int64_t(job.row_begin + r) * p.f + job.n_block * 128 + rd_chunk * 8;
+          } else {
+            __nv_bfloat16* d = p.l2_dest.row(job, r);
+            if (d != nullptr) dst[k] = d + job.n_block * kBlockN + rd_chunk * 8;
+          }
+        }
+      }
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
         const int s = it % kStages;
         Barrier::wait(&ss.full[s], (it / kStages) & 1);
@@ -428,58 +446,82 @@ struct Sm90MoeTileEngine {
       cute::warpgroup_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
-      // The last two stages of this tile are now ours until the storer releases them.
-      const int s_last = (it - 1) % kStages, s_prev = (it - 2) % kStages;
-      auto put = [&](int slot, auto&& value) {
-        const uint32_t base = slot_half(ss, slot, wg, s_last, s_prev) + row_off + col_off;
+
+      // Warpgroup wg stages into stage s_w (0: the tile's last, 1: the one before), once both
+      // warpgroups are done reading the tile's stages.
+      const int s_w = (it - 1 - wg) % kStages;
+      const uint32_t slot_base[3] = {detail::smem_u32(ss.b[s_w]),
+                                     detail::smem_u32(ss.b[s_w]) + kSlotBytes,
+                                     detail::smem_u32(ss.a[s_w])};
+      detail::named_barrier_sync(kBothWgBarrier, kMathThreads);
+
+      auto put = [&](int sl, auto&& value) {
+        const uint32_t base = slot_base[sl] + frag_off;
 #pragma unroll
         for (int ii = 0; ii < 16; ++ii) {
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            detail::st_shared_b32(base + hh * 8 * kSlotRowBytes + ((uint32_t(ii) ^ sw) << 4),
+            detail::st_shared_b32(base + hh * 8 * kSlotRowBytes + ((uint32_t(ii) ^ frag_sw) << 4),
                                   detail::pack_bf16x2(value(ii, hh, 0), value(ii, hh, 1)));
           }
         }
       };
       // value(ii, hh, e): this thread's fp32 value of slot column 8 ii + 2 (lane % 4) + e, row
       // (lane / 4) + 8 hh of its 16-row slice; accumulator column c <-> acc[4 (c / 8) + ...].
-      if (job.kind == kL1GateUp) {
-        if (p.l1_raw_gate) {
-          put(0, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
+      if (nslots > 0) {
+        if (l1) {
+          if (p.l1_raw_gate) {
+            put(0, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
+          } else {
+            // h = silu(g) * u from the bf16-rounded gate/up (what the stored gate_up holds, as
+            // the cuda backend's SwigluForward and the reference compute it).
+            put(0, [&](int ii, int hh, int e) {
+              const float g = detail::round_bf16(acc[4 * ii + 2 * hh + e]);
+              const float u = detail::round_bf16(acc[4 * (ii + 16) + 2 * hh + e]);
+              return megamoe::grouped::Swiglu(g, u);
+            });
+          }
+          if (nslots == 3) {
+            put(1, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
+            put(2, [&](int ii, int hh, int e) { return acc[4 * (ii + 16) + 2 * hh + e]; });
+          }
         } else {
-          // h = silu(g) * u from the bf16-rounded gate/up (what the stored gate_up holds, as
-          // the cuda backend's SwigluForward and the reference compute it).
-          put(0, [&](int ii, int hh, int e) {
-            const float g = detail::round_bf16(acc[4 * ii + 2 * hh + e]);
-            const float u = detail::round_bf16(acc[4 * (ii + 16) + 2 * hh + e]);
-            return megamoe::grouped::Swiglu(g, u);
-          });
+          put(0, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
+          put(1, [&](int ii, int hh, int e) { return acc[4 * (ii + 16) + 2 * hh + e]; });
         }
-        if (p.gate_up != nullptr) {
-          put(1, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
-          put(2, [&](int ii, int hh, int e) { return acc[4 * (ii + 16) + 2 * hh + e]; });
+        detail::named_barrier_sync(kFirstWgBarrier + wg, 128);
+        // Each row of a slot is 256 contiguous bytes of the destination row: 16 lanes per row.
+        for (int sl = 0; sl < nslots; ++sl) {
+          const int col = l1 ? 0 : sl * 128;  // L2: column offset of slot sl in the row
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            if (dst[k] == nullptr) continue;
+            const uint4 v = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
+            __nv_bfloat16* d = dst[k] + col;
+            if (l1 && sl > 0) {
+              // gate_up row: gate at n_block * 128, up at F + n_block * 128.
+              const int r = 64 * wg + rd_row0 + 8 * k;
+              d = p.gate_up + int64_t(job.row_begin + r) * 2 * p.f + (sl == 2 ? p.f : 0) +
+                  job.n_block * 128 + rd_chunk * 8;
+            }
+            detail::st_global_v4(d, v);
+          }
         }
-      } else {
-        put(0, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
-        put(1, [&](int ii, int hh, int e) { return acc[4 * (ii + 16) + 2 * hh + e]; });
       }
-      // st.shared (generic) now, TMA (async proxy) refills these stages after the storer.
+      // Staging reads (generic) done before the TMA refills this stage: hand it back.
       cutlass::arch::fence_view_async_shared();
-      Barrier::arrive(&ss.epi_full[tn & 1]);
+      __syncwarp();
+      if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);  // 4 warps x 2 = 8
+      Barrier::arrive(&ss.stored[tn & 1]);
       ++tn;
     }
   }
 
-  // ---------------------------------------------------------------- storer (kStorerWarps)
-  // Row pairs: instruction j of warp w covers rows 2 (w + W j) and 2 (w + W j) + 1, 16 lanes
-  // (16 bytes each) per 256-byte row slice.
+  // ---------------------------------------------------------------- signaller (one warp)
   template <class Params, class Hooks>
-  __device__ static void storer(SharedStorage& ss, const Params& p, const Hooks& hooks) {
+  __device__ static void signaller(SharedStorage& ss, const Params& p, const Hooks& hooks) {
     const int lane = threadIdx.x & 31;
-    const int w = threadIdx.x / 32 - kFirstStorerWarp;
-    const int half_lane = lane >> 4;  // which row of the pair
-    const int cc = lane & 15;         // 16-byte chunk of the row slice
-    uint32_t it = 0, jn = 0, tn = 0;
+    uint32_t jn = 0, tn = 0;
     while (true) {
       const int slot = jn % kJobSlots;
       Barrier::wait(&ss.job_full[slot], (jn / kJobSlots) & 1);
@@ -488,67 +530,22 @@ struct Sm90MoeTileEngine {
       if (lane == 0) Barrier::arrive(&ss.job_empty[slot]);
       ++jn;
       if (job.kind < 0) break;
-      const bool l1 = job.kind == kL1GateUp;
-      it += p.op[job.kind].k / kBlockK;
-      const int s_last = (it - 1) % kStages, s_prev = (it - 2) % kStages;
-
-      // L2: destination row pointers into smem (each warp for the rows it stores).
-      if (!l1) {
-        for (int pr = w + kStorerWarps * (lane >> 1); pr < kBlockM / 2;
-             pr += kStorerWarps * 16) {
-          const int r = 2 * pr + (lane & 1);
-          __nv_bfloat16* d = r < job.rows ? p.l2_dest.row(job, r) : nullptr;
-          ss.row_dst[r] = d == nullptr ? nullptr : d + job.n_block * kBlockN;
-        }
-        __syncwarp();
-      }
-      Barrier::wait(&ss.epi_full[tn & 1], (tn >> 1) & 1);
+      Barrier::wait(&ss.stored[tn & 1], (tn >> 1) & 1);
       ++tn;
-
-      const int slots = l1 ? (p.gate_up != nullptr ? 3 : 1) : 2;
-      for (int sl = 0; sl < slots; ++sl) {
-        const uint32_t half0 = slot_half(ss, sl, 0, s_last, s_prev);
-        const uint32_t half1 = slot_half(ss, sl, 1, s_last, s_prev);
-#pragma unroll 2
-        for (int pr = w; pr < kBlockM / 2; pr += kStorerWarps) {
-          const int r = 2 * pr + half_lane;
-          if (r >= job.rows) continue;
-          __nv_bfloat16* d;
-          if (l1) {
-            const int64_t row = job.row_begin + r;
-            d = sl == 0   ? p.h + row * p.f + job.n_block * 128
-                : sl == 1 ? p.gate_up + row * 2 * p.f + job.n_block * 128
-                          : p.gate_up + row * 2 * p.f + p.f + job.n_block * 128;
-          } else {
-            d = ss.row_dst[r];
-            if (d == nullptr) continue;
-            d += sl * 128;
-          }
-          const int rr = r & 63;
-          const uint32_t src = (r < 64 ? half0 : half1) + rr * kSlotRowBytes +
-                               ((uint32_t(cc) ^ uint32_t(rr & 7)) << 4);
-          detail::st_global_v4(d + cc * 8, detail::ld_shared_v4(src));
-        }
-      }
-      // This warp's reads are done (each store consumed its load): hand the stages back.
-      cutlass::arch::fence_view_async_shared();  // generic reads before the TMA refill
-      __syncwarp();
       if (lane == 0) {
-        detail::mbar_arrive_cnt(&ss.empty[s_last], kMathThreads / 32 / kStorerWarps);
-        detail::mbar_arrive_cnt(&ss.empty[s_prev], kMathThreads / 32 / kStorerWarps);
+        detail::store_fence<Hooks::kStoreFence>();
+        hooks.tile_done(job);
       }
-      detail::store_fence<Hooks::kStoreFence>();
-      if constexpr (kStorerWarps > 1)
-        detail::named_barrier_sync(kStorerBarrier, 32 * kStorerWarps);
-      if (w == 0 && lane == 0) hooks.tile_done(job);
+      __syncwarp();
     }
   }
 
   // ---------------------------------------------------------------- the roles of a CTA
   // Convenience dispatch for a kernel that uses exactly this engine's 384 threads (the
-  // standalone harness does). A fused kernel may call producer / storer / math itself from its
-  // own role branches (it must keep warps 4..11 as the two consumer warpgroups, give them
-  // kMathRegs with setmaxnreg, and call init() + a CTA barrier first).
+  // standalone harness does). A fused kernel may call producer / signaller / math itself from
+  // its own role branches (it must keep warps 4..11 as the two consumer warpgroups, give them
+  // kMathRegs with setmaxnreg, leave named barriers 1..3 to them, and call init() + a CTA
+  // barrier first).
   template <class Params, class Scheduler, class Hooks>
   __device__ static void run_roles(SharedStorage& ss, const Params& p, Scheduler& sched,
                                    const Hooks& hooks) {
@@ -556,7 +553,7 @@ struct Sm90MoeTileEngine {
     if (warp < kFirstMathWarp) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (warp == kProducerWarp) producer(ss, p, sched, hooks);
-      else if (warp < kFirstStorerWarp + kStorerWarps) storer(ss, p, hooks);
+      else if (warp == kSignallerWarp) signaller(ss, p, hooks);
     } else {
       cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
       math(ss, p);
