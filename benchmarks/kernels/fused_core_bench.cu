@@ -50,11 +50,11 @@ using Walk = ExpertTileWalk<128, kMaxExperts>;
 struct StaticScheduler {
   Walk walk;
   int t, stride, l1_tiles, total, nb1, nb2, c1, c2;
-  bool n_major;
+  int n_major;  // bit 0: L1 tiles N-block-major inside an expert, bit 1: L2 tiles
   __device__ __forceinline__ bool next(ExpertTile& job) {
     if (t >= total) return false;
-    job = t < l1_tiles ? walk.decode(t, nb1, kL1GateUp, c1, n_major)
-                       : walk.decode(t - l1_tiles, nb2, kL2Down, c2, n_major);
+    job = t < l1_tiles ? walk.decode(t, nb1, kL1GateUp, c1, n_major & 1)
+                       : walk.decode(t - l1_tiles, nb2, kL2Down, c2, (n_major >> 1) & 1);
     t += stride;
     return true;
   }
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(384, 1)
     sched.nb2 = args.nb2;
     sched.c1 = 0;
     sched.c2 = 0;
-    sched.n_major = args.n_major != 0;
+    sched.n_major = args.n_major;
   }
   __syncthreads();
   Engine::run_roles(st.engine, p, sched, args.hooks);
@@ -245,6 +245,25 @@ __global__ void CountDiff(const uint32_t* a, const uint32_t* b, int64_t n,
        i += int64_t(gridDim.x) * blockDim.x)
     c += a[i] != b[i];
   atomicAdd(out, c);
+}
+
+// The engine's branch-free SwiGLU against megamoe::grouped::Swiglu: every bf16 value of the
+// gate (the epilogue rounds gate/up to bf16 first) times a few up values, fp32 bits compared.
+__global__ void SwigluExactTest(unsigned long long* mismatch, unsigned long long* slow_count) {
+  const float ups[8] = {1.0f, -1.0f, 3.25f, -0.0078125f, 1e-30f, 65504.0f, 0.0f, -7.5f};
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 65536 * 8) return;
+  const uint16_t gb = uint16_t(i & 0xffff);
+  const float g = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(&gb));
+  const float u = ups[i >> 16];
+  bool slow = false;
+  const float a = detail::swiglu_fast_path(g, u, slow);
+  const float b = megamoe::grouped::Swiglu(g, u);
+  if (slow) {
+    atomicAdd(slow_count, 1ull);
+  } else if (__float_as_uint(a) != __float_as_uint(b) && !(isnan(a) && isnan(b))) {
+    atomicAdd(mismatch, 1ull);
+  }
 }
 
 // ------------------------------------------------------------------ host
@@ -381,7 +400,7 @@ struct Variant {
   int mode;      // 1 L1, 2 L2, 3 both
   ALoad l1_load;
   bool gate_up;  // L1 also stores gate_up
-  bool n_major = false;   // tile order inside an expert
+  int n_major = 0;        // tile order inside an expert: bit 0 L1, bit 1 L2 N-block-major
   bool raw_gate = false;  // benchmark only: no SwiGLU math (not checked)
   bool skip_epi = false;  // benchmark only: store nothing (mainloop rate, not checked)
 };
@@ -445,7 +464,7 @@ static RunArgs MakeArgs(DeviceProblem& d, const Variant& v) {
   a.mode = v.mode;
   a.nb1 = d.p->f / 128;
   a.nb2 = d.p->h / 256;
-  a.n_major = v.n_major ? 1 : 0;
+  a.n_major = v.n_major;
   a.hooks.mb_done = v.mode == 3 ? d.mb_done : nullptr;
   a.hooks.target = (d.epoch + 1) * a.nb1;
   return a;
@@ -676,19 +695,20 @@ int main(int argc, char** argv) {
   const Variant variants[] = {
       {"L1 contiguous-A (TMA box)", 1, ALoad::kTmaBlock, false},
       {"L1 contiguous-A +gate_up", 1, ALoad::kTmaBlock, true},
-      {"L1 contiguous-A, N-major order", 1, ALoad::kTmaBlock, false, true},
-      {"L1 contiguous-A, no SwiGLU (timing)", 1, ALoad::kTmaBlock, false, false, true},
-      {"L1 contiguous-A, mainloop only (timing)", 1, ALoad::kTmaBlock, false, false, false, true},
+      {"L1 contiguous-A, N-major order", 1, ALoad::kTmaBlock, false, 1},
+      {"L1 contiguous-A, no SwiGLU (timing)", 1, ALoad::kTmaBlock, false, 0, true},
+      {"L1 contiguous-A, mainloop only (timing)", 1, ALoad::kTmaBlock, false, 0, false, true},
       {"L1 gathered-A (cp.async)", 1, ALoad::kCpAsyncRows, false},
       {"L1 gathered-A (TMA per row)", 1, ALoad::kTmaRows, false},
       {"L2 (per-row destinations)", 2, ALoad::kTmaBlock, false},
-      {"L2, N-major order", 2, ALoad::kTmaBlock, false, true},
-      {"L2, mainloop only (timing)", 2, ALoad::kTmaBlock, false, false, false, true},
+      {"L2, N-major order", 2, ALoad::kTmaBlock, false, 2},
+      {"L2, mainloop only (timing)", 2, ALoad::kTmaBlock, false, 0, false, true},
       {"L1+L2 one launch, contiguous-A", 3, ALoad::kTmaBlock, false},
       {"L1+L2 one launch, contiguous-A +gate_up", 3, ALoad::kTmaBlock, true},
+      {"L1+L2 one launch, contiguous-A, L1 N-major", 3, ALoad::kTmaBlock, false, 1},
       {"L1+L2 one launch, gathered-A (cp.async)", 3, ALoad::kCpAsyncRows, false},
   };
-  constexpr int kOneLaunchVariant = 10;
+  constexpr int kOneLaunchVariant = 10;  // "L1+L2 one launch, contiguous-A"
 
   std::vector<Problem> problems;
   problems.push_back(Sized("odd sizes E=16 H=512 F=256", 512, 256,
@@ -701,6 +721,18 @@ int main(int argc, char** argv) {
     problems.push_back(Routed("235B skewed", 128, 4096, 1536, 16384, 8, 1.2, 4));
   }
   int failures = 0;
+  {
+    unsigned long long* c = DevAlloc<unsigned long long>(2);
+    CK(cudaMemset(c, 0, 16));
+    SwigluExactTest<<<65536 * 8 / 256, 256>>>(c, c + 1);
+    CK(cudaGetLastError());
+    unsigned long long h[2];
+    CK(cudaMemcpy(h, c, 16, cudaMemcpyDeviceToHost));
+    CK(cudaFree(c));
+    printf("swiglu fast path vs Swiglu(): %s, %llu mismatches of %d, %llu on the exact path\n",
+           h[0] == 0 ? "PASS" : "FAIL", h[0], 65536 * 8, h[1]);
+    failures += h[0] != 0;
+  }
   std::vector<std::string> table;
   for (size_t pi = 0; pi < problems.size(); ++pi) {
     if (only_problem >= 0 && int(pi) != only_problem) continue;

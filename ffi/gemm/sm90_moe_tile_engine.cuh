@@ -173,6 +173,23 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// megamoe::grouped::Swiglu (ffi/kernels/swiglu_math.cuh) bit for bit, without its branch: nvcc
+// compiles the IEEE 1.0f / d of Sigmoid() into MUFU.RCP + 2 FFMA behind a range test with a
+// called slow path per element (BSSY/CALL: no ILP across the 64 values of a thread). This is
+// the same fast-path sequence, so the result is identical whenever the range test passes;
+// `slow` reports an element where it does not (d = 1 + exp(-g) >= 2^126 or NaN, i.e. g < -87
+// or NaN), and the caller then recomputes with Swiglu() itself. The harness checks equality
+// over all bf16 values of g.
+__device__ __forceinline__ float swiglu_fast_path(float gate, float up, bool& slow) {
+  const float d = 1.0f + __expf(-gate);
+  const uint32_t bits = __float_as_uint(d);
+  slow |= ((bits + 0x1800000u) & 0x7f800000u) <= 0x1ffffffu;
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  const float sig = fmaf(r, -fmaf(d, r, -1.0f), r);
+  return gate * sig * up;
+}
+
 __device__ __forceinline__ float round_bf16(float x) {
   return __bfloat162float(__float2bfloat16_rn(x));
 }
@@ -245,6 +262,7 @@ struct Sm90MoeTileEngine {
     alignas(1024) uint8_t b[kStages][kBBytes];
     ExpertTile jobs[kJobSlots];
     int32_t row_src[kBlockM];  // kCpAsyncRows: source row of each tile row (producer only)
+    __nv_bfloat16* row_dst[kBlockM];  // destination of each tile row (consumers; null = skip)
     uint64_t full[kStages], empty[kStages];
     uint64_t stored[2];
     uint64_t job_full[kJobSlots], job_empty[kJobSlots];
@@ -401,22 +419,31 @@ struct Sm90MoeTileEngine {
       if (num_kb < 2) __trap();  // K >= 128: the tile's last two stages become the staging
       const bool l1 = job.kind == kL1GateUp;
       const int nslots = p.bench_skip_epilogue ? 0 : l1 ? (p.gate_up != nullptr ? 3 : 1) : 2;
-      // Destinations of the 8 rows this thread stores (row 64 wg + rd_row0 + 8 k), looked up
-      // before the mainloop so that the row functor's loads are long done at the epilogue.
-      __nv_bfloat16* dst[8];
+      // Destination of each row of the tile (looked up before the mainloop so that the row
+      // functor's loads are long done at the epilogue; kept in smem, not in registers). Row
+      // 64 wg + rd_row0 + 8 k is written by the thread of chunk 0 that later stores it.
+      __syncwarp();  // the previous tile's stores of these rows (same warp) read the table
+      if (nslots > 0 && rd_chunk == 0) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const int r = 64 * wg + rd_row0 + 8 * k;
-        dst[k] = nullptr;
-        if (nslots > 0 && r < job.rows) {
-          if (l1) {
-            dst[k] = p.h + int64_t(job.row_begin + r) * p.f + job.n_block * 128 + rd_chunk * 8;
-          } else {
-            __nv_bfloat16* d = p.l2_dest.row(job, r);
-            if (d != nullptr) dst[k] = d + job.n_block * kBlockN + rd_chunk * 8;
+        for (int k = 0; k < 8; ++k) {
+          const int r = 64 * wg + rd_row0 + 8 * k;
+          __nv_bfloat16* d = nullptr;
+          if (r < job.rows) {
+            if (l1) {
+              d = p.h + int64_t(job.row_begin + r) * p.f + job.n_block * 128;
+            } else {
+              d = p.l2_dest.row(job, r);
+              if (d != nullptr) d += job.n_block * kBlockN;
+            }
           }
+          ss.row_dst[r] = d;
         }
       }
+      // Zeroed here rather than with scale-D = 0 on the first wgmma, so that the compiler sees
+      // the accumulators die at the end of each epilogue (else they stay live across tiles and
+      // the staging vectors spill).
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
         const int s = it % kStages;
         Barrier::wait(&ss.full[s], (it / kStages) & 1);
@@ -432,7 +459,7 @@ struct Sm90MoeTileEngine {
           // B N-major: +16 K-rows = 2048 B; LBO = next 64-column box (8 KB); SBO = 1024 B.
           const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
           const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 2048, kBBoxBytes, 1024);
-          detail::wgmma_call(da, db, acc, (kb | k) != 0, cute::make_index_sequence<128>{});
+          detail::wgmma_call(da, db, acc, true, cute::make_index_sequence<128>{});
         }
         cute::warpgroup_commit_batch();
 #pragma unroll
@@ -455,63 +482,126 @@ struct Sm90MoeTileEngine {
                                      detail::smem_u32(ss.a[s_w])};
       detail::named_barrier_sync(kBothWgBarrier, kMathThreads);
 
-      auto put = [&](int sl, auto&& value) {
+      // Fragment -> staging slot: v(ii, hh) is this thread's packed bf16x2 of slot columns
+      // 8 ii + 2 (lane % 4) + {0, 1}, row (lane / 4) + 8 hh of its 16-row slice; accumulator
+      // column c <-> acc[4 (c / 8) + 2 hh + (c % 2)].
+      auto put = [&](int sl, auto&& v) {
         const uint32_t base = slot_base[sl] + frag_off;
 #pragma unroll
         for (int ii = 0; ii < 16; ++ii) {
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
+          for (int hh = 0; hh < 2; ++hh)
             detail::st_shared_b32(base + hh * 8 * kSlotRowBytes + ((uint32_t(ii) ^ frag_sw) << 4),
-                                  detail::pack_bf16x2(value(ii, hh, 0), value(ii, hh, 1)));
-          }
+                                  v(ii, hh));
         }
       };
-      // value(ii, hh, e): this thread's fp32 value of slot column 8 ii + 2 (lane % 4) + e, row
-      // (lane / 4) + 8 hh of its 16-row slice; accumulator column c <-> acc[4 (c / 8) + ...].
+      auto acc_pair = [&](int col8, int hh) {  // accumulator columns 8 col8 + 2 (lane % 4) + {0, 1}
+        return detail::pack_bf16x2(acc[4 * col8 + 2 * hh], acc[4 * col8 + 2 * hh + 1]);
+      };
       if (nslots > 0) {
         if (l1) {
           if (p.l1_raw_gate) {
-            put(0, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
+            put(0, [&](int ii, int hh) { return acc_pair(ii, hh); });
           } else {
             // h = silu(g) * u from the bf16-rounded gate/up (what the stored gate_up holds, as
             // the cuda backend's SwigluForward and the reference compute it).
-            put(0, [&](int ii, int hh, int e) {
-              const float g = detail::round_bf16(acc[4 * ii + 2 * hh + e]);
-              const float u = detail::round_bf16(acc[4 * (ii + 16) + 2 * hh + e]);
-              return megamoe::grouped::Swiglu(g, u);
-            });
+            uint32_t hv[32];
+            bool slow = false;
+#pragma unroll
+            for (int ii = 0; ii < 16; ++ii) {
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) {
+                float o[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const float g = detail::round_bf16(acc[4 * ii + 2 * hh + e]);
+                  const float u = detail::round_bf16(acc[4 * (ii + 16) + 2 * hh + e]);
+                  o[e] = detail::swiglu_fast_path(g, u, slow);
+                }
+                hv[2 * ii + hh] = detail::pack_bf16x2(o[0], o[1]);
+              }
+            }
+            if (__any_sync(0xffffffffu, slow)) {  // g < -87 somewhere in the warp: exact path
+#pragma unroll
+              for (int ii = 0; ii < 16; ++ii) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                  float o[2];
+#pragma unroll
+                  for (int e = 0; e < 2; ++e) {
+                    const float g = detail::round_bf16(acc[4 * ii + 2 * hh + e]);
+                    const float u = detail::round_bf16(acc[4 * (ii + 16) + 2 * hh + e]);
+                    o[e] = megamoe::grouped::Swiglu(g, u);
+                  }
+                  hv[2 * ii + hh] = detail::pack_bf16x2(o[0], o[1]);
+                }
+              }
+            }
+            put(0, [&](int ii, int hh) { return hv[2 * ii + hh]; });
           }
           if (nslots == 3) {
-            put(1, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
-            put(2, [&](int ii, int hh, int e) { return acc[4 * (ii + 16) + 2 * hh + e]; });
+            put(1, [&](int ii, int hh) { return acc_pair(ii, hh); });
+            put(2, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
           }
         } else {
-          put(0, [&](int ii, int hh, int e) { return acc[4 * ii + 2 * hh + e]; });
-          put(1, [&](int ii, int hh, int e) { return acc[4 * (ii + 16) + 2 * hh + e]; });
+          put(0, [&](int ii, int hh) { return acc_pair(ii, hh); });
+          put(1, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
         }
         detail::named_barrier_sync(kFirstWgBarrier + wg, 128);
-        // Each row of a slot is 256 contiguous bytes of the destination row: 16 lanes per row.
-        for (int sl = 0; sl < nslots; ++sl) {
-          const int col = l1 ? 0 : sl * 128;  // L2: column offset of slot sl in the row
+      }
+      // Each row of a slot is 256 contiguous bytes of the destination row: 16 lanes per row,
+      // 2 rows per warp instruction. Up to two slots (h; L2's two column halves): read this
+      // thread's vectors into registers, hand the stage back to the producer (the proxy fence
+      // orders the generic reads before the TMA refill, and has no global stores in flight to
+      // wait for yet), then store. Three slots (L1 with gate_up): store slot by slot, then
+      // release (registers would spill otherwise).
+      // Destination of (slot sl, row k of this thread), or null.
+      auto dest = [&](int sl, int k) -> __nv_bfloat16* {
+        const int r = 64 * wg + rd_row0 + 8 * k;
+        __nv_bfloat16* d = ss.row_dst[r];
+        if (d == nullptr) return nullptr;
+        if (l1 && sl > 0)  // gate_up row: gate at n_block * 128, up at F + n_block * 128
+          return p.gate_up + int64_t(job.row_begin + r) * 2 * p.f + (sl == 2 ? p.f : 0) +
+                 job.n_block * 128 + rd_chunk * 8;
+        return d + (l1 ? 0 : sl * 128) + rd_chunk * 8;
+      };
+      if (nslots <= 2) {
+        uint4 v[2][8];
 #pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            if (dst[k] == nullptr) continue;
-            const uint4 v = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
-            __nv_bfloat16* d = dst[k] + col;
-            if (l1 && sl > 0) {
-              // gate_up row: gate at n_block * 128, up at F + n_block * 128.
-              const int r = 64 * wg + rd_row0 + 8 * k;
-              d = p.gate_up + int64_t(job.row_begin + r) * 2 * p.f + (sl == 2 ? p.f : 0) +
-                  job.n_block * 128 + rd_chunk * 8;
-            }
-            detail::st_global_v4(d, v);
+        for (int sl = 0; sl < 2; ++sl) {
+          if (sl < nslots) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k)
+              v[sl][k] = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
           }
         }
+        cutlass::arch::fence_view_async_shared();
+        __syncwarp();
+        if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);  // 4 warps x 2 = 8
+#pragma unroll
+        for (int sl = 0; sl < 2; ++sl) {
+          if (sl < nslots) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              __nv_bfloat16* d = dest(sl, k);
+              if (d != nullptr) detail::st_global_v4(d, v[sl][k]);
+            }
+          }
+        }
+      } else {
+        for (int sl = 0; sl < 3; ++sl) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            const uint4 val =
+                detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
+            __nv_bfloat16* d = dest(sl, k);
+            if (d != nullptr) detail::st_global_v4(d, val);
+          }
+        }
+        cutlass::arch::fence_view_async_shared();
+        __syncwarp();
+        if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);
       }
-      // Staging reads (generic) done before the TMA refills this stage: hand it back.
-      cutlass::arch::fence_view_async_shared();
-      __syncwarp();
-      if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);  // 4 warps x 2 = 8
       Barrier::arrive(&ss.stored[tn & 1]);
       ++tn;
     }
