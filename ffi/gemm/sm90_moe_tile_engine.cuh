@@ -2,9 +2,10 @@
 // engine that runs the two expert GEMMs of a SwiGLU MLP over tiles that the caller hands it,
 // one tile after another, with one shared-memory ring that keeps running across tiles.
 //
-//   L1 ("gate/up"): gate_up = A @ w_gate_up[e], A = token rows gathered by index (or contiguous
-//        rows in group order); epilogue h = silu(gate) * up (ffi/kernels/swiglu_math.cuh), h
-//        stored bf16 to rows of h [rows, F] in group order, optionally also gate_up [rows, 2F].
+//   L1 ("gate/up"): gate_up = A @ w_gate_up[e], A = rows contiguous in group order (a receive
+//        pool; fast) or token rows gathered by index (correct, 2.5-5x slower: see the notes);
+//        epilogue h = silu(gate) * up, bit-identical to ffi/kernels/swiglu_math.cuh, h stored
+//        bf16 to rows of h [rows, F] in group order, optionally also gate_up [rows, 2F].
 //   L2 ("down"):     y = h @ w_down[e], A = rows of h in group order; each result row stored
 //        bf16 to a per-row destination (a functor: row of the tile -> address, possibly on a
 //        peer GPU over NVLink).
@@ -15,6 +16,11 @@
 // accumulator holds matching gate (columns 0..127) and up (128..255) values: a thread's fragment
 // holds accumulator columns 8i + 2(lane % 4) + {0, 1} for i = 0..31, so it owns column j and
 // j + 128 together (i and i + 16) and SwiGLU needs no data exchange.
+//
+// Constraints (checked by the caller): K of both GEMMs a multiple of 64 and >= 128, F a
+// multiple of 128, H a multiple of 256, row strides 16-byte aligned, K <= 2^31 elements per
+// expert slice. Measured numbers, runs and what each design change did:
+// benchmarks/kernels/FUSED_CORE_NOTES.md; harness: benchmarks/kernels/fused_core_bench.cu.
 //
 // Roles (warps of a 384-thread CTA; the caller's kernel picks the branch, see run_roles()):
 //   warp 0        producer: asks the caller's scheduler for the next tile (ExpertTile), calls
