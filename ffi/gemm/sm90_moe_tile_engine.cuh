@@ -4,7 +4,7 @@
 //
 //   L1 ("gate/up"): gate_up = A @ w_gate_up[e], A = rows contiguous in group order (a receive
 //        pool; fast) or token rows gathered by index (correct, 2.5-5x slower: see the notes);
-//        epilogue h = silu(gate) * up, bit-identical to ffi/kernels/swiglu_math.cuh, h stored
+//        epilogue h = silu(gate) * up, bit-identical to ffi/common/swiglu_math.cuh, h stored
 //        bf16 to rows of h [rows, F] in group order, optionally also gate_up [rows, 2F].
 //   L2 ("down"):     y = h @ w_down[e], A = rows of h in group order; each result row stored
 //        bf16 to a per-row destination (a functor: row of the tile -> address, possibly on a
@@ -84,7 +84,7 @@
 #include "cute/arch/mma_sm90_gmma.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
-#include "ffi/kernels/swiglu_math.cuh"
+#include "ffi/common/swiglu_math.cuh"
 #include "ffi/scheduler/expert_tile_walk.cuh"
 
 namespace megamoe::fused::sm90 {
@@ -179,7 +179,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// megamoe::grouped::Swiglu (ffi/kernels/swiglu_math.cuh) bit for bit, without its branch: nvcc
+// megamoe::grouped::Swiglu (ffi/common/swiglu_math.cuh) bit for bit, without its branch: nvcc
 // compiles the IEEE 1.0f / d of Sigmoid() into MUFU.RCP + 2 FFMA behind a range test with a
 // called slow path per element (BSSY/CALL: no ILP across the 64 values of a thread). This is
 // the same fast-path sequence, so the result is identical whenever the range test passes;
