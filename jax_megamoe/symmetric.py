@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import numbers
 import os
 import threading
 import time
@@ -171,6 +172,9 @@ class SymmetricWorkspace:
   bytes_per_device: int
   multiprocess: bool  # an EP group of this process spans processes (CUDA IPC handles exchanged)
   closed: bool = False
+  # A virtual group (jax_megamoe.virtual_ranks): all num_ranks ranks on one GPU, driven by one
+  # call with rank-stacked operands.
+  virtual: bool = False
   # The handshakes this process took part in and the store they went through (close needs them).
   _exchanges: tuple[ipc_exchange.GroupExchange, ...] = dataclasses.field(default=(), repr=False)
   _store: Any = dataclasses.field(default=None, repr=False)
@@ -233,6 +237,22 @@ def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidd
   answer within `handshake_timeout_s` (default MEGAMOE_EP_HANDSHAKE_TIMEOUT_S or 300) is reported
   by name. Groups inside this process need no other process (see jax_megamoe.ipc_exchange).
   """
+  # Arguments checked before any native call, so that a bad one is named here instead of
+  # surfacing as a ctypes or CUDA driver error.
+  for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("top_k", top_k),
+                      ("comm_blocks", 1 if comm_blocks is None else comm_blocks)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise ValueError(f"create_workspace: {name} must be a positive int, got {value!r}")
+  max_tokens, hidden, top_k = int(max_tokens), int(hidden), int(top_k)
+  comm_blocks = None if comm_blocks is None else int(comm_blocks)
+  if timeout_s is not None and not (isinstance(timeout_s, numbers.Real)
+                                    and 0 < timeout_s < float("inf")):
+    raise ValueError(f"create_workspace: timeout_s must be a positive number of seconds, got "
+                     f"{timeout_s!r}")
+  platforms = sorted({d.platform for d in np.asarray(mesh.devices).reshape(-1)})
+  if platforms != ["gpu"]:
+    raise ValueError(f"create_workspace: the mesh's devices are not GPUs (platform "
+                     f"{', '.join(platforms)}); symmetric workspaces live in GPU memory")
   elem_bytes = int(np.dtype(dtype).itemsize)
   groups = ep_groups(mesh, expert_axis)
   num_ranks = groups.shape[1]

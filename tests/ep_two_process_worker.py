@@ -57,7 +57,7 @@ def main(process_id: int, port: int, mode: str) -> None:
   if mode == "die":
     return die_mid_step(process_id, mesh, (gx, gids, gw, gwgu, gwd))
   layer = functools.partial(cuda_ep.expert_parallel_moe, mesh=mesh, workspace=ws,
-                            grouped_mlp=ep_helpers.dense_grouped_mlp)
+                            mlp=ep_helpers.dense_grouped_mlp)
 
   def loss(x, w, wgu, wd, ids, probe):
     return jnp.sum(layer(x, ids, w, wgu, wd) * probe)
