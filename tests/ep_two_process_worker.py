@@ -127,7 +127,7 @@ def die_mid_step(process_id, mesh, args):
     zero = jax.pure_callback(maybe_exit, jax.ShapeDtypeStruct((), jnp.float32), y[0, 0])
     return y + zero.astype(y.dtype)
 
-  layer = jax.jit(functools.partial(cuda_ep.expert_parallel_moe, mesh=mesh, grouped_mlp=mlp))
+  layer = jax.jit(functools.partial(cuda_ep.expert_parallel_moe, mesh=mesh, mlp=mlp))
   compiled = layer.lower(*args).compile()  # traces: creates the workspace
   multihost_utils.sync_global_devices("compiled")  # no EP timeout while the other compiles
   started = {}
