@@ -97,7 +97,7 @@ _lib: ctypes.CDLL | None = None
 
 
 def _library() -> ctypes.CDLL:
-  """The extension's C ABI for workspaces (ffi/handlers/ep_workspace.cu), loaded once."""
+  """The extension's C ABI for workspaces (ffi/comm/workspace_registry.cu), loaded once."""
   global _lib
   with _lib_lock:
     if _lib is not None:
