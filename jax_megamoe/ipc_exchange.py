@@ -182,6 +182,9 @@ def _wait(store: KeyValueStore, ex: GroupExchange, phase: str, rank: int, deadli
         f"of an EP group must create the same workspaces in the same order (trace the same moe "
         f"layers, or call symmetric.create_workspace on every process); a process that died or "
         f"is stuck before this point looks the same.") from None
+  except Exception as e:  # e.g. the coordination service reports that a process died
+    raise RuntimeError(f"jax_megamoe symmetric workspace: waiting for {ex.describe(rank)} to "
+                       f"{what} {ex.workspace_name()} failed (key {key}): {e}") from e
   try:
     return json.loads(value)
   except ValueError:

@@ -97,7 +97,7 @@ _lib: ctypes.CDLL | None = None
 
 
 def _library() -> ctypes.CDLL:
-  """The extension's C ABI for workspaces (ffi/handlers/ep_workspace.cu), loaded once."""
+  """The extension's C ABI for workspaces (ffi/comm/workspace_registry.cu), loaded once."""
   global _lib
   with _lib_lock:
     if _lib is not None:
@@ -315,7 +315,7 @@ def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidd
   except BaseException as e:
     if exchanges and not told_peers:  # the peers fail now, not after their timeout
       ipc_exchange.publish_failure(store, exchanges, f"{type(e).__name__}: {e}")
-    # No peer runs a kernel on it (each raises too), so the memory can go.
+    # The peers raise too (a peer slower than the timeout would fail in its first kernel).
     for name in ("megamoe_ep_ws_close_peers", "megamoe_ep_ws_free"):
       getattr(lib, name)(ws_id, None, 0)
     raise
@@ -380,14 +380,10 @@ def _close(workspaces: list[SymmetricWorkspace], timeout_s: float | None) -> Non
       _call(lib.megamoe_ep_ws_free, ws.id)
 
 
-_kept: list[SymmetricWorkspace] = []  # closed, memory left allocated until the process exits
-
-
 def _keep_allocated(ws: SymmetricWorkspace, reason: str) -> None:
-  _kept.append(ws)
   warnings.warn(f"jax_megamoe symmetric workspace {ws.id}: {reason}; its memory on this "
                 f"process's GPUs ({ws.bytes_per_device} bytes each) stays allocated until the "
-                f"process exits, as a peer may still write into it", RuntimeWarning, stacklevel=3)
+                f"process exits, as a peer may still write into it", RuntimeWarning, stacklevel=4)
 
 
 _cache_lock = threading.Lock()

@@ -1,6 +1,8 @@
 """One process of tests/test_ipc_exchange.py's two-process run: real jax.distributed (CPU, one
 device per process), the native workspace registry faked. Workspaces are created while a
-jax.jit function is traced, their handles exchanged through jax's own key-value store.
+jax.jit function is traced, their handles exchanged through jax's own key-value store. The
+workspace's mesh holds stand-ins of the two CPU devices (their ids and process indices) that say
+they are GPUs: create_workspace refuses other platforms.
 
 python -m ipc_exchange_worker <process_id> <port>   (tests/ on PYTHONPATH); prints
 "IPC-EXCHANGE-OK <id>" when every check passed.
@@ -15,16 +17,14 @@ def main(process_id: int, port: int) -> None:
                              process_id=process_id)
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import Mesh
 
-  from fake_workspace_lib import FakeWorkspaceLib, fake_handle
+  from fake_workspace_lib import FakeDevice, FakeMesh, FakeWorkspaceLib, fake_handle
   from jax_megamoe import ipc_exchange, symmetric
 
   lib = FakeWorkspaceLib(process_id)
   symmetric._library = lambda: lib
-  symmetric._require_gpus = lambda mesh: None  # the fake registry takes CPU devices
-  devices = jax.devices()
-  assert len(devices) == 2 and [d.process_index for d in devices] == [0, 1], devices
+  assert len(jax.devices()) == 2 and [d.process_index for d in jax.devices()] == [0, 1]
+  devices = [FakeDevice(d.id, d.process_index) for d in jax.devices()]  # as GPUs, ordinal 0
   made = []
 
   def layer(mesh):
@@ -35,14 +35,16 @@ def main(process_id: int, port: int) -> None:
     return f
 
   x = jnp.ones((4,), jnp.float32)
-  ep_across = Mesh(np.array(devices).reshape(1, 2), ("data", "expert"))
+  mesh = lambda rows, cols: FakeMesh(np.array(devices, object).reshape(rows, cols),
+                                     ("data", "expert"))
+  ep_across = mesh(1, 2)
   jax.jit(layer(ep_across)).lower(x)
   ws = made[-1]
   assert ws.multiprocess and ws.id == 1, ws
   assert lib.connects == [(1, symmetric._ordinal(devices[process_id]), 1 - process_id, -1,
-                           fake_handle(1 - process_id, 0, 1))], lib.connects  # CPU ordinal 0
+                           fake_handle(1 - process_id, 0, 1))], lib.connects
 
-  data_across = Mesh(np.array(devices).reshape(2, 1), ("data", "expert"))
+  data_across = mesh(2, 1)
   jax.jit(layer(data_across)).lower(x)
   assert not made[-1].multiprocess and len(lib.connects) == 1, made[-1]
 
