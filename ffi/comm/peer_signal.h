@@ -21,23 +21,54 @@ namespace megamoe::ep {
 enum Op : int { kOpDispatchFwd = 0, kOpDispatchBwd = 1, kOpCombineFwd = 2, kOpCombineBwd = 3 };
 enum WaitKind : int { kWaitConsumed = 0, kWaitArrive = 1 };
 #ifdef __CUDACC__
-__host__ __device__
+#define MEGAMOE_HD __host__ __device__
+#else
+#define MEGAMOE_HD
 #endif
-inline constexpr int Stage(int op, int wait_kind) { return op * 2 + wait_kind; }
+MEGAMOE_HD inline constexpr int Stage(int op, int wait_kind) { return op * 2 + wait_kind; }
 
-inline const char* OpName(int op) {
-  switch (op) {
-    case kOpDispatchFwd: return "dispatch (forward)";
-    case kOpDispatchBwd: return "dispatch backward (combine-shaped)";
-    case kOpCombineFwd: return "combine (forward)";
-    case kOpCombineBwd: return "combine backward (dispatch-shaped)";
+// The waits of the fused kernel (ffi/impls/sm90_fused_moe_fwd.cu), after the separate kernels'.
+enum FusedStage : int {
+  kStageFusedCounts = 16,   // every source's routing counts of this call
+  kStageFusedRows = 17,     // the rows of a pool M-block (sent by the sources)
+  kStageFusedL1 = 18,       // the L1 tiles of an M-block (this rank's CTAs)
+  kStageFusedResults = 19,  // every expert rank's results for this rank's slots
+  kStageFusedBarrier = 20,  // this rank's CTAs at a grid barrier
+};
+
+// What a rank was waiting for at `stage` (error reports, host and device).
+MEGAMOE_HD inline const char* StageName(int stage) {
+  switch (stage) {
+    case Stage(kOpDispatchFwd, kWaitConsumed):
+      return "dispatch (forward), send: waiting for the peer to release this rank's previous data "
+             "(consumed)";
+    case Stage(kOpDispatchFwd, kWaitArrive):
+      return "dispatch (forward), receive: waiting for the peer's blocks to arrive (arrive)";
+    case Stage(kOpDispatchBwd, kWaitConsumed):
+      return "dispatch backward (combine-shaped), send: waiting for the peer to release this "
+             "rank's previous data (consumed)";
+    case Stage(kOpDispatchBwd, kWaitArrive):
+      return "dispatch backward (combine-shaped), receive: waiting for the peer's blocks to "
+             "arrive (arrive)";
+    case Stage(kOpCombineFwd, kWaitConsumed):
+      return "combine (forward), send: waiting for the peer to release this rank's previous data "
+             "(consumed)";
+    case Stage(kOpCombineFwd, kWaitArrive):
+      return "combine (forward), receive: waiting for the peer's blocks to arrive (arrive)";
+    case Stage(kOpCombineBwd, kWaitConsumed):
+      return "combine backward (dispatch-shaped), send: waiting for the peer to release this "
+             "rank's previous data (consumed)";
+    case Stage(kOpCombineBwd, kWaitArrive):
+      return "combine backward (dispatch-shaped), receive: waiting for the peer's blocks to "
+             "arrive (arrive)";
+    case kStageFusedCounts: return "fused forward: waiting for the peer's routing counts";
+    case kStageFusedRows:
+      return "fused forward: waiting for the rows of a pool block (sent by every source)";
+    case kStageFusedL1: return "fused forward: waiting for the L1 tiles of a pool block";
+    case kStageFusedResults: return "fused forward: waiting for the peer's expert outputs";
+    case kStageFusedBarrier: return "fused forward: waiting for this rank's blocks at a barrier";
     default: return "?";
   }
-}
-inline const char* WaitName(int wait_kind) {
-  return wait_kind == kWaitConsumed
-             ? "send: waiting for the peer to release this rank's previous data (consumed)"
-             : "receive: waiting for the peer's blocks to arrive (arrive)";
 }
 
 #ifdef __CUDACC__
@@ -58,13 +89,13 @@ __device__ __forceinline__ unsigned long long GlobalTimerNs() {
   return t;
 }
 
-// Scalars only (no PeerView reference): taking a kernel parameter's address would copy the
-// whole view to local memory in every kernel.
-static __device__ __noinline__ void ReportTimeout(ErrorRecord* e, unsigned int* claim, int rank,
-                                                  int stage, int peer, unsigned long long value,
-                                                  unsigned long long expected,
-                                                  long long waited_ns) {
-  if (atomicCAS(claim, 0u, 1u) != 0u) return;
+// Records a timeout in this rank's ErrorRecord (the host reports it: DescribeError), once per
+// rank; true for the caller that recorded it. Scalars only (no PeerView reference): taking a
+// kernel parameter's address would copy the whole view to local memory in every kernel.
+__device__ __forceinline__ bool RecordTimeout(ErrorRecord* e, unsigned int* claim, int rank,
+                                              int stage, int peer, unsigned long long value,
+                                              unsigned long long expected, long long waited_ns) {
+  if (atomicCAS(claim, 0u, 1u) != 0u) return false;
   if (e != nullptr) {
     e->rank = rank;
     e->stage = stage;
@@ -76,18 +107,25 @@ static __device__ __noinline__ void ReportTimeout(ErrorRecord* e, unsigned int* 
     *reinterpret_cast<volatile int*>(&e->code) = 1;
     __threadfence_system();
   }
-  const int op = stage / 2;
-  printf("jax_megamoe EP timeout: rank %d, op %d (%s), %s: waited %.3f s on peer rank %d, counter "
-         "%llu < expected %llu\n",
-         rank, op,
-         op == kOpDispatchFwd ? "dispatch" : op == kOpDispatchBwd ? "dispatch-bwd"
-         : op == kOpCombineFwd ? "combine" : "combine-bwd",
-         (stage % 2) == kWaitConsumed ? "send/consumed" : "receive/arrive", waited_ns * 1e-9, peer,
-         value, expected);
+  return true;
+}
+
+// RecordTimeout, then a line on the device's stdout (kernels without wgmma only: a printf is a
+// function call, and a call anywhere in a wgmma kernel serialises its wgmma, ptxas C7510).
+static __device__ __noinline__ void ReportTimeout(ErrorRecord* e, unsigned int* claim, int rank,
+                                                  int stage, int peer, unsigned long long value,
+                                                  unsigned long long expected,
+                                                  long long waited_ns) {
+  if (!RecordTimeout(e, claim, rank, stage, peer, value, expected, waited_ns)) return;
+  printf("jax_megamoe EP timeout: rank %d, %s: waited %.3f s on peer rank %d, counter %llu < "
+         "expected %llu\n",
+         rank, StageName(stage), waited_ns * 1e-9, peer, value, expected);
 }
 
 // Spins until *addr >= expected (acquire, system scope). False on timeout or when this rank has
 // already recorded an error (the caller then skips its work; the handler reports the error).
+// kPrint = false: the timeout is recorded without a printf (for kernels with wgmma).
+template <bool kPrint = true>
 __device__ __forceinline__ bool WaitAtLeast(const PeerView& v, const unsigned long long* addr,
                                             unsigned long long expected, int stage, int peer) {
   unsigned long long cur = LoadAcquireSys(addr);
@@ -99,8 +137,13 @@ __device__ __forceinline__ bool WaitAtLeast(const PeerView& v, const unsigned lo
     if ((iter & 255u) == 0u) {
       const long long waited = static_cast<long long>(GlobalTimerNs() - start);
       if (waited > v.timeout_ns) {
-        ReportTimeout(v.error, &v.signals(v.rank)->error_claim, v.rank, stage, peer, cur,
-                      expected, waited);
+        if constexpr (kPrint) {
+          ReportTimeout(v.error, &v.signals(v.rank)->error_claim, v.rank, stage, peer, cur,
+                        expected, waited);
+        } else {
+          RecordTimeout(v.error, &v.signals(v.rank)->error_claim, v.rank, stage, peer, cur,
+                        expected, waited);
+        }
         return false;
       }
       if (*reinterpret_cast<volatile unsigned int*>(&v.signals(v.rank)->error_claim) != 0u) {
