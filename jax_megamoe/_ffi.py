@@ -50,6 +50,16 @@ def has_target(name: str, platform: str) -> bool:
   return (name, platform) in register_targets()
 
 
+def scratch_bytes(target: str, num_groups: int) -> int:
+  """Bytes of the scratch (`workspace`) result FFI target `target` needs for `num_groups` expert
+  groups, as its handlers compute it (the CUDA one for the visible GPUs; CPU handlers need none).
+  Raises RuntimeError without the extension, ValueError for a target with no scratch result."""
+  ext = extension()
+  if ext is None:
+    raise RuntimeError(f"jax_megamoe: {_load_extension()[1]}")
+  return int(ext.scratch_bytes(target, int(num_groups)))
+
+
 def build_info() -> dict[str, Any]:
   """What the extension was built with: cuda_archs, cuda_version, jaxlib_version, cutlass."""
   ext = extension()

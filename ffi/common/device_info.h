@@ -24,4 +24,24 @@ inline int CurrentDeviceSmCount() {
   return value[dev];
 }
 
+// The largest multiprocessor count among the visible devices, 0 when there are none (host
+// only; sizes a scratch buffer while tracing, before XLA picks the device).
+inline int MaxVisibleSmCount() {
+  static std::once_flag once;
+  static int value = 0;
+  std::call_once(once, [] {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+      cudaGetLastError();  // no driver or no device: leave no error behind
+      return;
+    }
+    for (int d = 0; d < devices; ++d) {
+      int sm = 0;
+      cudaDeviceGetAttribute(&sm, cudaDevAttrMultiProcessorCount, d);
+      value = value > sm ? value : sm;
+    }
+  });
+  return value;
+}
+
 }  // namespace megamoe

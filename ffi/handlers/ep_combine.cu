@@ -1,7 +1,7 @@
 // XLA FFI handlers of expert-parallel combine: forward, and its backward (dispatch-shaped).
 // Attributes: workspace_id (int64), num_experts (int64, global E).
 #include "ffi/comm/peer_signal.h"
-#include "ffi/handlers/ep_args.h"
+#include "ffi/handlers/ep_ops.h"
 #include "ffi/registry.h"
 
 namespace megamoe::ep {

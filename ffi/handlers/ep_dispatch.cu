@@ -2,7 +2,7 @@
 // Binding and validation only; the kernels are in ffi/impls/ep_dispatch.cu and ep_combine.cu.
 // Attributes: workspace_id (int64, jax_megamoe.symmetric), num_experts (int64, global E).
 #include "ffi/comm/peer_signal.h"
-#include "ffi/handlers/ep_args.h"
+#include "ffi/handlers/ep_ops.h"
 #include "ffi/registry.h"
 
 namespace megamoe::ep {

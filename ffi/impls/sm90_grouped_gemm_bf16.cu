@@ -8,6 +8,7 @@
 #ifndef NDEBUG
 #define NDEBUG
 #endif
+#include <algorithm>
 #include <array>
 #include <tuple>
 
@@ -128,6 +129,14 @@ const gemm::CompiledGemm<GroupedGemmProblem>& Chosen(GemmKind kind, int num_grou
 size_t GroupedGemmWorkspaceBytes(GemmKind kind, int num_groups, int sm_count) {
   const auto& gemm = Chosen(kind, num_groups);
   return gemm.workspace_bytes != nullptr ? gemm.workspace_bytes(num_groups, sm_count) : 0;
+}
+
+size_t GroupedGemmMaxWorkspaceBytes(int num_groups, int sm_count) {
+  size_t bytes = 0;
+  for (GemmKind k : {GemmKind::kFprop, GemmKind::kDgrad, GemmKind::kWgrad}) {
+    bytes = std::max(bytes, GroupedGemmWorkspaceBytes(k, num_groups, sm_count));
+  }
+  return bytes;
 }
 
 std::string RunGroupedGemm(const GroupedGemmProblem& p, void* workspace, size_t workspace_bytes,

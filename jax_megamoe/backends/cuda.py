@@ -60,8 +60,11 @@ def unavailable_reason(recipe: str | None = None) -> str | None:
 
 def workspace_bytes(num_groups: int) -> int:
   """Device scratch the handlers need (group offsets + one grouped GEMM's argument arrays and
-  CUTLASS workspace); the handler checks it and names the shortfall."""
-  return (2 << 20) + 512 * num_groups
+  CUTLASS workspace), as C++ computes it: the most any of the targets sized with it needs; the
+  handler checks it and names the shortfall."""
+  targets = (FWD_TARGET, BWD_TARGET, GEMM_TARGET, cuda_fp8.GEMM_TARGET, cuda_fp8.WGRAD_TARGET)
+  return max(_ffi.scratch_bytes(t, num_groups) for t in targets
+             if _ffi.has_target(t, "cpu") or _ffi.has_target(t, "CUDA"))
 
 
 def _check(x_sorted, group_sizes, w_gate_up, w_down) -> tuple[int, int, int, int]:
