@@ -4,7 +4,7 @@
 // rank, layout}.
 //
 // Layout of one rank's workspace (byte offsets identical on every rank, 256-byte aligned):
-//   signals   SignalArea: monotonic uint64 counters (device-resident epochs, see peer_signal.h)
+//   signals   SignalArea: monotonic uint64 counters (device-resident epochs, see peer_signal.cuh)
 //   meta_ids  int32 [R][max_tokens][top_k]   dispatch-shaped traffic: local expert id or -1
 //   meta_w    f32   [R][max_tokens][top_k]   dispatch-shaped traffic: routing weight
 //   pool_d    elem  [R][max_tokens][hidden]  dispatch-shaped rows, slot (source rank, token)
@@ -16,7 +16,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 
 #include "ffi/common/align.h"
 
@@ -77,7 +76,7 @@ inline WorkspaceLayout MakeWorkspaceLayout(int64_t num_ranks, int64_t max_tokens
 struct ErrorRecord {
   int code;   // 0: none, 1: timeout waiting for a peer
   int rank;   // rank that timed out
-  int stage;  // Stage code (peer_signal.h)
+  int stage;  // Stage code (workspace_ops.h)
   int peer;   // rank waited on
   unsigned long long value;     // counter value seen last
   unsigned long long expected;  // value waited for
@@ -103,13 +102,5 @@ struct PeerView {
     return reinterpret_cast<SignalArea*>(base[r] + layout.signals);
   }
 };
-
-// Host-side registry (ffi/comm/workspace_registry.cu). The view for (workspace id, device ordinal),
-// or nullptr; `message` says why when it fails. Thread-safe; the pointer stays valid until the
-// workspace is destroyed.
-const PeerView* FindPeerView(int64_t workspace_id, int device_ordinal, std::string* message);
-
-// Human-readable report of the error recorded for this view's rank, or "" when there is none.
-std::string DescribeError(const PeerView& view);
 
 }  // namespace megamoe::ep

@@ -1,6 +1,6 @@
 // XLA FFI handlers of expert-parallel combine: forward, and its backward (dispatch-shaped).
 // Attributes: workspace_id (int64), num_experts (int64, global E).
-#include "ffi/comm/peer_signal.h"
+#include "ffi/comm/workspace_ops.h"
 #include "ffi/handlers/ep_ops.h"
 #include "ffi/registry.h"
 

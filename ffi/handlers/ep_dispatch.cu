@@ -1,7 +1,7 @@
 // XLA FFI handlers of expert-parallel dispatch: forward, and its backward (combine-shaped).
 // Binding and validation only; the kernels are in ffi/impls/ep_dispatch.cu and ep_combine.cu.
 // Attributes: workspace_id (int64, jax_megamoe.symmetric), num_experts (int64, global E).
-#include "ffi/comm/peer_signal.h"
+#include "ffi/comm/workspace_ops.h"
 #include "ffi/handlers/ep_ops.h"
 #include "ffi/registry.h"
 

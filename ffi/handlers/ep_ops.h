@@ -6,6 +6,7 @@
 #include <string>
 
 #include "ffi/comm/symmetric_memory.h"
+#include "ffi/comm/workspace_registry.h"
 #include "ffi/impls/ep_dispatch_combine.h"
 #include "xla/ffi/api/ffi.h"
 

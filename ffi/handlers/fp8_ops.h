@@ -26,6 +26,7 @@
 
 #include "ffi/common/checks.h"
 #include "ffi/handlers/grouped_mlp_op.h"
+#include "ffi/layout/fp8_blocks.h"
 
 namespace megamoe::grouped {
 
@@ -97,11 +98,6 @@ inline ffi::Error CheckSwigluQuantize(const ffi::AnyBuffer& gate_up,
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("h", h->element_type(), ffi::DataType::BF16));
   MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h->dimensions(), {*n, *f}));
   return CheckQuantOutputs(q, scale, {*n, *f}, {*n, *f / 128});
-}
-
-// Columns of a weight-gradient operand: each group's rows padded to a multiple of 128.
-inline int64_t WgradPaddedLength(int64_t rows, int64_t num_groups) {
-  return (rows + 127) / 128 * 128 + 128 * num_groups;
 }
 
 // The weight-gradient operand of [N, C] rows (q, scale) and, where with_rows, their 1x128

@@ -1,5 +1,6 @@
 // Device-side signalling between the ranks of a symmetric workspace: system-scope release adds,
-// acquire loads and bounded waits that record who waited for what when they time out.
+// acquire loads and bounded waits that record who waited for what (a stage code of
+// comm/workspace_ops.h) when they time out.
 //
 // Protocol for one use of a region (dispatch-shaped or combine-shaped traffic):
 //   send kernel    each block first waits until every receiver has released this rank's previous
@@ -15,32 +16,9 @@
 #include <cstdio>
 
 #include "ffi/comm/symmetric_memory.h"
+#include "ffi/comm/workspace_ops.h"
 
 namespace megamoe::ep {
-
-enum Op : int { kOpDispatchFwd = 0, kOpDispatchBwd = 1, kOpCombineFwd = 2, kOpCombineBwd = 3 };
-enum WaitKind : int { kWaitConsumed = 0, kWaitArrive = 1 };
-#ifdef __CUDACC__
-__host__ __device__
-#endif
-inline constexpr int Stage(int op, int wait_kind) { return op * 2 + wait_kind; }
-
-inline const char* OpName(int op) {
-  switch (op) {
-    case kOpDispatchFwd: return "dispatch (forward)";
-    case kOpDispatchBwd: return "dispatch backward (combine-shaped)";
-    case kOpCombineFwd: return "combine (forward)";
-    case kOpCombineBwd: return "combine backward (dispatch-shaped)";
-    default: return "?";
-  }
-}
-inline const char* WaitName(int wait_kind) {
-  return wait_kind == kWaitConsumed
-             ? "send: waiting for the peer to release this rank's previous data (consumed)"
-             : "receive: waiting for the peer's blocks to arrive (arrive)";
-}
-
-#ifdef __CUDACC__
 
 __device__ __forceinline__ unsigned long long LoadAcquireSys(const unsigned long long* p) {
   unsigned long long v;
@@ -79,11 +57,8 @@ static __device__ __noinline__ void ReportTimeout(ErrorRecord* e, unsigned int* 
   const int op = stage / 2;
   printf("jax_megamoe EP timeout: rank %d, op %d (%s), %s: waited %.3f s on peer rank %d, counter "
          "%llu < expected %llu\n",
-         rank, op,
-         op == kOpDispatchFwd ? "dispatch" : op == kOpDispatchBwd ? "dispatch-bwd"
-         : op == kOpCombineFwd ? "combine" : "combine-bwd",
-         (stage % 2) == kWaitConsumed ? "send/consumed" : "receive/arrive", waited_ns * 1e-9, peer,
-         value, expected);
+         rank, op, OpShortName(op), WaitShortName(stage % 2), waited_ns * 1e-9, peer, value,
+         expected);
 }
 
 // Spins until *addr >= expected (acquire, system scope). False on timeout or when this rank has
@@ -158,6 +133,16 @@ __device__ __forceinline__ unsigned long long LoadUses(const PeerView& v, int re
   return *reinterpret_cast<volatile unsigned long long*>(&v.signals(v.rank)->uses[region]);
 }
 
-#endif  // __CUDACC__
+// The release kernel, one thread: every source may reuse its slots in this rank's `region`; this
+// rank's epoch of the region += 1.
+static __global__ void ReleaseKernel(PeerView v, int region) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  if (*reinterpret_cast<volatile unsigned int*>(&v.signals(v.rank)->error_claim) != 0u) return;
+  __threadfence_system();
+  for (int s = 0; s < v.num_ranks; ++s) AddReleaseSys(&v.signals(s)->consumed[region][v.rank], 1);
+  unsigned long long* uses = &v.signals(v.rank)->uses[region];
+  *reinterpret_cast<volatile unsigned long long*>(uses) = *uses + 1;
+}
+
 
 }  // namespace megamoe::ep
