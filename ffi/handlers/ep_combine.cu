@@ -8,15 +8,14 @@ namespace megamoe::ep {
 namespace {
 
 ffi::Error CombineFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y_sorted,
-                      ffi::Buffer<ffi::S32, 2> slot_pos, ffi::Buffer<ffi::F32, 2> recv_w,
-                      ffi::Buffer<ffi::S32, 2> ids, ffi::Result<ffi::AnyBuffer> out,
-                      int64_t workspace_id, int64_t num_experts) {
-  const PeerView* v = nullptr;
-  if (auto e = ResolveView(workspace_id, ordinal, &v); e.failure()) return e;
-  ElemType type;
-  if (auto e = ElemTypeOf(y_sorted.element_type(), "y_sorted", &type); e.failure()) return e;
+                      S32Matrix slot_pos, F32Matrix recv_w, S32Matrix ids,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t workspace_id, int64_t num_experts) {
   const int64_t T = ids.dimensions()[0], K = ids.dimensions()[1], H = y_sorted.dimensions()[1];
-  if (auto e = CheckFits(*v, T, H, K, type, num_experts); e.failure()) return e;
+  EpCall call;
+  MEGAMOE_RETURN_IF_ERROR(ResolveEpCall(workspace_id, ordinal, y_sorted.element_type(),
+                                        "y_sorted", T, H, K, num_experts, &call));
+  const PeerView* v = call.view;
+  const ElemType type = call.type;
   const int64_t rows = v->num_ranks * T;
   if (out->dimensions()[0] != T || out->dimensions()[1] != H || slot_pos.dimensions()[0] != rows ||
       recv_w.dimensions()[0] != rows || out->element_type() != y_sorted.element_type()) {
@@ -31,17 +30,15 @@ ffi::Error CombineFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y_sor
 }
 
 ffi::Error CombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d_out,
-                      ffi::AnyBuffer y_sorted, ffi::Buffer<ffi::S32, 2> slot_pos,
-                      ffi::Buffer<ffi::F32, 2> recv_w, ffi::Buffer<ffi::S32, 2> ids,
-                      ffi::Buffer<ffi::S32, 1> group_sizes, ffi::Result<ffi::AnyBuffer> dy_sorted,
-                      ffi::Result<ffi::Buffer<ffi::F32, 2>> d_recv_w, int64_t workspace_id,
-                      int64_t num_experts) {
-  const PeerView* v = nullptr;
-  if (auto e = ResolveView(workspace_id, ordinal, &v); e.failure()) return e;
-  ElemType type;
-  if (auto e = ElemTypeOf(d_out.element_type(), "d_out", &type); e.failure()) return e;
+                      ffi::AnyBuffer y_sorted, S32Matrix slot_pos, F32Matrix recv_w, S32Matrix ids,
+                      S32Vector group_sizes, ffi::Result<ffi::AnyBuffer> dy_sorted,
+                      ffi::Result<F32Matrix> d_recv_w, int64_t workspace_id, int64_t num_experts) {
   const int64_t T = ids.dimensions()[0], K = ids.dimensions()[1], H = d_out.dimensions()[1];
-  if (auto e = CheckFits(*v, T, H, K, type, num_experts); e.failure()) return e;
+  EpCall call;
+  MEGAMOE_RETURN_IF_ERROR(ResolveEpCall(workspace_id, ordinal, d_out.element_type(), "d_out", T,
+                                        H, K, num_experts, &call));
+  const PeerView* v = call.view;
+  const ElemType type = call.type;
   const int64_t rows = v->num_ranks * T;
   const int64_t epr = num_experts / v->num_ranks;
   if (d_out.dimensions()[0] != T || y_sorted.dimensions()[1] != H ||
@@ -61,41 +58,29 @@ ffi::Error CombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d_out
 }
 
 }  // namespace
-}  // namespace megamoe::ep
 
-namespace ffi = xla::ffi;
-using S32Matrix = ffi::Buffer<ffi::S32, 2>;
-using F32Matrix = ffi::Buffer<ffi::F32, 2>;
-using S32Vector = ffi::Buffer<ffi::S32, 1>;
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpCombineFwd, megamoe::ep::CombineFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Matrix>()
-                                  .Arg<F32Matrix>()
-                                  .Arg<S32Matrix>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("workspace_id")
-                                  .Attr<int64_t>("num_experts"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpCombineFwd, CombineFwd,
+                              EpAttributes(EpContext()
+                                  .Arg<ffi::AnyBuffer>()  // y_sorted
+                                  .Arg<S32Matrix>()       // slot_pos
+                                  .Arg<F32Matrix>()       // recv_w
+                                  .Arg<S32Matrix>()       // ids
+                                  .Ret<ffi::AnyBuffer>()),  // out
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpCombineBwd, megamoe::ep::CombineBwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Matrix>()
-                                  .Arg<F32Matrix>()
-                                  .Arg<S32Matrix>()
-                                  .Arg<S32Vector>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<F32Matrix>()
-                                  .Attr<int64_t>("workspace_id")
-                                  .Attr<int64_t>("num_experts"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpCombineBwd, CombineBwd,
+                              EpAttributes(EpContext()
+                                  .Arg<ffi::AnyBuffer>()  // d_out
+                                  .Arg<ffi::AnyBuffer>()  // y_sorted
+                                  .Arg<S32Matrix>()       // slot_pos
+                                  .Arg<F32Matrix>()       // recv_w
+                                  .Arg<S32Matrix>()       // ids
+                                  .Arg<S32Vector>()       // group_sizes
+                                  .Ret<ffi::AnyBuffer>()  // dy_sorted
+                                  .Ret<F32Matrix>()),     // d_recv_w
                               {ffi::Traits::kCmdBufferCompatible});
 
 MEGAMOE_REGISTER_FFI("megamoe_ep_combine_fwd", "CUDA", MegamoeEpCombineFwd);
 MEGAMOE_REGISTER_FFI("megamoe_ep_combine_bwd", "CUDA", MegamoeEpCombineBwd);
+
+}  // namespace megamoe::ep

@@ -8,23 +8,19 @@
 namespace megamoe::ep {
 namespace {
 
-ffi::Error DispatchFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                       ffi::Buffer<ffi::S32, 2> ids, ffi::Buffer<ffi::F32, 2> weights,
-                       ffi::Result<ffi::AnyBuffer> x_sorted,
-                       ffi::Result<ffi::Buffer<ffi::S32, 1>> group_sizes,
-                       ffi::Result<ffi::Buffer<ffi::S32, 2>> slot_pos,
-                       ffi::Result<ffi::Buffer<ffi::F32, 2>> recv_w,
-                       ffi::Result<ffi::Buffer<ffi::S32, 1>> stats,
-                       ffi::Result<ffi::Buffer<ffi::S32, 1>> scratch, int64_t workspace_id,
-                       int64_t num_experts) {
-  const PeerView* v = nullptr;
-  if (auto e = ResolveView(workspace_id, ordinal, &v); e.failure()) return e;
-  ElemType type;
-  if (auto e = ElemTypeOf(x.element_type(), "x", &type); e.failure()) return e;
+ffi::Error DispatchFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, S32Matrix ids,
+                       F32Matrix weights, ffi::Result<ffi::AnyBuffer> x_sorted,
+                       ffi::Result<S32Vector> group_sizes, ffi::Result<S32Matrix> slot_pos,
+                       ffi::Result<F32Matrix> recv_w, ffi::Result<S32Vector> stats,
+                       ffi::Result<S32Vector> scratch, int64_t workspace_id, int64_t num_experts) {
   if (x.dimensions().size() != 2 || x_sorted->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jax_megamoe EP dispatch: x and x_sorted must be 2-D");
   const int64_t T = x.dimensions()[0], H = x.dimensions()[1], K = ids.dimensions()[1];
-  if (auto e = CheckFits(*v, T, H, K, type, num_experts); e.failure()) return e;
+  EpCall call;
+  MEGAMOE_RETURN_IF_ERROR(ResolveEpCall(workspace_id, ordinal, x.element_type(), "x", T, H, K,
+                                        num_experts, &call));
+  const PeerView* v = call.view;
+  const ElemType type = call.type;
   const int64_t epr = num_experts / v->num_ranks;
   const int64_t rows = v->num_ranks * T;
   if (ids.dimensions()[0] != T || weights.dimensions()[0] != T || weights.dimensions()[1] != K ||
@@ -49,16 +45,15 @@ ffi::Error DispatchFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
 // dx[t] = sum over ranks of sum over the token's slots there of dx_sorted rows;
 // d_weights[t, j] = d_recv_w of slot (t, j) on the rank that holds its expert.
 ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dx_sorted,
-                       ffi::Buffer<ffi::F32, 2> d_recv_w, ffi::Buffer<ffi::S32, 2> slot_pos,
-                       ffi::Buffer<ffi::S32, 2> ids, ffi::Result<ffi::AnyBuffer> dx,
-                       ffi::Result<ffi::Buffer<ffi::F32, 2>> d_weights, int64_t workspace_id,
-                       int64_t num_experts) {
-  const PeerView* v = nullptr;
-  if (auto e = ResolveView(workspace_id, ordinal, &v); e.failure()) return e;
-  ElemType type;
-  if (auto e = ElemTypeOf(dx_sorted.element_type(), "dx_sorted", &type); e.failure()) return e;
+                       F32Matrix d_recv_w, S32Matrix slot_pos, S32Matrix ids,
+                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<F32Matrix> d_weights,
+                       int64_t workspace_id, int64_t num_experts) {
   const int64_t T = ids.dimensions()[0], K = ids.dimensions()[1], H = dx_sorted.dimensions()[1];
-  if (auto e = CheckFits(*v, T, H, K, type, num_experts); e.failure()) return e;
+  EpCall call;
+  MEGAMOE_RETURN_IF_ERROR(ResolveEpCall(workspace_id, ordinal, dx_sorted.element_type(),
+                                        "dx_sorted", T, H, K, num_experts, &call));
+  const PeerView* v = call.view;
+  const ElemType type = call.type;
   const int64_t rows = v->num_ranks * T;
   if (dx->dimensions()[0] != T || dx->dimensions()[1] != H || slot_pos.dimensions()[0] != rows ||
       d_recv_w.dimensions()[0] != rows || d_weights->dimensions()[0] != T) {
@@ -75,43 +70,31 @@ ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dx_s
 }
 
 }  // namespace
-}  // namespace megamoe::ep
 
-namespace ffi = xla::ffi;
-using S32Matrix = ffi::Buffer<ffi::S32, 2>;
-using F32Matrix = ffi::Buffer<ffi::F32, 2>;
-using S32Vector = ffi::Buffer<ffi::S32, 1>;
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpDispatchFwd, megamoe::ep::DispatchFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Matrix>()
-                                  .Arg<F32Matrix>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<S32Vector>()
-                                  .Ret<S32Matrix>()
-                                  .Ret<F32Matrix>()
-                                  .Ret<S32Vector>()
-                                  .Ret<S32Vector>()
-                                  .Attr<int64_t>("workspace_id")
-                                  .Attr<int64_t>("num_experts"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpDispatchFwd, DispatchFwd,
+                              EpAttributes(EpContext()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<S32Matrix>()       // ids
+                                  .Arg<F32Matrix>()       // weights
+                                  .Ret<ffi::AnyBuffer>()  // x_sorted
+                                  .Ret<S32Vector>()       // group_sizes
+                                  .Ret<S32Matrix>()       // slot_pos
+                                  .Ret<F32Matrix>()       // recv_w
+                                  .Ret<S32Vector>()       // stats
+                                  .Ret<S32Vector>()),     // scratch
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpDispatchBwd, megamoe::ep::DispatchBwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<F32Matrix>()
-                                  .Arg<S32Matrix>()
-                                  .Arg<S32Matrix>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<F32Matrix>()
-                                  .Attr<int64_t>("workspace_id")
-                                  .Attr<int64_t>("num_experts"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpDispatchBwd, DispatchBwd,
+                              EpAttributes(EpContext()
+                                  .Arg<ffi::AnyBuffer>()  // dx_sorted
+                                  .Arg<F32Matrix>()       // d_recv_w
+                                  .Arg<S32Matrix>()       // slot_pos
+                                  .Arg<S32Matrix>()       // ids
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<F32Matrix>()),     // d_weights
                               {ffi::Traits::kCmdBufferCompatible});
 
 MEGAMOE_REGISTER_FFI("megamoe_ep_dispatch_fwd", "CUDA", MegamoeEpDispatchFwd);
 MEGAMOE_REGISTER_FFI("megamoe_ep_dispatch_bwd", "CUDA", MegamoeEpDispatchBwd);
+
+}  // namespace megamoe::ep

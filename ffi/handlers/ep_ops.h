@@ -1,12 +1,16 @@
-// Shared binding code of the EP handlers: workspace lookup, error reporting, dtype mapping.
+// What the EP handlers (dispatch and combine, forward and backward) share: the binding's
+// context and attributes, the workspace lookup with its error report, the dtype mapping and the
+// checks that a call fits its workspace.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <string>
+#include <utility>
 
 #include "ffi/comm/symmetric_memory.h"
 #include "ffi/comm/workspace_registry.h"
+#include "ffi/common/checks.h"
 #include "ffi/impls/ep_dispatch_combine.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -68,10 +72,41 @@ inline ffi::Error CheckFits(const PeerView& v, int64_t tokens, int64_t hidden, i
   return ffi::Error::Success();
 }
 
+// One EP call's view and row element type, after the checks every EP handler makes first: the
+// workspace, the dtype of `rows` (named `rows_name`), and that `tokens` rows of `hidden`
+// elements with `top_k` slots fit it.
+struct EpCall {
+  const PeerView* view = nullptr;
+  ElemType type = ElemType::kF32;
+};
+
+inline ffi::Error ResolveEpCall(int64_t workspace_id, int32_t ordinal, ffi::DataType rows_dtype,
+                                const char* rows_name, int64_t tokens, int64_t hidden,
+                                int64_t top_k, int64_t num_experts, EpCall* call) {
+  if (auto e = ResolveView(workspace_id, ordinal, &call->view); e.failure()) return e;
+  if (auto e = ElemTypeOf(rows_dtype, rows_name, &call->type); e.failure()) return e;
+  return CheckFits(*call->view, tokens, hidden, top_k, call->type, num_experts);
+}
+
 inline ffi::Error CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("jax_megamoe EP ") + what + ": " +
                               cudaGetErrorString(err));
 }
+
+// The binding of an EP handler: EpAttributes(EpContext().Arg<...>()...Ret<...>()), the stream
+// and device ordinal first, the workspace id (jax_megamoe.symmetric) and the global expert count
+// last.
+inline auto EpContext() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+}
+template <class Binding>
+auto EpAttributes(Binding&& b) {
+  return std::move(b).template Attr<int64_t>("workspace_id").template Attr<int64_t>("num_experts");
+}
+
+using S32Matrix = ffi::Buffer<ffi::S32, 2>;
+using F32Matrix = ffi::Buffer<ffi::F32, 2>;
+using S32Vector = ffi::Buffer<ffi::S32, 1>;
 
 }  // namespace megamoe::ep
