@@ -6,28 +6,35 @@ Runs a jit-compiled train step over a (data, expert) device mesh: batch sharded 
 device, experts over `expert`, every other weight FSDP-sharded over `data`. AdamW on float32
 master weights with bfloat16 compute, global-norm clipping, warm-up + cosine schedule, the
 router's load-balancing and z losses. Several processes (one per host or per GPU) are joined
-through jax.distributed when the environment says so (JAX_COORDINATOR_ADDRESS +
-JAX_NUM_PROCESSES + JAX_PROCESS_ID, or SLURM / Open MPI).
+through jax.distributed when the environment says so, each driving the GPUs that launch.py picks
+(JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, or SLURM / Open MPI;
+MEGAMOE_LOCAL_DEVICE_IDS; see examples/README.md).
 
 Writes to --out: metrics.jsonl (one line per step), losses.json (the whole curve, for
-compare_losses.py), loss_curve.png, expert_load.png and checkpoints/ (orbax; --resume continues
-from the latest one). The batches depend only on --seed and the step, so two runs that differ
-only in --backend see the same data (loss parity).
+compare_losses.py), loss_curve.png, expert_load.png and checkpoints/ (orbax, each sealed with
+the checksums of its files and verified before --resume restores it; see checkpoints.py). The
+batches depend only on --seed and the step, so two runs that differ only in --backend see the
+same data (loss parity). A step whose loss or gradient norm is not finite stops the run (exit
+status 1) before its update is applied and before anything later is saved.
+
+Flags are absl flags (--name=value or --name value; dashes and underscores alike: --seq-len,
+--seq_len); --help lists them.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -43,7 +50,9 @@ from jax_megamoe.models.losses import chunked_cross_entropy  # noqa: E402
 from jax_megamoe.models.sharding import param_shardings  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkpoints as checkpoints_lib  # noqa: E402
 import data as data_lib  # noqa: E402
+import launch  # noqa: E402
 import plots  # noqa: E402
 
 # Dense bf16 peak FLOP/s per device for the MFU estimate (vendor figures), by device_kind.
@@ -51,72 +60,133 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e1
                    "B200": 2250e12, "GB200": 2500e12}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
-  p.add_argument("--num-layers", type=int, default=None, help="override the layer count")
-  p.add_argument("--backend", default="auto", choices=BACKENDS)
-  p.add_argument("--recipe", default="none", choices=["none", *filter(None, RECIPES)])
-  p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                 help="compute dtype (master weights are always float32)")
-  p.add_argument("--steps", type=int, default=150)
-  p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-  p.add_argument("--seq-len", type=int, default=128)
-  p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-  p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
-  p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
-  p.add_argument("--weight-decay", type=float, default=0.1)
-  p.add_argument("--clip-norm", type=float, default=1.0, help="global gradient norm clip")
-  p.add_argument("--aux-loss-coef", type=float, default=None,
-                 help="load-balancing loss weight (default: the config's, 1e-3 as Qwen3)")
-  p.add_argument("--z-loss-coef", type=float, default=1e-3, help="router z-loss weight")
-  p.add_argument("--ce-chunk", type=int, default=0,
-                 help="compute the cross-entropy this many positions at a time, never holding "
-                      "the full [batch, seq, vocab] logits (for Qwen3's 152k vocabulary); "
-                      "0: full logits")
-  p.add_argument("--remat", default="none", choices=sorted(REMAT_POLICIES),
-                 help="rematerialisation policy of every decoder layer")
-  p.add_argument("--attention", default="xla", choices=["xla", "cudnn"],
-                 help="attention kernel: xla (any platform) or cudnn (GPU flash attention, "
-                      "bf16)")
-  p.add_argument("--init-from", default=None, help="Hugging Face Qwen3-MoE checkpoint dir")
-  p.add_argument("--data", default=None,
-                 help="text file (byte tokens) or .npy token ids; default: the Python "
-                      "standard library's sources, byte-tokenised (no download)")
-  p.add_argument("--mesh", default=None,
-                 help="e.g. data=2,expert=4; default: expert = the devices of one host "
-                      "(at most the expert count), data = the rest")
-  p.add_argument("--out", default="runs/qwen3_moe", help="run directory")
-  p.add_argument("--checkpoint-every", type=int, default=100, help="0: never")
-  p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-  p.add_argument("--stop-at", type=int, default=None,
-                 help="stop after this step as if interrupted (the schedule still spans "
-                      "--steps); with --resume, for testing preemption")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--log-every", type=int, default=25)
-  p.add_argument("--peak-tflops", type=float, default=None,
-                 help="per-device peak for MFU (default: known GPUs' bf16 peak)")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar")
-  args = p.parse_args(argv)
-  for name in ("steps", "batch", "seq_len"):
-    if getattr(args, name) < 1:
-      p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-  if args.ce_chunk < 0 or (args.ce_chunk and args.seq_len % args.ce_chunk):
-    p.error(f"--ce-chunk must be 0 or divide --seq-len {args.seq_len}, got {args.ce_chunk}")
+class RunError(RuntimeError):
+  """The run cannot start or go on; the message says why (the command exits 1 with it)."""
+
+
+# --- command line -----------------------------------------------------------------------------
+
+# (kind, name, default, help, options). Names keep the argparse-era spellings: --seq-len and
+# --seq_len both reach seq_len (see _underscored).
+_FLAGS = (
+    ("enum", "config", "tiny", "model configuration", dict(enum_values=sorted(CONFIGS))),
+    ("integer", "num_layers", None, "override the layer count", dict(lower_bound=1)),
+    ("enum", "backend", "auto", "MoE backend", dict(enum_values=list(BACKENDS))),
+    ("enum", "recipe", "none", "MoE GEMM recipe",
+     dict(enum_values=["none", *filter(None, RECIPES)])),
+    ("enum", "dtype", "bfloat16", "compute dtype (master weights are always float32)",
+     dict(enum_values=["bfloat16", "float32"])),
+    ("integer", "steps", 150, "training steps", dict(lower_bound=1)),
+    ("integer", "batch", 16, "global batch (sequences)", dict(lower_bound=1)),
+    ("integer", "seq_len", 128, "tokens per sequence", dict(lower_bound=1)),
+    ("float", "lr", 3e-3, "peak learning rate", {}),
+    ("integer", "warmup_steps", None, "default: 10% of --steps", dict(lower_bound=0)),
+    ("float", "min_lr_ratio", 0.1, "final lr / peak lr", {}),
+    ("float", "weight_decay", 0.1, "AdamW weight decay", {}),
+    ("float", "clip_norm", 1.0, "global gradient norm clip", {}),
+    ("float", "aux_loss_coef", None,
+     "load-balancing loss weight (default: the config's, 1e-3 as Qwen3)", {}),
+    ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
+    ("integer", "ce_chunk", 0,
+     "compute the cross-entropy this many positions at a time, never holding the full "
+     "[batch, seq, vocab] logits (for Qwen3's 152k vocabulary); 0: full logits",
+     dict(lower_bound=0)),
+    ("enum", "remat", "none", "rematerialisation policy of every decoder layer",
+     dict(enum_values=sorted(REMAT_POLICIES))),
+    ("enum", "attention", "xla",
+     "attention kernel: xla (any platform) or cudnn (GPU flash attention, bf16)",
+     dict(enum_values=["xla", "cudnn"])),
+    ("string", "init_from", None, "Hugging Face Qwen3-MoE checkpoint dir", {}),
+    ("string", "data", None,
+     "text file (byte tokens) or .npy token ids; default: the Python standard library's "
+     "sources, byte-tokenised (no download)", {}),
+    ("string", "mesh", None,
+     "e.g. data=2,expert=4; default: expert = the devices of one host (at most the expert "
+     "count), data = the rest", {}),
+    ("string", "out", "runs/qwen3_moe", "run directory", {}),
+    ("integer", "checkpoint_every", 100, "steps between checkpoints; 0: never",
+     dict(lower_bound=0)),
+    ("boolean", "resume", False,
+     "continue from the newest intact checkpoint (verified against its checksums)", {}),
+    ("integer", "stop_at", None,
+     "stop after this step as if interrupted (the schedule still spans --steps); with "
+     "--resume, for testing preemption", dict(lower_bound=1)),
+    ("integer", "seed", 0, "seed of the initialisation and of the batches",
+     dict(lower_bound=0)),
+    ("integer", "log_every", 25, "steps between log lines (and per-layer expert loads)",
+     dict(lower_bound=1)),
+    ("float", "peak_tflops", None, "per-device peak for MFU (default: known GPUs' bf16 peak)",
+     {}),
+    ("boolean", "no_progress", False, "no progress bar", {}),
+)
+FLAG_NAMES = tuple(spec[1] for spec in _FLAGS)
+
+# Float flags that absl would take as NaN or Inf: (name, smallest value, inclusive?).
+_FINITE_FLAGS = (("lr", 0.0, True), ("min_lr_ratio", 0.0, True), ("weight_decay", 0.0, True),
+                 ("clip_norm", 0.0, False), ("aux_loss_coef", 0.0, True),
+                 ("z_loss_coef", 0.0, True), ("peak_tflops", 0.0, False))
+
+
+def define_flags(flag_values: flags.FlagValues) -> None:
+  """Defines the script's flags (and their checks) on `flag_values`."""
+  for kind, name, default, help_, options in _FLAGS:
+    getattr(flags, f"DEFINE_{kind}")(name, default, help=help_, flag_values=flag_values,
+                                     **options)
+  for name, low, inclusive in _FINITE_FLAGS:
+    bound = f">= {low:g}" if inclusive else f"> {low:g}"
+    flags.register_validator(
+        name, lambda v, low=low, inclusive=inclusive: v is None or (
+            math.isfinite(v) and (v >= low if inclusive else v > low)),
+        message=f"--{name} must be a finite number {bound}", flag_values=flag_values)
+  flags.register_validator("mesh", lambda v: v is None or parse_mesh(v) is not None,
+                           message="--mesh must look like data=2,expert=4 (positive sizes of "
+                                   "exactly the axes data and expert)",
+                           flag_values=flag_values)
+  flags.register_multi_flags_validator(
+      ["ce_chunk", "seq_len"], lambda v: not v["ce_chunk"] or v["seq_len"] % v["ce_chunk"] == 0,
+      message="--ce-chunk must be 0 or divide --seq-len", flag_values=flag_values)
+
+
+def parse_flags(argv: list[str]) -> types.SimpleNamespace:
+  """The run's arguments from a command line (argv[0] is the program), on fresh FlagValues:
+  for calling train() from Python and for tests. Bad flags raise flags.Error."""
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  rest = flag_values(_underscored(argv))
+  if len(rest) > 1:
+    raise flags.Error(f"unexpected arguments {rest[1:]}")
+  return flags_to_args(flag_values)
+
+
+def flags_to_args(flag_values: flags.FlagValues) -> types.SimpleNamespace:
+  args = types.SimpleNamespace(**{name: flag_values[name].value for name in FLAG_NAMES})
   args.recipe = None if args.recipe == "none" else args.recipe
   return args
 
 
-def init_distributed() -> None:
-  """jax.distributed.initialize() when launched as several processes."""
-  env = os.environ
-  if "JAX_COORDINATOR_ADDRESS" in env and "JAX_NUM_PROCESSES" in env:
-    jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
-                               num_processes=int(env["JAX_NUM_PROCESSES"]),
-                               process_id=int(env["JAX_PROCESS_ID"]))
-  elif int(env.get("SLURM_NTASKS", 1)) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
-    jax.distributed.initialize()  # cluster auto-detection
+def _underscored(argv: list[str]) -> list[str]:
+  """--seq-len=4 -> --seq_len=4 (absl names use underscores; the dashed names are the
+  script's historical spelling and stay valid). Values and everything after "--" are kept."""
+  out = list(argv[:1])
+  for n, arg in enumerate(argv[1:], start=1):
+    if arg == "--":
+      return out + list(argv[n:])
+    if arg.startswith("--"):
+      name, eq, value = arg[2:].partition("=")
+      arg = "--" + name.replace("-", "_") + eq + value
+    out.append(arg)
+  return out
+
+
+def parse_mesh(spec: str) -> dict[str, int] | None:
+  """"data=2,expert=4" -> {"data": 2, "expert": 4}; None unless both axes, positive sizes."""
+  try:
+    sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in spec.split(","))}
+  except ValueError:
+    return None
+  if set(sizes) != {"data", "expert"} or min(sizes.values()) < 1:
+    return None
+  return sizes
 
 
 def make_mesh(spec: str | None, num_experts: int) -> Mesh:
@@ -126,18 +196,15 @@ def make_mesh(spec: str | None, num_experts: int) -> Mesh:
     expert = math.gcd(jax.local_device_count(), num_experts)
     sizes = {"data": num_devices // expert, "expert": expert}
   else:
-    try:
-      sizes = {k.strip(): int(v) for k, v in (part.split("=") for part in spec.split(","))}
-    except ValueError:
-      raise ValueError(f"--mesh must look like data=2,expert=4, got {spec!r}") from None
-    if set(sizes) != {"data", "expert"}:
-      raise ValueError(f"--mesh must name exactly the axes data and expert, got {spec!r}")
+    sizes = parse_mesh(spec)
+    if sizes is None:
+      raise RunError(f"--mesh must look like data=2,expert=4, got {spec!r}")
     if sizes["data"] * sizes["expert"] != num_devices:
-      raise ValueError(f"--mesh {spec!r} has {sizes['data'] * sizes['expert']} devices, this "
-                       f"run has {num_devices}")
+      raise RunError(f"--mesh {spec!r} has {sizes['data'] * sizes['expert']} devices, this "
+                     f"run has {num_devices}")
   if num_experts % sizes["expert"]:
-    raise ValueError(f"the expert axis ({sizes['expert']}) must divide the number of experts "
-                     f"({num_experts})")
+    raise RunError(f"the expert axis ({sizes['expert']}) must divide the number of experts "
+                   f"({num_experts})")
   return jax.make_mesh((sizes["data"], sizes["expert"]), ("data", "expert"),
                        axis_types=(AxisType.Auto, AxisType.Auto))
 
@@ -184,7 +251,12 @@ def init_optimizer_state(tx, params, mesh):
 
 
 def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int):
-  """(params, opt_state, inputs, targets) -> (params, opt_state, metrics)."""
+  """(params, opt_state, inputs, targets) -> (params, opt_state, metrics).
+
+  A step whose loss or gradient norm is not finite changes nothing: it returns the state it
+  was given (the host then stops on the step's metrics, see train), so no NaN reaches the
+  parameters, the optimizer moments or a checkpoint.
+  """
 
   def loss_fn(params, inputs, targets):
     model = nnx.merge(graphdef, params)
@@ -201,43 +273,15 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
 
   def train_step(params, opt_state, inputs, targets):
     grads, metrics = jax.grad(loss_fn, has_aux=True)(params, inputs, targets)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
     metrics["grad_norm"] = optax.global_norm(grads)
-    return optax.apply_updates(params, updates), opt_state, metrics
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    keep = lambda new, old: jnp.where(finite, new, old)
+    new_params = optax.apply_updates(params, updates)
+    return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt_state, opt_state),
+            metrics)
 
   return train_step
-
-
-class Checkpoints:
-  """Orbax checkpoints of {params, opt_state} under <out>/checkpoints, keyed by step. Orbax is
-  imported only when checkpoints are saved or resumed."""
-
-  def __init__(self, directory: str, every: int, resume: bool):
-    self.every, self.manager = every, None
-    if every <= 0 and not resume:
-      return
-    import orbax.checkpoint as ocp
-    self._ocp = ocp
-    self.manager = ocp.CheckpointManager(
-        os.path.abspath(directory),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-
-  def latest_step(self) -> int | None:
-    return self.manager.latest_step() if self.manager else None
-
-  def restore(self, step: int, like: dict) -> dict:
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
-    return self.manager.restore(step, args=self._ocp.args.StandardRestore(abstract))
-
-  def maybe_save(self, step: int, state: dict, last: bool) -> None:
-    if self.every > 0 and (step % self.every == 0 or last):
-      self.manager.save(step, args=self._ocp.args.StandardSave(state))
-
-  def close(self) -> None:
-    if self.manager:
-      self.manager.wait_until_finished()
-      self.manager.close()
 
 
 class Progress:
@@ -283,18 +327,74 @@ def peak_flops(args) -> float | None:
   return next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
 
 
-def read_metrics(path: str, up_to_step: int) -> list[dict]:
-  """Metrics of an earlier run segment (for --resume), steps 1..up_to_step."""
-  if not os.path.exists(path):
+def ep_workspace_errors() -> list[str]:
+  """Errors that expert-parallel kernels recorded in their symmetric workspaces (a wait on a
+  peer GPU that timed out). Such a kernel returns normally after its timeout, so the step that
+  ran it looks fine; the run must neither go on from it nor save it."""
+  symmetric = sys.modules.get("jax_megamoe.symmetric")
+  if symmetric is None:  # never imported: no EP kernel ran in this process
     return []
+  errors = []
+  for workspace in [*symmetric._cache.values(), *symmetric._retired]:
+    try:
+      workspace.check()
+    except RuntimeError as e:
+      errors.append(str(e))
+  return errors
+
+
+def read_metrics(path: str, up_to_step: int, log) -> list[dict]:
+  """Rows 1..up_to_step of an earlier run segment (for --resume), each step once (the last
+  row written for a step wins). A line cut short by an interrupt is dropped with a message;
+  steps without a row are reported."""
+  if not os.path.exists(path):
+    log(f"--resume: no {path}; the curve starts at step {up_to_step + 1}")
+    return []
+  rows = {}
   with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  return [r for r in rows if r["step"] <= up_to_step]
+    for n, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except ValueError:
+        log(f"{path} line {n} is not JSON (cut short by an interrupt?): dropped")
+        continue
+      step = row.get("step") if isinstance(row, dict) else None
+      if isinstance(step, int) and 1 <= step <= up_to_step:
+        rows[step] = row
+  missing = [s for s in range(1, up_to_step + 1) if s not in rows]
+  if missing:
+    log(f"{path} has no rows for {len(missing)} of steps 1..{up_to_step} (first {missing[0]}); "
+        f"the curve has gaps there")
+  return [rows[s] for s in sorted(rows)]
 
 
-def main(argv=None) -> dict:
-  args = parse_args(argv)
-  init_distributed()
+def write_metrics(path: str, rows: list[dict]) -> None:
+  """Replaces the metrics file with `rows` atomically (an interrupt leaves the old or the new)."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> None:
+  """absl entry point; argv holds the arguments left after the flags (none are expected)."""
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; -v 0 shows them
+    logging.set_verbosity(logging.WARNING)
+  try:
+    train(flags_to_args(flags.FLAGS))
+  except (RunError, checkpoints_lib.CheckpointError) as e:
+    sys.exit(f"train_qwen3_moe: {e}")
+
+
+def train(args: types.SimpleNamespace) -> dict:
+  """The run (args: parse_flags' result); returns the summary _report gives."""
+  launch.init_distributed()
   is_main = jax.process_index() == 0
   log = print if is_main else (lambda *a, **k: None)
 
@@ -303,8 +403,28 @@ def main(argv=None) -> dict:
     config = config.replace(num_layers=args.num_layers)
   mesh = make_mesh(args.mesh, config.num_experts)
   if args.batch % mesh.size:
-    raise ValueError(f"--batch {args.batch} must divide evenly over the {mesh.size} devices "
-                     f"(every device holds its own sequences)")
+    raise RunError(f"--batch {args.batch} must divide evenly over the {mesh.size} devices "
+                   f"(every device holds its own sequences)")
+  os.makedirs(args.out, exist_ok=True)
+  checkpoints = checkpoints_lib.Checkpoints(os.path.join(args.out, "checkpoints"),
+                                            every=args.checkpoint_every, keep=2, log=log)
+  stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
+  start = 0
+  if args.resume:
+    start = checkpoints.latest_intact_step() or 0
+    if not start:
+      log(f"--resume: no checkpoint in {checkpoints.directory} yet, starting from step 0")
+    if start >= stop:
+      log(f"nothing to do: the newest checkpoint is step {start} and this run stops at step "
+          f"{stop} (--steps {args.steps}" + (f", --stop-at {args.stop_at})" if args.stop_at
+                                               else ")"))
+      return dict(steps=0, nothing_to_do=True, resumed_from=start,
+                  out=os.path.abspath(args.out))
+  elif checkpoints.steps():
+    raise RunError(f"{checkpoints.directory} already holds checkpoints (steps "
+                   f"{checkpoints.steps()}) of an earlier run: pass --resume to continue it, "
+                   f"or choose another --out. Nothing was changed")
+
   dtype = jnp.dtype(args.dtype)
   aux_coef = config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
   tokens = data_lib.load_tokens(args.data, config.vocab_size)
@@ -320,22 +440,16 @@ def main(argv=None) -> dict:
   graphdef, params = build_params(args, config, mesh, dtype)
   tx, schedule = make_optimizer(args)
   opt_state = init_optimizer_state(tx, params, mesh)
-  os.makedirs(args.out, exist_ok=True)
-  checkpoints = Checkpoints(os.path.join(args.out, "checkpoints"), args.checkpoint_every,
-                            args.resume)
   metrics_path = os.path.join(args.out, "metrics.jsonl")
-  start, history = 0, []
-  if args.resume and checkpoints.latest_step() is not None:
-    start = checkpoints.latest_step()
+  history = []
+  if start:
     state = checkpoints.restore(start, {"params": params, "opt_state": opt_state})
     params, opt_state = state["params"], state["opt_state"]
-    history = read_metrics(metrics_path, start)
+    # Process 0 alone reads and rewrites the file (another reading it meanwhile could see it cut).
+    history = read_metrics(metrics_path, start, log) if is_main else []
     log(f"resumed from step {start}")
-  elif args.resume:
-    log(f"--resume: no checkpoint in {args.out}/checkpoints yet, starting from step 0")
   if is_main:
-    with open(metrics_path, "w") as f:
-      f.writelines(json.dumps(r) + "\n" for r in history)
+    write_metrics(metrics_path, history)
 
   state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
   batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
@@ -355,6 +469,17 @@ def main(argv=None) -> dict:
   metrics_file = open(metrics_path, "a") if is_main else None
   t_start = time.perf_counter()
   last_time, compile_s, pending = None, None, None
+
+  def newest_checkpoint() -> str:
+    newest = checkpoints.newest_step()
+    return (f"The newest checkpoint is step {newest} (continue from it with --resume)"
+            if newest else "No checkpoint was saved")
+
+  def stop_unless_ep_workspaces_are_clean(step, what):
+    errors = ep_workspace_errors()
+    if errors:
+      raise RunError(f"step {step}: an expert-parallel kernel reported an error, so its results "
+                     f"cannot be trusted and {what}: {'; '.join(errors)}. {newest_checkpoint()}")
 
   def finish(step, metrics):
     """Host side of one step, run once the next step is already queued."""
@@ -391,22 +516,48 @@ def main(argv=None) -> dict:
     progress.update(f"loss {row['ce']:.3f} aux {row['aux']:.3f} "
                     + (f"{row['tokens_per_s']:,.0f} tok/s " if dt else "")
                     + f"imbalance {row['imbalance']:.2f}")
+    if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+      stop_unless_ep_workspaces_are_clean(step, "the step's loss is not finite")
+      raise RunError(f"step {step}: the loss is {row['loss']} and the gradient norm "
+                     f"{row['grad_norm']} (not finite); the step's update was not applied and "
+                     f"nothing after it was saved. {newest_checkpoint()}; a lower --lr or "
+                     f"--clip-norm may help")
 
-  stop = args.steps if args.stop_at is None else min(args.stop_at, args.steps)
-  for step in range(start + 1, stop + 1):
-    inputs, targets = device_batch(step)
-    params, opt_state, metrics = train_step(params, opt_state, inputs, targets)
+  finished = False
+  try:
+    for step in range(start + 1, stop + 1):
+      inputs, targets = device_batch(step)
+      try:
+        params, opt_state, metrics = train_step(params, opt_state, inputs, targets)
+        if pending is not None:
+          finish(*pending)
+        pending = (step, metrics)
+        if checkpoints.due(step, last=step == args.steps):
+          # Row `step` is written, checked and on disk before checkpoint `step` is: a resume
+          # from it finds every earlier row exactly once.
+          finish(*pending)
+          pending = None
+          if metrics_file:
+            os.fsync(metrics_file.fileno())
+          stop_unless_ep_workspaces_are_clean(step, "it was not saved")
+          checkpoints.save(step, {"params": params, "opt_state": opt_state})
+      except jax.errors.JaxRuntimeError as e:
+        raise RunError(f"step {step} (or the one before) failed on the device: "
+                       f"{str(e).strip().splitlines()[0][:800]}. {newest_checkpoint()}") from e
     if pending is not None:
       finish(*pending)
-    pending = (step, metrics)
-    checkpoints.maybe_save(step, {"params": params, "opt_state": opt_state},
-                           last=step == args.steps)
-  if pending is not None:
-    finish(*pending)
-  progress.close()
-  checkpoints.close()
-  if metrics_file:
-    metrics_file.close()
+    stop_unless_ep_workspaces_are_clean(stop, "the run's last steps cannot be trusted")
+    finished = True
+  finally:
+    progress.close()
+    if metrics_file:
+      metrics_file.close()
+    try:
+      checkpoints.close()  # waits for the last checkpoint to be written and sealed
+    except checkpoints_lib.CheckpointError as e:
+      if finished:
+        raise
+      log(f"also: {e}")
   wall_s = time.perf_counter() - t_start
   return _report(args, config, history, wall_s, compile_s, is_main, log)
 
@@ -446,4 +597,5 @@ def _report(args, config, history, wall_s, compile_s, is_main, log) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  define_flags(flags.FLAGS)
+  app.run(main, flags_parser=lambda argv: app.parse_flags_with_usage(_underscored(argv)))

@@ -96,8 +96,10 @@ def cuda_available() -> bool:
   return all(_arch_of(d) in built for d in devices)
 
 
+@functools.cache
 def cuda_unavailable_reason() -> str | None:
-  """Why the CUDA kernels cannot run here, or None when they can."""
+  """Why the CUDA kernels cannot run here, or None when they can (fixed for the process: the
+  extension and the GPUs do not change)."""
   info = build_info()
   if not info["extension"]:
     return _load_extension()[1]
@@ -111,3 +113,16 @@ def cuda_unavailable_reason() -> str | None:
   if not cuda_available():
     return f"the GPUs are sm_{archs} but the kernels were built for {info['cuda_archs']}"
   return None
+
+
+# The grouped-GEMM handlers whose scratch gemm_scratch_bytes sizes.
+_GEMM_TARGETS = ("megamoe_grouped_mlp_fwd", "megamoe_grouped_mlp_bwd", "megamoe_grouped_gemm",
+                 "megamoe_grouped_gemm_fp8", "megamoe_grouped_wgrad_fp8")
+
+
+def gemm_scratch_bytes(num_groups: int) -> int:
+  """Device scratch of one grouped-GEMM handler (group offsets + a grouped GEMM's argument
+  arrays and CUTLASS workspace) for `num_groups` experts, as C++ computes it (scratch_bytes): the
+  most any of them needs in this build; the handler checks it and names the shortfall."""
+  return max(scratch_bytes(t, num_groups) for t in _GEMM_TARGETS
+             if has_target(t, "cpu") or has_target(t, "CUDA"))

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_megamoe.moe import moe
+from jax_megamoe.moe import BACKENDS, COMPUTE_DTYPES, RECIPES, moe
 from jax_megamoe.router import RouterAux, route
 
 # Qwen3's initializer_range: every linear weight ~ N(0, 0.02^2).
@@ -40,10 +42,22 @@ class MoE(nnx.Module):
                expert_axis: str = "expert"):
     for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size),
                         ("num_experts", num_experts)):
-      if not isinstance(value, int) or value < 1:
+      if not _is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+    if not _is_int(top_k) or not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    hidden_size, ffn_size, num_experts, top_k = map(int, (hidden_size, ffn_size, num_experts,
+                                                          top_k))
+    # Checked here rather than at the first call, which may come much later (inside jit).
+    if _dtype_or_none(dtype) not in COMPUTE_DTYPES:
+      raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    param_dtype_ = _dtype_or_none(param_dtype)
+    if param_dtype_ is None or not jnp.issubdtype(param_dtype_, jnp.floating):
+      raise ValueError(f"param_dtype must be a floating dtype, got {param_dtype!r}")
+    if backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if recipe not in RECIPES:
+      raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     if mesh is not None:
       if expert_axis not in mesh.axis_names:
         raise ValueError(f"expert_axis {expert_axis!r} is not an axis of the mesh "
@@ -76,7 +90,9 @@ class MoE(nnx.Module):
 
   def __call__(self, x: jax.Array, *, return_aux: bool = False
                ) -> jax.Array | tuple[jax.Array, RouterAux]:
-    if x.shape[-1] != self.hidden_size:
+    if not isinstance(x, (jax.Array, np.ndarray)):
+      raise ValueError(f"x must be a jax.Array or numpy array, got {type(x).__name__}")
+    if x.ndim == 0 or x.shape[-1] != self.hidden_size:
       raise ValueError(f"x's last axis must be hidden_size={self.hidden_size}, got shape "
                        f"{x.shape}")
     lead = x.shape[:-1]
@@ -89,3 +105,15 @@ class MoE(nnx.Module):
             recipe=self.recipe)
     y = y.reshape(*lead, self.hidden_size)
     return (y, aux) if return_aux else y
+
+
+def _is_int(value: Any) -> bool:
+  """Python and numpy integers; not bool (True is not a size)."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _dtype_or_none(dtype: Any) -> np.dtype | None:
+  try:
+    return jnp.dtype(dtype)
+  except TypeError:
+    return None

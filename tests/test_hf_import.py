@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jax_megamoe.models import hf_import  # noqa: E402
-from jax_megamoe.models.qwen3 import load_hf_checkpoint  # noqa: E402
+from jax_megamoe.models.hf_import import load_hf_checkpoint  # noqa: E402
 
 # Small but with every Qwen3-MoE feature that changes the maths: head_dim != hidden / heads,
 # GQA, a dense layer among MoE layers, renormalised or raw top-k weights, tied or untied head.
@@ -157,3 +157,21 @@ def test_shape_mismatch_names_the_parameter(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(ValueError, match=r"embed\.embedding has shape \(96, 32\).*\(100, 32\)"):
     load_hf_checkpoint(tmp_path)
+
+
+def test_legacy_config_spellings_match_transformers(tmp_path):
+  """A config.json in transformers 4.x spelling (top-level rope_theta, rope_scaling with the
+  old 'type' key, num_experts): transformers and this loader read the same model from it."""
+  _save_random_model(tmp_path, **VARIANTS["dense_layer_untied_norm_topk"])
+  config = json.loads((tmp_path / "config.json").read_text())
+  config.pop("rope_parameters")
+  config["num_experts"] = config.pop("num_local_experts", config.get("num_experts"))
+  config |= {"rope_theta": 500.0, "rope_scaling": {"type": "default"}}  # 500: not the default
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  assert hf_model.config.rope_parameters["rope_theta"] == 500.0
+  ids = torch.randint(0, BASE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(2))
+  with torch.no_grad():
+    expected = hf_model(ids).logits.float().numpy()
+  got = _jax_logits(load_hf_checkpoint(tmp_path, dtype=jnp.float32), ids.numpy())
+  assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-4

@@ -47,3 +47,26 @@ def test_route_rejects_bad_top_k(top_k):
 def test_route_rejects_bad_logits_shape():
   with pytest.raises(ValueError, match="logits"):
     jm.route(jnp.zeros((3, 8, 2)), 2)
+
+
+def test_route_accepts_numpy_integer_top_k():
+  import numpy as np
+  want = jm.route(jnp.arange(24.0).reshape(3, 8), 2)
+  got = jm.route(jnp.arange(24.0).reshape(3, 8), np.int64(2))
+  assert got[1].shape == (3, 2)
+  np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_route_rejects_bool_top_k():
+  with pytest.raises(ValueError, match="top_k must be an int .* got True"):
+    jm.route(jnp.zeros((3, 8)), True)
+
+
+def test_route_with_no_tokens_gives_zero_aux_not_nan():
+  weights, ids, aux = jm.route(jnp.zeros((0, 8)), 2)
+  assert weights.shape == ids.shape == (0, 2)
+  assert float(aux.load_balancing_loss) == 0.0 and float(aux.z_loss) == 0.0
+  np.testing.assert_array_equal(aux.expert_load, np.zeros(8, np.float32))
+  # Under jit and grad too: a zero-token batch contributes nothing, not NaN.
+  grad = jax.grad(lambda lg: jm.route(lg, 2)[2].load_balancing_loss)(jnp.zeros((0, 8)))
+  assert grad.shape == (0, 8)

@@ -114,3 +114,72 @@ def test_module_rejects_wrong_hidden_size():
   layer = jm.MoE(H, F, E, K, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="hidden_size=16"):
     layer(jnp.ones((4, H + 1)))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(topk_ids=jnp.zeros((T, 0), jnp.int32), topk_weights=jnp.ones((T, 0))),
+     r"topk_ids must have at least one slot per token \(k >= 1\), got shape \(8, 0\)"),
+    (dict(w_gate_up=jnp.ones((0, H, 2 * F)), w_down=jnp.ones((0, F, H))),
+     r"w_gate_up must hold at least one expert, got shape \(0, 16, 16\)"),
+    (dict(x=jnp.ones((T, H)).tolist()), "x must be a jax.Array or numpy array, got list"),
+    (dict(topk_ids=[[0, 1]] * T), "topk_ids must be a jax.Array or numpy array, got list"),
+    (dict(w_down=None), "w_down must be a jax.Array or numpy array, got NoneType"),
+])
+def test_empty_and_non_array_arguments(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    jm.moe(**good_args(**overrides))
+
+
+def test_numpy_arrays_are_accepted():
+  import numpy as np
+  args = {k: np.asarray(v) for k, v in good_args().items()}
+  assert jm.moe(**args).shape == (T, H)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dtype="float7"), "dtype must be float32, bfloat16 or float16, got 'float7'"),
+    (dict(dtype=jnp.int32), "dtype must be float32, bfloat16 or float16"),
+    (dict(param_dtype="int8"), "param_dtype must be a floating dtype, got 'int8'"),
+    (dict(backend="triton"), "backend must be one of .* got 'triton'"),
+    (dict(recipe="int4"), "recipe must be one of .* got 'int4'"),
+    (dict(top_k=True), "top_k must be an int in .* got True"),
+    (dict(hidden_size=16.0), "hidden_size must be a positive int, got 16.0"),
+])
+def test_module_rejects_bad_options_at_construction(kwargs, match):
+  base = dict(hidden_size=H, ffn_size=F, num_experts=E, top_k=K)
+  base.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    jm.MoE(**base, rngs=nnx.Rngs(0))
+
+
+def test_module_accepts_numpy_integer_sizes():
+  import numpy as np
+  layer = jm.MoE(np.int64(H), np.int32(F), np.int64(E), np.int64(K), rngs=nnx.Rngs(0))
+  assert type(layer.hidden_size) is int and layer.w_down.shape == (E, F, H)
+  assert layer(jnp.ones((4, H))).shape == (4, H)
+
+
+@pytest.mark.parametrize("x,match", [
+    (jnp.float32(1.0), r"x's last axis must be hidden_size=16, got shape \(\)"),
+    ([[1.0] * H], "x must be a jax.Array or numpy array, got list"),
+])
+def test_module_rejects_scalar_and_list_inputs(x, match):
+  layer = jm.MoE(H, F, E, K, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=match):
+    layer(x)
+
+
+def test_symmetric_workspace_names_bad_arguments_and_non_gpu_devices():
+  """Checked before any native call: on CPU devices the error says they are not GPUs (not a
+  CUDA driver error), a float size names the parameter (not a ctypes error)."""
+  from jax_megamoe import symmetric
+  mesh = cpu_mesh((2,), ("expert",))
+  with pytest.raises(ValueError, match="the mesh's devices are not GPUs .*platform cpu"):
+    symmetric.create_workspace(mesh, "expert", max_tokens=8, hidden=16, top_k=2)
+  for kwargs, match in ((dict(max_tokens=8.0), "max_tokens must be a positive int, got 8.0"),
+                        (dict(top_k=0), "top_k must be a positive int, got 0"),
+                        (dict(comm_blocks=True), "comm_blocks must be a positive int"),
+                        (dict(timeout_s=-1.0), "timeout_s must be a positive number")):
+    args = dict(max_tokens=8, hidden=16, top_k=2) | kwargs
+    with pytest.raises(ValueError, match=match):
+      symmetric.create_workspace(mesh, "expert", **args)

@@ -129,6 +129,19 @@ __device__ __forceinline__ void BlockSignalArrival(const PeerView& v, int region
   }
 }
 
+// Whether a wait of this rank has failed (now or in an earlier call): its data cannot be trusted.
+__device__ __forceinline__ bool RankFailed(const PeerView& v) {
+  return *reinterpret_cast<volatile unsigned int*>(&v.signals(v.rank)->error_claim) != 0u;
+}
+
+// Block-wide (the same answer for every thread of the block): RankFailed as thread 0 saw it.
+__device__ __forceinline__ bool BlockRankFailed(const PeerView& v) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = RankFailed(v);
+  __syncthreads();
+  return failed != 0;
+}
+
 __device__ __forceinline__ unsigned long long LoadUses(const PeerView& v, int region) {
   return *reinterpret_cast<volatile unsigned long long*>(&v.signals(v.rank)->uses[region]);
 }
@@ -137,7 +150,7 @@ __device__ __forceinline__ unsigned long long LoadUses(const PeerView& v, int re
 // rank's epoch of the region += 1.
 static __global__ void ReleaseKernel(PeerView v, int region) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  if (*reinterpret_cast<volatile unsigned int*>(&v.signals(v.rank)->error_claim) != 0u) return;
+  if (RankFailed(v)) return;
   __threadfence_system();
   for (int s = 0; s < v.num_ranks; ++s) AddReleaseSys(&v.signals(s)->consumed[region][v.rank], 1);
   unsigned long long* uses = &v.signals(v.rank)->uses[region];

@@ -58,6 +58,29 @@ __device__ __forceinline__ uint4 Pack(const float (&f)[8], const __half*) {
   return v;
 }
 
+// 16 bytes of quiet NaNs of element type T (what a timed-out EP call leaves in its outputs).
+__device__ __forceinline__ uint4 NanVec16(const float*) {
+  return make_uint4(0x7fc00000u, 0x7fc00000u, 0x7fc00000u, 0x7fc00000u);
+}
+__device__ __forceinline__ uint4 NanVec16(const __nv_bfloat16*) {
+  return make_uint4(0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u, 0x7fc07fc0u);
+}
+__device__ __forceinline__ uint4 NanVec16(const __half*) {
+  return make_uint4(0x7e007e00u, 0x7e007e00u, 0x7e007e00u, 0x7e007e00u);
+}
+
+// Grid-strided: every 16-byte vector of rows [0, rows) of `row_vecs` vectors each set to NaN.
+template <typename T>
+__device__ __forceinline__ void PoisonRows(T* out, long long rows, int row_vecs) {
+  uint4* dst = reinterpret_cast<uint4*>(out);
+  const uint4 nan = NanVec16(static_cast<const T*>(nullptr));
+  const long long total = rows * row_vecs;
+  for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<long long>(gridDim.x) * blockDim.x) {
+    dst[i] = nan;
+  }
+}
+
 // Load that bypasses L1 (data written by peers: never served from a stale L1 line).
 __device__ __forceinline__ uint4 LoadPeerWritten(const uint4* p) { return __ldcg(p); }
 

@@ -10,6 +10,9 @@
 //   megamoe_ep_ws_finalize   check every device sees every peer; from here kernels may run
 //   megamoe_ep_ws_close_peers / megamoe_ep_ws_free   teardown (close IPC mappings, then free)
 //   megamoe_ep_ws_error      the first error any device of the workspace recorded
+//   megamoe_ep_ws_new_virtual  a virtual group: all R ranks' shares on one device, connected
+//                            (EP at any R on one GPU, for tests); megamoe_ep_ws_set_absent
+//                            marks one of its ranks as never arriving (the timeout tests)
 // Handlers find a device's PeerView by (workspace id, device ordinal); the id travels as a
 // static int64 attribute of the custom call.
 #include <cuda_runtime.h>
@@ -42,6 +45,8 @@ struct Workspace {
   int comm_blocks = 0;
   long long timeout_ns = 0;
   bool ready = false;
+  bool virtual_ranks = false;  // every rank's share on one device (shares in rank order)
+  int absent_rank = -1;
   std::vector<std::unique_ptr<DeviceShare>> shares;
 
   DeviceShare* Find(int ordinal) {
@@ -87,20 +92,35 @@ struct DeviceScope {
 
 }  // namespace
 
-const PeerView* FindPeerView(int64_t workspace_id, int device_ordinal, std::string* message) {
+bool FindLocalRanks(int64_t workspace_id, int device_ordinal, LocalRanks* out,
+                    std::string* message) {
   std::lock_guard<std::mutex> lock(Mutex());
   auto it = Registry().find(workspace_id);
   if (it == Registry().end()) {
     *message = "jax_megamoe: no symmetric workspace with id " + std::to_string(workspace_id) +
                " (it was closed, or created in another process; create it with "
                "jax_megamoe.symmetric.create_workspace before tracing)";
-    return nullptr;
+    return false;
   }
   Workspace& ws = *it->second;
   if (!ws.ready) {
     *message = "jax_megamoe: symmetric workspace " + std::to_string(workspace_id) +
                " is not connected yet";
-    return nullptr;
+    return false;
+  }
+  *out = LocalRanks{};
+  if (ws.virtual_ranks) {
+    if (ws.shares.empty() || ws.shares[0]->ordinal != device_ordinal) {
+      *message = "jax_megamoe: the virtual-rank workspace " + std::to_string(workspace_id) +
+                 " lives on device ordinal " +
+                 std::to_string(ws.shares.empty() ? -1 : ws.shares[0]->ordinal) +
+                 ", not on the calling device " + std::to_string(device_ordinal);
+      return false;
+    }
+    for (auto& s : ws.shares) out->views[out->count++] = &s->view;
+    out->stacked = true;
+    out->absent = ws.absent_rank;
+    return true;
   }
   DeviceShare* share = ws.Find(device_ordinal);
   // One device per process (jax.distributed): XLA's ordinal may differ from the CUDA ordinal.
@@ -109,9 +129,10 @@ const PeerView* FindPeerView(int64_t workspace_id, int device_ordinal, std::stri
     *message = "jax_megamoe: symmetric workspace " + std::to_string(workspace_id) +
                " has no share on device ordinal " + std::to_string(device_ordinal) +
                " (the mesh it was created for does not contain this device)";
-    return nullptr;
+    return false;
   }
-  return &share->view;
+  out->views[out->count++] = &share->view;
+  return true;
 }
 
 std::string DescribeError(const PeerView& view) {
@@ -130,6 +151,64 @@ std::string DescribeError(const PeerView& view) {
   return buf;
 }
 
+}  // namespace megamoe::ep
+
+namespace megamoe::ep {
+namespace {
+
+// Allocates and zeroes rank `rank`'s share of `ws` on device `ordinal` (its own base mapped);
+// ipc_out (may be null) receives its CUDA IPC handle. Caller holds the registry lock.
+int AllocShare(Workspace& ws, int ordinal, int rank, unsigned char* ipc_out, char* msg,
+               int len) {
+  if (rank < 0 || rank >= ws.layout.num_ranks) return Fail(msg, len, "rank out of range");
+  DeviceScope scope(ordinal);
+  auto share = std::make_unique<DeviceShare>();
+  share->ordinal = ordinal;
+  cudaError_t err = cudaMalloc(&share->local, ws.layout.total_bytes);
+  if (err != cudaSuccess) {
+    return FailCuda(msg, len,
+                    ("cudaMalloc of " + std::to_string(ws.layout.total_bytes) +
+                     " bytes on device " + std::to_string(ordinal))
+                        .c_str(),
+                    err);
+  }
+  if ((err = cudaMemset(share->local, 0, ws.layout.total_bytes)) != cudaSuccess ||
+      (err = cudaDeviceSynchronize()) != cudaSuccess) {
+    cudaFree(share->local);
+    return FailCuda(msg, len, "zeroing the workspace", err);
+  }
+  err = cudaHostAlloc(reinterpret_cast<void**>(&share->error_host), sizeof(ErrorRecord),
+                      cudaHostAllocMapped | cudaHostAllocPortable);
+  if (err != cudaSuccess) {
+    cudaFree(share->local);
+    return FailCuda(msg, len, "cudaHostAlloc (error record)", err);
+  }
+  std::memset(share->error_host, 0, sizeof(ErrorRecord));
+  ErrorRecord* error_dev = nullptr;
+  cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev), share->error_host, 0);
+  cudaIpcMemHandle_t handle;
+  err = cudaIpcGetMemHandle(&handle, share->local);
+  if (err != cudaSuccess) {
+    cudaFreeHost(share->error_host);
+    cudaFree(share->local);
+    return FailCuda(msg, len, "cudaIpcGetMemHandle", err);
+  }
+  if (ipc_out != nullptr) std::memcpy(ipc_out, &handle, sizeof(handle));
+  PeerView& v = share->view;
+  for (int r = 0; r < kMaxRanks; ++r) v.base[r] = nullptr;
+  v.rank = rank;
+  v.num_ranks = static_cast<int>(ws.layout.num_ranks);
+  v.comm_blocks = ws.comm_blocks;
+  v.timeout_ns = ws.timeout_ns;
+  v.error = error_dev;
+  v.error_host = share->error_host;
+  v.layout = ws.layout;
+  v.base[rank] = static_cast<char*>(share->local);
+  ws.shares.push_back(std::move(share));
+  return 0;
+}
+
+}  // namespace
 }  // namespace megamoe::ep
 
 using namespace megamoe::ep;
@@ -169,52 +248,7 @@ MEGAMOE_C_API int megamoe_ep_ws_alloc(int64_t id, int ordinal, int rank, unsigne
   if (it == Registry().end()) return Fail(msg, len, "unknown workspace id");
   Workspace& ws = *it->second;
   if (ws.Find(ordinal) != nullptr) return Fail(msg, len, "device already has a share");
-  if (rank < 0 || rank >= ws.layout.num_ranks) return Fail(msg, len, "rank out of range");
-  DeviceScope scope(ordinal);
-  auto share = std::make_unique<DeviceShare>();
-  share->ordinal = ordinal;
-  cudaError_t err = cudaMalloc(&share->local, ws.layout.total_bytes);
-  if (err != cudaSuccess) {
-    return FailCuda(msg, len,
-                    ("cudaMalloc of " + std::to_string(ws.layout.total_bytes) +
-                     " bytes on device " + std::to_string(ordinal))
-                        .c_str(),
-                    err);
-  }
-  if ((err = cudaMemset(share->local, 0, ws.layout.total_bytes)) != cudaSuccess ||
-      (err = cudaDeviceSynchronize()) != cudaSuccess) {
-    cudaFree(share->local);
-    return FailCuda(msg, len, "zeroing the workspace", err);
-  }
-  err = cudaHostAlloc(reinterpret_cast<void**>(&share->error_host), sizeof(ErrorRecord),
-                      cudaHostAllocMapped | cudaHostAllocPortable);
-  if (err != cudaSuccess) {
-    cudaFree(share->local);
-    return FailCuda(msg, len, "cudaHostAlloc (error record)", err);
-  }
-  std::memset(share->error_host, 0, sizeof(ErrorRecord));
-  ErrorRecord* error_dev = nullptr;
-  cudaHostGetDevicePointer(reinterpret_cast<void**>(&error_dev), share->error_host, 0);
-  cudaIpcMemHandle_t handle;
-  err = cudaIpcGetMemHandle(&handle, share->local);
-  if (err != cudaSuccess) {
-    cudaFreeHost(share->error_host);
-    cudaFree(share->local);
-    return FailCuda(msg, len, "cudaIpcGetMemHandle", err);
-  }
-  std::memcpy(ipc_out, &handle, sizeof(handle));
-  PeerView& v = share->view;
-  for (int r = 0; r < kMaxRanks; ++r) v.base[r] = nullptr;
-  v.rank = rank;
-  v.num_ranks = static_cast<int>(ws.layout.num_ranks);
-  v.comm_blocks = ws.comm_blocks;
-  v.timeout_ns = ws.timeout_ns;
-  v.error = error_dev;
-  v.error_host = share->error_host;
-  v.layout = ws.layout;
-  v.base[rank] = static_cast<char*>(share->local);
-  ws.shares.push_back(std::move(share));
-  return 0;
+  return AllocShare(ws, ordinal, rank, ipc_out, msg, len);
 }
 
 MEGAMOE_C_API int megamoe_ep_ws_ipc_handle_bytes() { return sizeof(cudaIpcMemHandle_t); }
@@ -321,5 +355,48 @@ MEGAMOE_C_API int megamoe_ep_ws_free(int64_t id, char* msg, int len) {
     if (s->error_host != nullptr) cudaFreeHost(s->error_host);
   }
   cudaGetLastError();
+  return 0;
+}
+
+// A virtual group: R shares on device `ordinal`, every rank's peer bases pointing at the others'
+// shares, ready for kernels. One EP call then runs all R ranks (handlers: FindLocalRanks).
+MEGAMOE_C_API int megamoe_ep_ws_new_virtual(int64_t num_ranks, int64_t max_tokens,
+                                            int64_t hidden, int64_t top_k, int64_t elem_bytes,
+                                            int comm_blocks, double timeout_s, int ordinal,
+                                            int64_t* out_id, char* msg, int len) {
+  int64_t id = 0;
+  if (int rc = megamoe_ep_ws_new(num_ranks, max_tokens, hidden, top_k, elem_bytes, comm_blocks,
+                                 timeout_s, &id, msg, len);
+      rc != 0) {
+    return rc;
+  }
+  std::unique_lock<std::mutex> lock(Mutex());
+  Workspace& ws = *Registry()[id];
+  ws.virtual_ranks = true;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (int rc = AllocShare(ws, ordinal, r, nullptr, msg, len); rc != 0) {
+      lock.unlock();
+      megamoe_ep_ws_free(id, nullptr, 0);
+      return rc;
+    }
+  }
+  for (auto& share : ws.shares) {
+    for (auto& peer : ws.shares) share->view.base[peer->view.rank] = static_cast<char*>(peer->local);
+  }
+  ws.ready = true;
+  *out_id = id;
+  return 0;
+}
+
+// Test knob of a virtual group: rank `rank`'s kernels are not launched from now on (-1: none),
+// as if that GPU had died; the others' waits on it time out and report.
+MEGAMOE_C_API int megamoe_ep_ws_set_absent(int64_t id, int rank, char* msg, int len) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  auto it = Registry().find(id);
+  if (it == Registry().end()) return Fail(msg, len, "unknown workspace id");
+  Workspace& ws = *it->second;
+  if (!ws.virtual_ranks) return Fail(msg, len, "only a virtual-rank workspace has absent ranks");
+  if (rank < -1 || rank >= ws.layout.num_ranks) return Fail(msg, len, "rank out of range");
+  ws.absent_rank = rank;
   return 0;
 }

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <string>
 #include <utility>
 
@@ -18,16 +19,58 @@ namespace megamoe::ep {
 
 namespace ffi = xla::ffi;
 
-// The view of this device in workspace `id`, after checking no earlier call recorded an error.
-inline ffi::Error ResolveView(int64_t id, int32_t ordinal, const PeerView** view) {
+// The local ranks of workspace `id` on this device (one, or R of a virtual group), after
+// checking that no earlier call recorded an error on any of them.
+inline ffi::Error ResolveRanks(int64_t id, int32_t ordinal, LocalRanks* ranks) {
   std::string message;
-  *view = FindPeerView(id, ordinal, &message);
-  if (*view == nullptr) return ffi::Error::InvalidArgument(message);
-  std::string error = DescribeError(**view);
-  if (!error.empty()) return ffi::Error::Internal(error);
+  if (!FindLocalRanks(id, ordinal, ranks, &message)) return ffi::Error::InvalidArgument(message);
+  for (int r = 0; r < ranks->count; ++r) {
+    std::string error = DescribeError(*ranks->views[r]);
+    if (!error.empty()) return ffi::Error::Internal(error);
+  }
   int current = -1;
   cudaGetDevice(&current);
   if (current != ordinal) cudaSetDevice(ordinal);
+  return ffi::Error::Success();
+}
+
+// One operand of an EP call as each local rank sees it: on a virtual group the buffer has a
+// leading axis of one entry per rank, and rank r's part is its r-th slice.
+struct RankOperand {
+  char* data = nullptr;
+  size_t rank_bytes = 0;
+  int64_t dims[4] = {};  // one rank's dimensions
+
+  template <typename T = void>
+  T* at(int r) const {
+    return reinterpret_cast<T*>(data + static_cast<size_t>(r) * rank_bytes);
+  }
+};
+
+// The first failure among `statuses` (all already evaluated), else success.
+inline ffi::Error FirstFailure(std::initializer_list<ffi::Error> statuses) {
+  for (const ffi::Error& e : statuses) {
+    if (e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+template <typename Buffer>
+ffi::Error SplitRanks(const Buffer& buffer, const LocalRanks& ranks, size_t rank_ndim,
+                      const char* name, RankOperand* out) {
+  const auto dims = buffer.dimensions();
+  const size_t lead = ranks.stacked ? 1 : 0;
+  if (dims.size() != rank_ndim + lead || (lead == 1 && dims[0] != ranks.count)) {
+    return ffi::Error::InvalidArgument(
+        std::string("jax_megamoe EP: ") + name + " must be " + std::to_string(rank_ndim) +
+        "-D" + (lead ? " per rank, with a leading axis of " + std::to_string(ranks.count) +
+                           " virtual ranks"
+                     : "") +
+        ", got " + std::to_string(dims.size()) + " dimensions");
+  }
+  out->data = static_cast<char*>(buffer.untyped_data());
+  out->rank_bytes = buffer.size_bytes() / ranks.count;
+  for (size_t i = 0; i < rank_ndim; ++i) out->dims[i] = dims[lead + i];
   return ffi::Error::Success();
 }
 
@@ -72,22 +115,6 @@ inline ffi::Error CheckFits(const PeerView& v, int64_t tokens, int64_t hidden, i
   return ffi::Error::Success();
 }
 
-// One EP call's view and row element type, after the checks every EP handler makes first: the
-// workspace, the dtype of `rows` (named `rows_name`), and that `tokens` rows of `hidden`
-// elements with `top_k` slots fit it.
-struct EpCall {
-  const PeerView* view = nullptr;
-  ElemType type = ElemType::kF32;
-};
-
-inline ffi::Error ResolveEpCall(int64_t workspace_id, int32_t ordinal, ffi::DataType rows_dtype,
-                                const char* rows_name, int64_t tokens, int64_t hidden,
-                                int64_t top_k, int64_t num_experts, EpCall* call) {
-  if (auto e = ResolveView(workspace_id, ordinal, &call->view); e.failure()) return e;
-  if (auto e = ElemTypeOf(rows_dtype, rows_name, &call->type); e.failure()) return e;
-  return CheckFits(*call->view, tokens, hidden, top_k, call->type, num_experts);
-}
-
 inline ffi::Error CudaStatus(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("jax_megamoe EP ") + what + ": " +
@@ -105,8 +132,8 @@ auto EpAttributes(Binding&& b) {
   return std::move(b).template Attr<int64_t>("workspace_id").template Attr<int64_t>("num_experts");
 }
 
-using S32Matrix = ffi::Buffer<ffi::S32, 2>;
-using F32Matrix = ffi::Buffer<ffi::F32, 2>;
-using S32Vector = ffi::Buffer<ffi::S32, 1>;
+// The integer and float operands (any rank: a virtual group's carry a leading rank axis).
+using S32Array = ffi::Buffer<ffi::S32>;
+using F32Array = ffi::Buffer<ffi::F32>;
 
 }  // namespace megamoe::ep

@@ -96,7 +96,18 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int region = kRegionCombine;
   const WorkspaceLayout& L = v.layout;
   const unsigned long long uses = LoadUses(v, region);
-  if (!BlockWaitArrivals(v, region, op, uses)) return;
+  if (!BlockWaitArrivals(v, region, op, uses) || BlockRankFailed(v)) {
+    // A wait of this rank timed out (here or earlier): never a normal-looking result.
+    PoisonRows(out, num_tokens, hidden * static_cast<int>(sizeof(T)) / 16);
+    if (kWithMeta) {
+      for (long long q = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+           q < static_cast<long long>(num_tokens) * top_k;
+           q += static_cast<long long>(gridDim.x) * blockDim.x) {
+        slot_values_out[q] = __int_as_float(0x7fc00000);
+      }
+    }
+    return;
+  }
 
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -159,7 +170,15 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int region = kRegionDispatch;
   const WorkspaceLayout& L = v.layout;
   const unsigned long long uses = LoadUses(v, region);
-  if (!BlockWaitArrivals(v, region, op, uses)) return;
+  if (!BlockWaitArrivals(v, region, op, uses) || BlockRankFailed(v)) {
+    PoisonRows(dy, n_cap, hidden * static_cast<int>(sizeof(T)) / 16);
+    for (long long q = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+         q < static_cast<long long>(v.num_ranks) * num_tokens * top_k;
+         q += static_cast<long long>(gridDim.x) * blockDim.x) {
+      d_weights[q] = __int_as_float(0x7fc00000);
+    }
+    return;
+  }
   __shared__ int s_total;
   if (threadIdx.x == 0) {
     int total = 0;
@@ -216,48 +235,66 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 }  // namespace
 
-cudaError_t LaunchCombine(const PeerView& v, const CombineArgs& a, int op, void* out,
-                          float* slot_values_out, cudaStream_t stream) {
-  return WithElemType(a.type, [&](auto* tag) -> cudaError_t {
+cudaError_t LaunchCombine(const CombineCall* calls, int count, int op, cudaStream_t stream) {
+  return WithElemType(calls[0].args.type, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const T* y = static_cast<const T*>(a.y_sorted);
-    if (a.recv_w != nullptr && a.slot_values == nullptr) {
-      CombineSendKernel<T, true, false><<<v.comm_blocks, kCombineThreads, 0, stream>>>(
-          v, op, y, a.slot_pos, a.recv_w, nullptr, a.num_tokens, a.hidden, a.top_k);
-    } else if (a.recv_w == nullptr && a.slot_values != nullptr) {
-      CombineSendKernel<T, false, true><<<v.comm_blocks, kCombineThreads, 0, stream>>>(
-          v, op, y, a.slot_pos, nullptr, a.slot_values, a.num_tokens, a.hidden, a.top_k);
-    } else {
-      return cudaErrorInvalidValue;
+    for (int c = 0; c < count; ++c) {
+      const PeerView& v = *calls[c].view;
+      const CombineArgs& a = calls[c].args;
+      const T* y = static_cast<const T*>(a.y_sorted);
+      if (a.recv_w != nullptr && a.slot_values == nullptr) {
+        CombineSendKernel<T, true, false><<<v.comm_blocks, kCombineThreads, 0, stream>>>(
+            v, op, y, a.slot_pos, a.recv_w, nullptr, a.num_tokens, a.hidden, a.top_k);
+      } else if (a.recv_w == nullptr && a.slot_values != nullptr) {
+        CombineSendKernel<T, false, true><<<v.comm_blocks, kCombineThreads, 0, stream>>>(
+            v, op, y, a.slot_pos, nullptr, a.slot_values, a.num_tokens, a.hidden, a.top_k);
+      } else {
+        return cudaErrorInvalidValue;
+      }
     }
-    if (slot_values_out != nullptr) {
-      CombineRecvKernel<T, true><<<v.comm_blocks, kCombineThreads, 0, stream>>>(
-          v, op, a.ids, static_cast<T*>(out), slot_values_out, a.num_tokens, a.hidden, a.top_k,
-          a.experts_per_rank);
-    } else {
-      CombineRecvKernel<T, false><<<v.comm_blocks, kCombineThreads, 0, stream>>>(
-          v, op, a.ids, static_cast<T*>(out), nullptr, a.num_tokens, a.hidden, a.top_k,
-          a.experts_per_rank);
+    for (int c = 0; c < count; ++c) {
+      const PeerView& v = *calls[c].view;
+      const CombineArgs& a = calls[c].args;
+      T* out = static_cast<T*>(calls[c].out);
+      if (calls[c].slot_values_out != nullptr) {
+        CombineRecvKernel<T, true><<<v.comm_blocks, kCombineThreads, 0, stream>>>(
+            v, op, a.ids, out, calls[c].slot_values_out, a.num_tokens, a.hidden, a.top_k,
+            a.experts_per_rank);
+      } else {
+        CombineRecvKernel<T, false><<<v.comm_blocks, kCombineThreads, 0, stream>>>(
+            v, op, a.ids, out, nullptr, a.num_tokens, a.hidden, a.top_k, a.experts_per_rank);
+      }
     }
-    ReleaseKernel<<<1, 32, 0, stream>>>(v, kRegionCombine);
+    for (int c = 0; c < count; ++c) {
+      ReleaseKernel<<<1, 32, 0, stream>>>(*calls[c].view, kRegionCombine);
+    }
     return cudaGetLastError();
   });
 }
 
-cudaError_t LaunchCombineBackward(const PeerView& v, const DispatchArgs& a, const void* y_sorted,
-                                  const int32_t* slot_pos, const float* recv_w,
-                                  const int32_t* group_sizes, int n_cap, void* dy_sorted,
-                                  float* d_recv_w, cudaStream_t stream) {
-  return WithElemType(a.type, [&](auto* tag) -> cudaError_t {
+cudaError_t LaunchCombineBackward(const CombineBackwardCall* calls, int count,
+                                  cudaStream_t stream) {
+  return WithElemType(calls[0].args.type, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
-    DispatchSendKernel<T, false><<<v.comm_blocks, kSendThreads, 0, stream>>>(
-        v, kOpCombineBwd, static_cast<const T*>(a.x), a.ids, nullptr, a.num_tokens, a.hidden,
-        a.top_k, a.experts_per_rank);
-    CombineBwdRecvKernel<T><<<v.comm_blocks, kCombineThreads, 0, stream>>>(
-        v, kOpCombineBwd, static_cast<const T*>(y_sorted), slot_pos, recv_w, group_sizes,
-        a.experts_per_rank, static_cast<T*>(dy_sorted), d_recv_w, a.num_tokens, a.hidden,
-        a.top_k, n_cap);
-    ReleaseKernel<<<1, 32, 0, stream>>>(v, kRegionDispatch);
+    for (int c = 0; c < count; ++c) {
+      const PeerView& v = *calls[c].view;
+      const DispatchArgs& a = calls[c].args;
+      DispatchSendKernel<T, false><<<v.comm_blocks, kSendThreads, 0, stream>>>(
+          v, kOpCombineBwd, static_cast<const T*>(a.x), a.ids, nullptr, a.num_tokens, a.hidden,
+          a.top_k, a.experts_per_rank);
+    }
+    for (int c = 0; c < count; ++c) {
+      const CombineBackwardCall& k = calls[c];
+      const PeerView& v = *k.view;
+      const DispatchArgs& a = k.args;
+      CombineBwdRecvKernel<T><<<v.comm_blocks, kCombineThreads, 0, stream>>>(
+          v, kOpCombineBwd, static_cast<const T*>(k.y_sorted), k.slot_pos, k.recv_w,
+          k.group_sizes, a.experts_per_rank, static_cast<T*>(k.dy_sorted), k.d_recv_w,
+          a.num_tokens, a.hidden, a.top_k, k.n_cap);
+    }
+    for (int c = 0; c < count; ++c) {
+      ReleaseKernel<<<1, 32, 0, stream>>>(*calls[c].view, kRegionDispatch);
+    }
     return cudaGetLastError();
   });
 }

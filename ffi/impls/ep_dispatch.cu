@@ -122,12 +122,19 @@ __global__ void __launch_bounds__(kChunkThreads)
   extern __shared__ int smem[];
   int* s_base = smem;                                          // [epr + 1]
   unsigned* s_mask = reinterpret_cast<unsigned*>(smem + epr + 1);  // [kChunkWarps][epr]
-  __shared__ int s_failed;
-  if (threadIdx.x == 0) {
-    s_failed = *reinterpret_cast<volatile unsigned int*>(&v.signals(v.rank)->error_claim) != 0u;
+  if (BlockRankFailed(v)) {  // a wait timed out: poison every output (the handler reports it)
+    PoisonRows(x_sorted, n_cap, hidden * static_cast<int>(sizeof(T)) / 16);
+    const long long slots = static_cast<long long>(num_rows) * top_k;
+    for (long long q = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; q < slots;
+         q += static_cast<long long>(gridDim.x) * blockDim.x) {
+      slot_pos[q] = kSlotNotRouted;
+      recv_w[q] = __int_as_float(0x7fc00000);
+    }
+    if (blockIdx.x == 0) {
+      for (int e = threadIdx.x; e < epr; e += blockDim.x) group_sizes[e] = 0;
+    }
+    return;
   }
-  __syncthreads();
-  if (s_failed) return;  // a wait of this op timed out: the handler reports it
   ExpertBases(totals, epr, s_base);
   const int needed = s_base[epr];
   if (blockIdx.x == 0) {
@@ -214,33 +221,53 @@ int64_t DispatchScratchInts(int64_t num_rows, int64_t experts_per_rank) {
   return n_chunks * experts_per_rank + experts_per_rank;
 }
 
-cudaError_t LaunchDispatchForward(const PeerView& v, const DispatchArgs& a, void* x_sorted,
-                                  int n_cap, int32_t* group_sizes, int32_t* slot_pos,
-                                  float* recv_w, int32_t* stats, int32_t* scratch,
+cudaError_t LaunchDispatchForward(const DispatchForwardCall* calls, int count,
                                   cudaStream_t stream) {
-  if (a.experts_per_rank > kMaxExpertsPerRank) return cudaErrorInvalidValue;
-  const int num_rows = v.num_ranks * a.num_tokens;
-  const int n_chunks = (num_rows + 31) / 32;
-  const int epr = a.experts_per_rank;
-  int* chunk_counts = scratch;
-  int* totals = scratch + static_cast<size_t>(n_chunks) * epr;
-  cudaError_t err = cudaMemsetAsync(stats, 0, 4 * sizeof(int32_t), stream);
-  if (err != cudaSuccess) return err;
-  return WithElemType(a.type, [&](auto* tag) -> cudaError_t {
+  for (int c = 0; c < count; ++c) {
+    if (calls[c].args.experts_per_rank > kMaxExpertsPerRank) return cudaErrorInvalidValue;
+    if (cudaError_t err = cudaMemsetAsync(calls[c].stats, 0, 4 * sizeof(int32_t), stream);
+        err != cudaSuccess) {
+      return err;
+    }
+  }
+  return WithElemType(calls[0].args.type, [&](auto* tag) -> cudaError_t {
     using T = std::remove_pointer_t<decltype(tag)>;
-    DispatchSendKernel<T, true><<<v.comm_blocks, kSendThreads, 0, stream>>>(
-        v, kOpDispatchFwd, static_cast<const T*>(a.x), a.ids, a.weights, a.num_tokens, a.hidden,
-        a.top_k, epr);
-    const int chunk_blocks = std::max(1, (n_chunks + kChunkWarps - 1) / kChunkWarps);
-    const size_t mask_bytes = static_cast<size_t>(kChunkWarps) * epr * sizeof(unsigned);
-    DispatchCountKernel<<<chunk_blocks, kChunkThreads, mask_bytes, stream>>>(
-        v, kOpDispatchFwd, num_rows, a.num_tokens, a.top_k, epr, chunk_counts);
-    ExpertScanKernel<<<epr, kChunkThreads, 0, stream>>>(chunk_counts, totals, n_chunks, epr);
-    DispatchPlaceKernel<T><<<chunk_blocks, kChunkThreads, mask_bytes + (epr + 1) * sizeof(int),
-                             stream>>>(v, num_rows, a.num_tokens, a.hidden, a.top_k, epr,
-                                       chunk_counts, totals, static_cast<T*>(x_sorted), n_cap,
-                                       group_sizes, slot_pos, recv_w, stats);
-    ReleaseKernel<<<1, 32, 0, stream>>>(v, kRegionDispatch);
+    for (int c = 0; c < count; ++c) {
+      const PeerView& v = *calls[c].view;
+      const DispatchArgs& a = calls[c].args;
+      DispatchSendKernel<T, true><<<v.comm_blocks, kSendThreads, 0, stream>>>(
+          v, kOpDispatchFwd, static_cast<const T*>(a.x), a.ids, a.weights, a.num_tokens,
+          a.hidden, a.top_k, a.experts_per_rank);
+    }
+    for (int c = 0; c < count; ++c) {
+      const PeerView& v = *calls[c].view;
+      const DispatchArgs& a = calls[c].args;
+      const int num_rows = v.num_ranks * a.num_tokens, epr = a.experts_per_rank;
+      const int n_chunks = (num_rows + 31) / 32;
+      const int chunk_blocks = std::max(1, (n_chunks + kChunkWarps - 1) / kChunkWarps);
+      const size_t mask_bytes = static_cast<size_t>(kChunkWarps) * epr * sizeof(unsigned);
+      DispatchCountKernel<<<chunk_blocks, kChunkThreads, mask_bytes, stream>>>(
+          v, kOpDispatchFwd, num_rows, a.num_tokens, a.top_k, epr, calls[c].scratch);
+    }
+    for (int c = 0; c < count; ++c) {
+      const PeerView& v = *calls[c].view;
+      const DispatchArgs& a = calls[c].args;
+      const int num_rows = v.num_ranks * a.num_tokens, epr = a.experts_per_rank;
+      const int n_chunks = (num_rows + 31) / 32;
+      int* chunk_counts = calls[c].scratch;
+      int* totals = chunk_counts + static_cast<size_t>(n_chunks) * epr;
+      ExpertScanKernel<<<epr, kChunkThreads, 0, stream>>>(chunk_counts, totals, n_chunks, epr);
+      const int chunk_blocks = std::max(1, (n_chunks + kChunkWarps - 1) / kChunkWarps);
+      const size_t mask_bytes = static_cast<size_t>(kChunkWarps) * epr * sizeof(unsigned);
+      DispatchPlaceKernel<T><<<chunk_blocks, kChunkThreads, mask_bytes + (epr + 1) * sizeof(int),
+                               stream>>>(
+          v, num_rows, a.num_tokens, a.hidden, a.top_k, epr, chunk_counts, totals,
+          static_cast<T*>(calls[c].x_sorted), calls[c].n_cap, calls[c].group_sizes,
+          calls[c].slot_pos, calls[c].recv_w, calls[c].stats);
+    }
+    for (int c = 0; c < count; ++c) {
+      ReleaseKernel<<<1, 32, 0, stream>>>(*calls[c].view, kRegionDispatch);
+    }
     return cudaGetLastError();
   });
 }

@@ -96,45 +96,137 @@ class Qwen3MoeConfig:
 
   @classmethod
   def from_hf(cls, hf: dict[str, Any]) -> "Qwen3MoeConfig":
-    """From a transformers Qwen3MoeConfig dict (config.json). Raises on features this model
-    does not implement (attention bias, sliding window, scaled RoPE)."""
+    """From a transformers Qwen3MoeConfig dict (config.json), read as transformers reads it.
+
+    Every field that changes the model's maths is read, in each spelling transformers accepts:
+    RoPE under rope_parameters or the legacy rope_scaling (rope_type or type) and top-level
+    rope_theta; num_experts or num_local_experts. The shape fields are required; the others
+    default as in transformers. A setting this model does not compute (scaled RoPE, attention
+    bias, sliding window, dropout, another activation, quantised weights) raises
+    NotImplementedError naming the field: loading it would silently give another model. A
+    missing or ill-typed field raises ValueError naming it. (pad_token_id is not read: HF only
+    uses it to zero that embedding row's gradient.)
+    """
+    fields = _HfFields(hf)
     model_type = hf.get("model_type")
     if model_type != "qwen3_moe":
       raise ValueError(f"config.json model_type must be 'qwen3_moe', got {model_type!r}")
-    if hf.get("attention_bias", False):
-      raise NotImplementedError("attention_bias=True is not supported (Qwen3 has none)")
-    if hf.get("use_sliding_window", False):
-      raise NotImplementedError("use_sliding_window=True is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-      raise NotImplementedError(f"hidden_act must be 'silu', got {hf['hidden_act']!r}")
-    # transformers >= 5 writes RoPE settings under rope_parameters; older files use top-level
-    # rope_theta / rope_scaling.
-    rope = hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", (hf.get("rope_scaling") or {}).get("rope_type", "default"))
-    if rope_type != "default":
-      raise NotImplementedError(f"rope_type {rope_type!r} is not supported (only 'default')")
-    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-    heads = hf["num_attention_heads"]
+    unsupported = {
+        "attention_bias": fields.boolean("attention_bias", False),
+        "use_sliding_window": fields.boolean("use_sliding_window", False),
+        "attention_dropout": fields.number("attention_dropout", 0.0, positive=False) != 0,
+        "quantization_config": hf.get("quantization_config") is not None,
+    }
+    for name, present in unsupported.items():
+      if present:
+        raise NotImplementedError(f"config.json field {name}={hf[name]!r} is not supported "
+                                  "(Qwen3-MoE as implemented here has none)")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # the same function in HF
+      raise NotImplementedError(f"config.json field hidden_act must be 'silu', got "
+                                f"{hf['hidden_act']!r}")
+    heads = fields.integer("num_attention_heads")
+    hidden = fields.integer("hidden_size")
+    head_dim = hf.get("head_dim")  # absent or null: hidden / heads, as transformers
+    num_experts = fields.experts()
+    mlp_only = hf.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(_is_int(i) and i >= 0 for i in mlp_only):
+      raise ValueError(f"config.json field mlp_only_layers must be a list of layer indices, "
+                       f"got {mlp_only!r}")
     return cls(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
+        vocab_size=fields.integer("vocab_size"),
+        hidden_size=hidden,
+        num_layers=fields.integer("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads", heads),
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        num_kv_heads=fields.integer("num_key_value_heads"),
+        head_dim=hidden // heads if head_dim is None else fields.integer("head_dim"),
         num_experts=num_experts,
-        top_k=hf["num_experts_per_tok"],
-        moe_ffn_size=hf["moe_intermediate_size"],
-        dense_ffn_size=hf.get("intermediate_size", 0),
-        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-        norm_topk_prob=hf.get("norm_topk_prob", False),  # HF's default is False
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        router_aux_loss_coef=hf.get("router_aux_loss_coef", 1e-3),
-        init_std=hf.get("initializer_range", 0.02),
+        top_k=fields.integer("num_experts_per_tok"),
+        moe_ffn_size=fields.integer("moe_intermediate_size"),
+        dense_ffn_size=fields.integer("intermediate_size", 0, minimum=0),
+        decoder_sparse_step=fields.integer("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(mlp_only),
+        norm_topk_prob=fields.boolean("norm_topk_prob", False),  # HF's default is False
+        rope_theta=fields.rope_theta(),
+        rms_norm_eps=fields.number("rms_norm_eps", 1e-6),
+        tie_word_embeddings=fields.boolean("tie_word_embeddings", False),
+        router_aux_loss_coef=fields.number("router_aux_loss_coef", 1e-3, positive=False),
+        init_std=fields.number("initializer_range", 0.02),
     )
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _HfFields:
+  """Typed reads of config.json fields; errors name the field and the value."""
+
+  _MISSING = object()
+
+  def __init__(self, hf: dict[str, Any]):
+    self.hf = hf
+
+  def _get(self, name, default):
+    value = self.hf.get(name, default)
+    if value is self._MISSING:
+      raise ValueError(f"config.json lacks the required field {name!r}")
+    return value
+
+  def integer(self, name: str, default: Any = _MISSING, *, minimum: int = 1) -> int:
+    value = self._get(name, default)
+    if not _is_int(value) or value < minimum:
+      raise ValueError(f"config.json field {name} must be an integer >= {minimum}, got "
+                       f"{value!r}")
+    return value
+
+  def number(self, name: str, default: float, *, positive: bool = True) -> float:
+    value = self._get(name, default)
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
+        or value < 0 or (positive and value == 0)):
+      kind = "a positive number" if positive else "a number >= 0"
+      raise ValueError(f"config.json field {name} must be {kind}, got {value!r}")
+    return float(value)
+
+  def boolean(self, name: str, default: bool) -> bool:
+    value = self._get(name, default)
+    if not isinstance(value, bool):
+      raise ValueError(f"config.json field {name} must be true or false, got {value!r}")
+    return value
+
+  def experts(self) -> int:
+    """num_experts (Qwen's spelling) or num_local_experts (what transformers 5 writes)."""
+    given = {n: self.integer(n) for n in ("num_experts", "num_local_experts") if n in self.hf}
+    if not given:
+      raise ValueError("config.json lacks the required field 'num_experts' (or "
+                       "'num_local_experts')")
+    if len(set(given.values())) > 1:
+      raise ValueError(f"config.json fields num_experts and num_local_experts disagree: {given}")
+    return next(iter(given.values()))
+
+  def rope_theta(self) -> float:
+    """transformers takes RoPE settings from rope_scaling when it is set, else from
+    rope_parameters; rope_type (legacy key: type) says which RoPE; rope_theta comes from that
+    dict, else the top level, else 10,000."""
+    dicts = {n: self.hf[n] for n in ("rope_scaling", "rope_parameters") if self.hf.get(n)}
+    for name, rope in dicts.items():
+      if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        raise NotImplementedError(f"config.json field {name} must be one flat dict of RoPE "
+                                  f"settings (per-layer RoPE is not supported), got {rope!r}")
+      key = "rope_type" if "rope_type" in rope else "type"
+      rope_type = rope.get(key, "default")
+      if rope_type != "default":
+        raise NotImplementedError(
+            f"config.json field {name}: rope_type {rope_type!r} (key {key!r}) is not supported "
+            f"(only 'default' RoPE is implemented; loading it would compute another model)")
+    top = self.hf.get("rope_theta", 10_000.0)
+    thetas = {n: d.get("rope_theta", top) for n, d in dicts.items()} or {"rope_theta": top}
+    if len(set(thetas.values())) > 1:
+      raise ValueError(f"config.json gives rope_scaling and rope_parameters that disagree on "
+                       f"rope_theta: {thetas}")
+    value = next(iter(thetas.values()))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+      raise ValueError(f"config.json field rope_theta must be a positive number, got {value!r}")
+    return float(value)
 
 
 # The published models (config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B).

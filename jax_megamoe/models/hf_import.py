@@ -25,6 +25,7 @@ so a model larger than host memory loads shard by shard, on one host or several.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Callable
 
@@ -44,6 +45,7 @@ _SAFETENSORS_DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "BOOL": np.bool_,
 }
+_FLOAT_DTYPES = tuple(np.dtype(_SAFETENSORS_DTYPES[k]) for k in ("F64", "F32", "F16", "BF16"))
 
 
 class SafetensorsCheckpoint:
@@ -54,15 +56,26 @@ class SafetensorsCheckpoint:
     path = os.fspath(path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-      with open(index) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
+      weight_map = _read_json(index).get("weight_map")
+      if not isinstance(weight_map, dict) or not all(
+          isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: 'weight_map' must map tensor names to file names, got "
+                         f"{str(weight_map)[:200]}")
+      files = sorted(set(weight_map.values()))
     else:
       files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
       raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {path!r}")
     self._tensors: dict[str, np.ndarray] = {}
+    self._files: dict[str, str] = {}  # tensor name -> the file that holds it
     for name in files:
-      self._tensors.update(_map_safetensors_file(os.path.join(path, name)))
+      filename = os.path.join(path, name)
+      if not os.path.isfile(filename):
+        raise FileNotFoundError(f"{index} lists {name!r}, which is not in {path!r}")
+      for tensor, array in _map_safetensors_file(filename).items():
+        if tensor in self._tensors:
+          raise ValueError(f"tensor {tensor!r} is in both {self._files[tensor]} and {filename}")
+        self._tensors[tensor], self._files[tensor] = array, filename
 
   def __contains__(self, name: str) -> bool:
     return name in self._tensors
@@ -72,26 +85,75 @@ class SafetensorsCheckpoint:
       raise KeyError(f"tensor {name!r} is not in the checkpoint")
     return self._tensors[name]
 
+  def file_of(self, name: str) -> str:
+    """The safetensors file that holds tensor `name`."""
+    return self._files[name]
+
   def names(self) -> set[str]:
     return set(self._tensors)
 
 
 def _map_safetensors_file(filename: str) -> dict[str, np.ndarray]:
-  """Header: u64 little-endian length, then JSON {name: {dtype, shape, data_offsets}}."""
+  """Header: u64 little-endian length, then JSON {name: {dtype, shape, data_offsets}}, then
+  the data. Every entry is checked against the file before it is mapped, so that a damaged or
+  foreign file names itself and the tensor instead of failing inside numpy."""
+  size = os.path.getsize(filename)
   with open(filename, "rb") as f:
     header_len = int.from_bytes(f.read(8), "little")
-    header = json.loads(f.read(header_len))
-  data = np.memmap(filename, dtype=np.uint8, mode="r", offset=8 + header_len)
+    if size < 8 or header_len > size - 8:
+      raise ValueError(f"{filename}: not a safetensors file (header length {header_len} bytes, "
+                       f"file {size} bytes); truncated or another format?")
+    try:
+      header = json.loads(f.read(header_len))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+      raise ValueError(f"{filename}: the safetensors header is not valid JSON ({e})") from None
+  if not isinstance(header, dict):
+    raise ValueError(f"{filename}: the safetensors header must be a JSON object, got "
+                     f"{type(header).__name__}")
+  data_bytes = size - 8 - header_len
+  data = (np.memmap(filename, dtype=np.uint8, mode="r", offset=8 + header_len) if data_bytes
+          else np.zeros((0,), np.uint8))
   tensors = {}
   for name, info in header.items():
     if name == "__metadata__":
       continue
-    if info["dtype"] not in _SAFETENSORS_DTYPES:
-      raise ValueError(f"{filename}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
-    begin, end = info["data_offsets"]
-    tensors[name] = data[begin:end].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(
-        info["shape"])
+    where = f"{filename}: tensor {name!r}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+      raise ValueError(f"{where}: header entry must have dtype, shape and data_offsets, got "
+                       f"{str(info)[:200]}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in _SAFETENSORS_DTYPES:
+      raise ValueError(f"{where} has unsupported dtype {dtype!r} (supported: "
+                       f"{', '.join(_SAFETENSORS_DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+      raise ValueError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets))
+        or not offsets[0] <= offsets[1] <= data_bytes):
+      raise ValueError(f"{where}: data_offsets must be [begin, end] within the file's "
+                       f"{data_bytes} data bytes, got {offsets!r}")
+    np_dtype = np.dtype(_SAFETENSORS_DTYPES[dtype])
+    want = math.prod(shape) * np_dtype.itemsize
+    if offsets[1] - offsets[0] != want:
+      raise ValueError(f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, "
+                       f"its dtype {dtype} and shape {shape} need {want}")
+    tensors[name] = data[offsets[0]:offsets[1]].view(np_dtype).reshape(shape)
   return tensors
+
+
+def _is_count(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _read_json(filename: str) -> dict:
+  """A JSON object from a file; errors name the file."""
+  try:
+    with open(filename) as f:
+      value = json.load(f)
+  except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+    raise ValueError(f"{filename} is not valid JSON ({e})") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{filename} must hold a JSON object, got {type(value).__name__}")
+  return value
 
 
 # A parameter's source: reads the numpy block of our (transposed, stacked) layout at an index.
@@ -106,12 +168,22 @@ def _as_is(ckpt: SafetensorsCheckpoint, name: str) -> Reader:
   return lambda index: ckpt[name][index]
 
 
-def _experts(ckpt: SafetensorsCheckpoint, prefix: str, which: str, num_experts: int) -> Reader:
+def _experts(ckpt: SafetensorsCheckpoint, prefix: str, which: str,
+             config: Qwen3MoeConfig) -> Reader:
   """w_gate_up [E, H, 2F] or w_down [E, F, H] of one MoE layer, reading only the experts that
-  `index` selects."""
+  `index` selects. Every expert's tensors are checked (shape, dtype: header metadata only)
+  before anything is read, so that a bad one is named instead of failing in a device read."""
+  num_experts, h, f = config.num_experts, config.hidden_size, config.moe_ffn_size
   fused = f"{prefix}.experts.{which}"
   if fused in ckpt:  # [E, 2F, H] or [E, H, F]
+    _check_tensor(ckpt, fused, (num_experts, 2 * f, h) if which == "gate_up_proj" else
+                  (num_experts, h, f))
     return lambda index: ckpt[fused].transpose(0, 2, 1)[index]
+  parts = ("down_proj",) if which == "down_proj" else ("gate_proj", "up_proj")
+  for e in range(num_experts):
+    for part in parts:
+      _check_tensor(ckpt, f"{prefix}.experts.{e}.{part}.weight",
+                    (h, f) if part == "down_proj" else (f, h))
 
   def read(index):
     experts = range(num_experts)[index[0]]
@@ -146,9 +218,9 @@ def _reader(path: tuple, ckpt: SafetensorsCheckpoint, config: Qwen3MoeConfig) ->
   if rest == ("mlp", "router"):
     return _transposed(ckpt, f"{prefix}.mlp.gate.weight")
   if rest == ("mlp", "w_gate_up"):
-    return _experts(ckpt, f"{prefix}.mlp", "gate_up_proj", config.num_experts)
+    return _experts(ckpt, f"{prefix}.mlp", "gate_up_proj", config)
   if rest == ("mlp", "w_down"):
-    return _experts(ckpt, f"{prefix}.mlp", "down_proj", config.num_experts)
+    return _experts(ckpt, f"{prefix}.mlp", "down_proj", config)
   if rest[0] == "mlp":  # dense SwiGLU layer
     return _transposed(ckpt, f"{prefix}.mlp.{rest[1]}.weight")
   raise KeyError(f"no Hugging Face source for parameter {'.'.join(map(str, path))}")
@@ -181,11 +253,21 @@ class _RecordingCheckpoint:
     self.used.add(name)
     return self._ckpt[name]
 
+  def file_of(self, name):
+    return self._ckpt.file_of(name)
+
 
 def read_hf_config(path: str | os.PathLike) -> Qwen3MoeConfig:
-  """Qwen3MoeConfig from a checkpoint directory's config.json."""
-  with open(os.path.join(os.fspath(path), "config.json")) as f:
-    return Qwen3MoeConfig.from_hf(json.load(f))
+  """Qwen3MoeConfig from a checkpoint directory's config.json; errors name the file."""
+  filename = os.path.join(os.fspath(path), "config.json")
+  if not os.path.isfile(filename):
+    raise FileNotFoundError(f"no config.json in {os.fspath(path)!r} (a Hugging Face checkpoint "
+                            f"directory holds config.json and *.safetensors)")
+  hf = _read_json(filename)
+  try:
+    return Qwen3MoeConfig.from_hf(hf)
+  except (ValueError, NotImplementedError) as e:
+    raise type(e)(f"{filename}: {e}") from None
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = jnp.float32,
@@ -247,14 +329,29 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: Any = jnp.float32,
 
 
 def _check_shape(path: tuple, read: Reader, shape: tuple[int, ...]):
-  """Compares the checkpoint tensor's shape with ours before any device reads it, so that a
-  config/checkpoint mismatch names the parameter instead of failing inside a callback. Whole
-  tensors are memory-mapped views (nothing is read); stacked experts are checked on expert 0
-  (their count comes from config.json and a missing expert raises a KeyError naming it)."""
+  """Compares the checkpoint tensor's shape and dtype with ours before any device reads it, so
+  that a config/checkpoint mismatch names the parameter instead of failing inside a callback.
+  Whole tensors are memory-mapped views (nothing is read); stacked experts are checked expert
+  by expert in _experts, here only expert 0's slice."""
   stacked = path[-1] in ("w_gate_up", "w_down")
   index = tuple(slice(0, 1) if stacked and d == 0 else slice(None) for d in range(len(shape)))
-  got = read(index).shape
+  got = read(index)
   want = ((1,) + tuple(shape[1:])) if stacked else tuple(shape)
-  if tuple(got) != want:
-    raise ValueError(f"checkpoint tensor for {'.'.join(map(str, path))} has shape "
-                     f"{tuple(got)}, the model (from config.json) expects {want}")
+  name = ".".join(map(str, path))
+  if tuple(got.shape) != want:
+    raise ValueError(f"checkpoint tensor for {name} has shape {tuple(got.shape)}, the model "
+                     f"(from config.json) expects {want}")
+  if got.dtype not in _FLOAT_DTYPES:
+    raise ValueError(f"checkpoint tensor for {name} has dtype {got.dtype}: its weights must be "
+                     f"floating point, not cast from integers")
+
+
+def _check_tensor(ckpt, name: str, shape: tuple[int, ...]):
+  """One checkpoint tensor as stored (HF layout): present, floating point, of this shape."""
+  array = ckpt[name]
+  where = f"checkpoint tensor {name} (in {ckpt.file_of(name)})"
+  if tuple(array.shape) != shape:
+    raise ValueError(f"{where} has shape {tuple(array.shape)}, the model (from config.json) "
+                     f"expects {shape}")
+  if array.dtype not in _FLOAT_DTYPES:
+    raise ValueError(f"{where} has dtype {array.dtype}: its weights must be floating point")

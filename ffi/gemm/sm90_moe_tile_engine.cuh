@@ -1,0 +1,660 @@
+// The GEMM roles of the fused MoE kernel on sm_90a (bf16): a persistent, warp-specialised tile
+// engine that runs the two expert GEMMs of a SwiGLU MLP over tiles that the caller hands it,
+// one tile after another, with one shared-memory ring that keeps running across tiles.
+//
+//   L1 ("gate/up"): gate_up = A @ w_gate_up[e], A = rows contiguous in group order (a receive
+//        pool; fast) or token rows gathered by index (correct, 2.5-5x slower: see the notes);
+//        epilogue h = silu(gate) * up, bit-identical to ffi/common/swiglu_math.cuh, h stored
+//        bf16 to rows of h [rows, F] in group order, optionally also gate_up [rows, 2F].
+//   L2 ("down"):     y = h @ w_down[e], A = rows of h in group order; each result row stored
+//        bf16 to a per-row destination (a functor: row of the tile -> address, possibly on a
+//        peer GPU over NVLink).
+//
+// Tile: BLOCK_M 128 (two consumer warpgroups of 64 rows) x BLOCK_N 256 x BLOCK_K 64, one
+// wgmma m64n256k16 per 16 of K per warpgroup. For L1 a tile of h-columns [c, c + 128) loads gate
+// columns [c, c + 128) and up columns [F + c, F + c + 128) side by side into one B stage, so one
+// accumulator holds matching gate (columns 0..127) and up (128..255) values: a thread's fragment
+// holds accumulator columns 8i + 2(lane % 4) + {0, 1} for i = 0..31, so it owns column j and
+// j + 128 together (i and i + 16) and SwiGLU needs no data exchange.
+//
+// Constraints (checked by the caller): K of both GEMMs a multiple of 64 and >= 128, F a
+// multiple of 128, H a multiple of 256, row strides 16-byte aligned, K <= 2^31 elements per
+// expert slice. Measured numbers, runs and what each design change did:
+// benchmarks/kernels/FUSED_CORE_NOTES.md; harness: benchmarks/kernels/fused_core_bench.cu.
+//
+// Roles (warps of a 384-thread CTA; the caller's kernel picks the branch, see run_roles()):
+//   warp 0        producer: asks the caller's scheduler for the next tile (ExpertTile), calls
+//                 hooks.wait_rows_ready(tile) before the tile's first A load, publishes the tile
+//                 in a small job ring, then fills the stage ring: B by TMA (4 boxes of 64 N x
+//                 64 K, 128B swizzle, natural [E, K, N] layout = N-major B), A by one of
+//                   kTmaBlock:     one TMA box {64 K, 128 rows} over rows contiguous in group
+//                                  order (the fast path: see FUSED_CORE_NOTES.md),
+//                   kTmaRows:      one TMA box {64 K, 1 row} per row, row index from a list
+//                                  (the 128B swizzle is a function of the smem address, so a
+//                                  row written at stage + r * 128 lands exactly where the
+//                                  128-row box would have put it) — correct but op-bound,
+//                   kCpAsyncRows:  cp.async 16-byte copies with the 128B swizzle applied by
+//                                  hand (8 lanes per row, 4 rows per instruction).
+//   warp 1        signaller: once both consumer warpgroups have issued a tile's stores, fences
+//                 at Hooks::kStoreFence scope and calls hooks.tile_done(tile). Nothing else.
+//   warps 2, 3    free for the caller (dispatch / combine roles of the fused kernel).
+//   warps 4..11   two consumer warpgroups: wgmma mainloop, fp32 accumulators (128 regs), then
+//                 the epilogue: SwiGLU or plain cast into staging smem, and each warpgroup
+//                 writes its 64 rows with 16-byte generic stores (whole 16-byte vectors, any
+//                 address, a peer's over NVLink too).
+//
+// Epilogue staging lives inside the stage ring: the consumers keep the stages of a tile's last
+// two K-blocks (warpgroup 0 the last, warpgroup 1 the one before: 48 KB each), stage their bf16
+// rows there, store them, and release the stage. Meanwhile the producer fills the other
+// kStages - 2 stages with the next tile, so no smem is set aside for the epilogue. A staging
+// slot is 64 rows x 128 columns bf16, 256 B per row, 16-byte chunks XOR-swizzled by row % 8
+// (conflict-free for the fragment writes and the row reads): slots 0, 1 = the B region of the
+// warpgroup's stage, slot 2 = its A region. L1: h -> 0, gate -> 1, up -> 2; L2: columns
+// 0..127 -> 0, 128..255 -> 1.
+//
+// Synchronisation (mbarriers + two named barriers):
+//   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps)
+//   job_full/job_empty     the job ring, producer -> 8 math warps + signaller
+//   stored[2]              a tile's stores issued, 256 math threads -> signaller
+//   named barrier 1 (256)  both warpgroups done reading the tile's stages (before staging)
+//   named barrier 2, 3     per warpgroup: staging written (before the row reads)
+// The ring's counters run on across tiles, so the producer loads tile i+1 while the consumers
+// finish tile i.
+//
+// Memory-ordering contract of the hooks (the caller implements them):
+//   wait_rows_ready(tile): called by lane 0 of the producer warp; return once the A rows of the
+//     tile may be read (spin with ld.acquire). The engine then runs __syncwarp() and
+//     fence.proxy.async.global on every producer lane before any TMA of the tile, so writes that
+//     the acquire made visible (generic stores, NVLink stores, TMA stores) are seen by TMA.
+//   tile_done(tile): called by lane 0 of the signaller warp after every consumer thread issued
+//     its stores of the tile and arrived on an mbarrier (release, CTA scope), the signaller
+//     acquired it and ran fence.acq_rel.{gpu,sys} (Hooks::kStoreFence = 1, 2; 0: no fence):
+//     the CUTLASS pattern of a CTA barrier followed by one thread's fenced release. Bump a
+//     counter with a red.release / red.relaxed after that fence.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "cute/arch/copy_sm90_desc.hpp"
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/arch/mma_sm90_desc.hpp"
+#include "cute/arch/mma_sm90_gmma.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "ffi/common/swiglu_math.cuh"
+#include "ffi/scheduler/expert_tile_walk.cuh"
+
+namespace megamoe::fused::sm90 {
+
+// How the producer brings in a tile's A rows.
+enum class ALoad : int32_t { kTmaBlock = 0, kTmaRows = 1, kCpAsyncRows = 2 };
+
+// The two GEMMs of the MLP (ExpertTile::kind).
+enum GemmKind : int32_t { kL1GateUp = 0, kL2Down = 1 };
+
+// Operands of one GEMM kind. Lives in the caller's __grid_constant__ kernel parameters (TMA
+// descriptors must sit in param, const or global memory).
+struct alignas(128) GemmOperands {
+  CUtensorMap a_map;  // kTmaBlock: rows in group order [R, K], box {64, 128};
+                      // kTmaRows: source rows [R, K], box {64, 1}; both bf16, 128B swizzle
+  CUtensorMap b_map;  // weights as [E * K, N] (N contiguous), box {64, 64}, 128B swizzle
+  const __nv_bfloat16* a_ptr;  // kCpAsyncRows: source rows, row stride lda elements
+  int64_t lda;
+  const int32_t* row_index;  // kTmaRows / kCpAsyncRows: source row of group row r
+  int32_t k;                 // K, a multiple of 64
+  int32_t a_load;            // ALoad
+};
+
+// Per-row destination of L2 results for the plain standalone GEMM: row r of the tile goes to
+// base + dest_row[row_begin + r] * ld (a permutation stands in for combine slots).
+struct IndexedRowDest {
+  __nv_bfloat16* base;
+  const int32_t* dest_row;
+  int64_t ld;
+  __device__ __forceinline__ __nv_bfloat16* row(const ExpertTile& t, int r) const {
+    const int d = __ldg(dest_row + t.row_begin + r);
+    return d < 0 ? nullptr : base + int64_t(d) * ld;
+  }
+};
+
+// Hooks that do nothing (a plain grouped GEMM).
+struct NoHooks {
+  static constexpr int kStoreFence = 0;  // nothing waits on the stores inside the kernel
+  __device__ __forceinline__ void wait_rows_ready(const ExpertTile&) const {}
+  __device__ __forceinline__ void tile_done(const ExpertTile&) const {}
+};
+
+template <class RowDest>
+struct alignas(128) EngineParams {
+  GemmOperands op[2];     // [kL1GateUp], [kL2Down]
+  __nv_bfloat16* h;       // L1 output [rows, f]
+  __nv_bfloat16* gate_up; // optional L1 output [rows, 2f] (nullptr: not stored)
+  int32_t f;              // F (L1 gate/up split, h width), a multiple of 128
+  int32_t l1_raw_gate;    // benchmark only: 1 = store the gate half as h (no SwiGLU math)
+  int32_t bench_skip_epilogue;  // benchmark only: 1 = compute, store nothing (mainloop rate)
+  RowDest l2_dest;        // L2 output rows
+};
+
+namespace detail {
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// wgmma shared-memory descriptor, 128B swizzle (layout type 1 in bits 62-63).
+__device__ __forceinline__ uint64_t gmma_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes,
+                                                    uint32_t sbo_bytes) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>(smem_addr >> 4);
+  d.bitfield.leading_byte_offset_ = static_cast<uint16_t>(lbo_bytes >> 4);
+  d.bitfield.stride_byte_offset_ = static_cast<uint16_t>(sbo_bytes >> 4);
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = static_cast<uint8_t>(cute::SM90::GMMA::LayoutType::B128);
+  return d.desc_;
+}
+
+using Wgmma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                              cute::SM90::GMMA::Major::MN>;
+
+template <size_t... I>
+__device__ __forceinline__ void wgmma_call(uint64_t da, uint64_t db, float (&d)[128], bool acc,
+                                           cute::index_sequence<I...>) {
+  Wgmma::fma(da, db, d[I]...,
+             acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// megamoe::grouped::Swiglu (ffi/common/swiglu_math.cuh) bit for bit, without its branch: nvcc
+// compiles the IEEE 1.0f / d of Sigmoid() into MUFU.RCP + 2 FFMA behind a range test with a
+// called slow path per element (BSSY/CALL: no ILP across the 64 values of a thread). This is
+// the same fast-path sequence, so the result is identical whenever the range test passes;
+// `slow` reports an element where it does not (d = 1 + exp(-g) >= 2^126 or NaN, i.e. g < -87
+// or NaN), and the caller then recomputes with Swiglu() itself. The harness checks equality
+// over all bf16 values of g.
+__device__ __forceinline__ float swiglu_fast_path(float gate, float up, bool& slow) {
+  const float d = 1.0f + __expf(-gate);
+  const uint32_t bits = __float_as_uint(d);
+  slow |= ((bits + 0x1800000u) & 0x7f800000u) <= 0x1ffffffu;
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  const float sig = fmaf(r, -fmaf(d, r, -1.0f), r);
+  return gate * sig * up;
+}
+
+__device__ __forceinline__ float round_bf16(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_cnt(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
+               : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int kScope>
+__device__ __forceinline__ void store_fence() {
+  if constexpr (kScope == 1) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  if constexpr (kScope == 2) asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+}  // namespace detail
+
+template <int kStages_ = 4, int kJobSlots_ = 4>
+struct Sm90MoeTileEngine {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 256;
+  static constexpr int kBlockK = 64;
+  static constexpr int kStages = kStages_;
+  static constexpr int kJobSlots = kJobSlots_;
+  static_assert(kStages >= 3, "two stages hold the staged tile; at least one must stream");
+
+  static constexpr int kThreads = 384;
+  static constexpr int kProducerWarp = 0;
+  static constexpr int kSignallerWarp = 1;
+  static constexpr int kFirstMathWarp = 4;
+  static constexpr int kMathThreads = 256;
+  static constexpr int kProducerRegs = 56;  // warpgroup 0 (producer, signaller, free warps)
+  static constexpr int kMathRegs = 224;     // 2 x 128 x 224 + 128 x 56 = 64 K registers
+  static constexpr uint32_t kBothWgBarrier = 1;   // named barrier ids used by the consumers
+  static constexpr uint32_t kFirstWgBarrier = 2;  // 2, 3
+
+  static constexpr int kABytes = kBlockM * kBlockK * 2;  // 16 KB
+  static constexpr int kBBytes = kBlockK * kBlockN * 2;  // 32 KB
+  static constexpr int kBBoxBytes = kBlockK * 64 * 2;    // 8 KB: 64 K-rows x 64 N
+  static constexpr int kSlotRowBytes = 256;              // 128 bf16 columns per staging slot
+  static constexpr int kSlotBytes = 64 * kSlotRowBytes;  // 16 KB
+
+  struct alignas(1024) SharedStorage {
+    alignas(1024) uint8_t a[kStages][kABytes];
+    alignas(1024) uint8_t b[kStages][kBBytes];
+    ExpertTile jobs[kJobSlots];
+    int32_t row_src[kBlockM];  // kCpAsyncRows: source row of each tile row (producer only)
+    __nv_bfloat16* row_dst[kBlockM];  // destination of each tile row (consumers; null = skip)
+    uint64_t full[kStages], empty[kStages];
+    uint64_t stored[2];
+    uint64_t job_full[kJobSlots], job_empty[kJobSlots];
+  };
+
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+  // One thread, before the CTA-wide sync that precedes run_roles().
+  __device__ static void init(SharedStorage& ss) {
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&ss.full[s], 32);  // one arrival per producer lane (+ TMA bytes)
+      Barrier::init(&ss.empty[s], kMathThreads / 32);
+    }
+    for (int b = 0; b < 2; ++b) Barrier::init(&ss.stored[b], kMathThreads);
+    for (int j = 0; j < kJobSlots; ++j) {
+      Barrier::init(&ss.job_full[j], 1);
+      Barrier::init(&ss.job_empty[j], kMathThreads / 32 + 1);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+
+  // ---------------------------------------------------------------- producer (one warp)
+  // Scheduler: `__device__ bool next(ExpertTile&)`, called by all 32 lanes, warp-uniform.
+  template <class Params, class Scheduler, class Hooks>
+  __device__ static void producer(SharedStorage& ss, const Params& p, Scheduler& sched,
+                                  const Hooks& hooks) {
+    const int lane = threadIdx.x & 31;
+    if (lane == 0) {
+      for (int g = 0; g < 2; ++g) {
+        if (p.op[g].k <= 0) continue;  // a GEMM kind the caller does not use
+        if (p.op[g].a_load != int32_t(ALoad::kCpAsyncRows))
+          cute::prefetch_tma_descriptor(&p.op[g].a_map);
+        cute::prefetch_tma_descriptor(&p.op[g].b_map);
+      }
+    }
+    uint32_t it = 0, jn = 0;
+    while (true) {
+      ExpertTile job;
+      const bool more = sched.next(job);
+      if (!more) job.kind = -1;
+      const int slot = jn % kJobSlots;
+      Barrier::wait(&ss.job_empty[slot], ((jn / kJobSlots) & 1) ^ 1);
+      if (lane == 0) {
+        ss.jobs[slot] = job;
+        Barrier::arrive(&ss.job_full[slot]);
+      }
+      ++jn;
+      if (!more) break;
+
+      const GemmOperands& op = p.op[job.kind];
+      const ALoad mode = static_cast<ALoad>(op.a_load);
+      // Source rows of this tile (the index list is read once per tile).
+      int32_t src[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = lane + 32 * i;
+        src[i] = -1;
+        if (mode != ALoad::kTmaBlock) {
+          src[i] = r < job.rows ? __ldg(op.row_index + job.row_begin + r) : -1;
+          if (mode == ALoad::kCpAsyncRows)
+            ss.row_src[r] = src[i] >= 0 ? src[i] : __ldg(op.row_index + job.row_begin);
+        }
+      }
+      __syncwarp();
+      const uint32_t a_bytes = mode == ALoad::kTmaBlock ? uint32_t(kABytes)
+                               : mode == ALoad::kTmaRows ? uint32_t(job.rows) * 128u
+                                                         : 0u;
+      const int num_kb = op.k / kBlockK;
+      const int b_row0 = job.expert * op.k;
+      // B columns of box j (0..3): L1 = gate [c, c+128) then up [F+c, F+c+128); L2 = 4 x 64.
+      const int nb = job.n_block;
+      const int b_col = job.kind == kL1GateUp
+                            ? ((lane < 2) ? nb * 128 + lane * 64 : p.f + nb * 128 + (lane - 2) * 64)
+                            : nb * kBlockN + lane * 64;
+      for (int kb = 0; kb < num_kb; ++kb, ++it) {
+        const int s = it % kStages;
+        Barrier::wait(&ss.empty[s], ((it / kStages) & 1) ^ 1);
+        if (lane == 0) Barrier::expect_transaction(&ss.full[s], kBBytes + a_bytes);
+        __syncwarp();
+        if (lane < 4) {
+          cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
+                                       ss.b[s] + lane * kBBoxBytes, b_col, b_row0 + kb * kBlockK);
+        }
+        if (kb == 0) {
+          // B of the first stage is already on its way; now wait for the tile's rows.
+          if (lane == 0) hooks.wait_rows_ready(job);
+          __syncwarp();
+          detail::fence_proxy_async_global();
+        }
+        if (mode == ALoad::kTmaBlock) {
+          if (lane == 0)
+            cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], 0ull, ss.a[s], kb * kBlockK,
+                                         job.row_begin);
+          Barrier::arrive(&ss.full[s]);
+        } else if (mode == ALoad::kTmaRows) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            if (src[i] >= 0)
+              cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], 0ull,
+                                           ss.a[s] + (lane + 32 * i) * 128, kb * kBlockK, src[i]);
+          }
+          Barrier::arrive(&ss.full[s]);
+        } else {
+          // 8 lanes per row (16 B each), 4 rows per instruction, 32 instructions per stage.
+          const uint32_t a_base = detail::smem_u32(ss.a[s]);
+          const int c = lane & 7;
+          const int r0 = lane >> 3;
+          const uint32_t sw_even = uint32_t((c ^ r0) << 4);
+          const uint32_t sw_odd = uint32_t((c ^ (r0 + 4)) << 4);
+          const __nv_bfloat16* col = op.a_ptr + kb * kBlockK + c * 8;
+#pragma unroll 8
+          for (int j = 0; j < 32; ++j) {
+            const int r = 4 * j + r0;
+            const int srow = ss.row_src[r];
+            detail::cp_async_16(a_base + r * 128 + ((j & 1) ? sw_odd : sw_even),
+                                col + int64_t(srow) * op.lda, r < job.rows);
+          }
+          cutlass::arch::cpasync_barrier_arrive_noinc(&ss.full[s]);
+        }
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------- math (two warpgroups)
+  template <class Params>
+  __device__ static void math(SharedStorage& ss, const Params& p) {
+    const int wg = (threadIdx.x / 128) - kFirstMathWarp / 4;  // 0 or 1: rows 64 wg ..
+    const int t = threadIdx.x & 127;                           // thread in the warpgroup
+    const int warp_in_wg = t >> 5;
+    const int lane = t & 31;
+    float acc[128];
+    uint32_t it = 0, jn = 0, tn = 0;
+    // Fragment writes: rows warp_in_wg * 16 + lane / 4 (+ 8), row % 8 = lane / 4.
+    const uint32_t frag_off = uint32_t(warp_in_wg * 16 + (lane >> 2)) * kSlotRowBytes +
+                              uint32_t(lane & 3) * 4;
+    const uint32_t frag_sw = uint32_t(lane >> 2);
+    // Row reads: rows (t / 16) + 8 k (k = 0..7), chunk t % 16; row % 8 = (t / 16) % 8.
+    const int rd_row0 = t >> 4;
+    const int rd_chunk = t & 15;
+    const uint32_t rd_off = uint32_t(rd_row0) * kSlotRowBytes +
+                            ((uint32_t(rd_chunk) ^ uint32_t(rd_row0 & 7)) << 4);
+    while (true) {
+      const int slot = jn % kJobSlots;
+      Barrier::wait(&ss.job_full[slot], (jn / kJobSlots) & 1);
+      const ExpertTile job = ss.jobs[slot];
+      __syncwarp();
+      if (lane == 0) Barrier::arrive(&ss.job_empty[slot]);
+      ++jn;
+      if (job.kind < 0) break;
+
+      const GemmOperands& op = p.op[job.kind];
+      const bool fence_a = op.a_load == int32_t(ALoad::kCpAsyncRows);
+      const int num_kb = op.k / kBlockK;
+      if (num_kb < 2) __trap();  // K >= 128: the tile's last two stages become the staging
+      const bool l1 = job.kind == kL1GateUp;
+      const int nslots = p.bench_skip_epilogue ? 0 : l1 ? (p.gate_up != nullptr ? 3 : 1) : 2;
+      // Destination of each row of the tile (looked up before the mainloop so that the row
+      // functor's loads are long done at the epilogue; kept in smem, not in registers). Row
+      // 64 wg + rd_row0 + 8 k is written by the thread of chunk 0 that later stores it.
+      __syncwarp();  // the previous tile's stores of these rows (same warp) read the table
+      if (nslots > 0 && rd_chunk == 0) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const int r = 64 * wg + rd_row0 + 8 * k;
+          __nv_bfloat16* d = nullptr;
+          if (r < job.rows) {
+            if (l1) {
+              d = p.h + int64_t(job.row_begin + r) * p.f + job.n_block * 128;
+            } else {
+              d = p.l2_dest.row(job, r);
+              if (d != nullptr) d += job.n_block * kBlockN;
+            }
+          }
+          ss.row_dst[r] = d;
+        }
+      }
+      // Zeroed here rather than with scale-D = 0 on the first wgmma, so that the compiler sees
+      // the accumulators die at the end of each epilogue (else they stay live across tiles and
+      // the staging vectors spill).
+#pragma unroll
+      for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+      for (int kb = 0; kb < num_kb; ++kb, ++it) {
+        const int s = it % kStages;
+        Barrier::wait(&ss.full[s], (it / kStages) & 1);
+        if (fence_a) cutlass::arch::fence_view_async_shared();  // cp.async (generic) -> wgmma
+        const uint32_t a_addr = detail::smem_u32(ss.a[s]) + wg * (64 * 128);
+        const uint32_t b_addr = detail::smem_u32(ss.b[s]);
+#pragma unroll
+        for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int k = 0; k < kBlockK / 16; ++k) {
+          // A K-major: +32 B per 16 of K inside the swizzled 128 B row; SBO = 8 rows = 1024 B.
+          // B N-major: +16 K-rows = 2048 B; LBO = next 64-column box (8 KB); SBO = 1024 B.
+          const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
+          const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 2048, kBBoxBytes, 1024);
+          detail::wgmma_call(da, db, acc, true, cute::make_index_sequence<128>{});
+        }
+        cute::warpgroup_commit_batch();
+#pragma unroll
+        for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
+        // Release the previous stage, except the second-to-last one of the tile (staging).
+        if (kb > 0) {
+          cute::warpgroup_wait<1>();
+          if (kb != num_kb - 1 && lane == 0) Barrier::arrive(&ss.empty[(it - 1) % kStages]);
+        }
+      }
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
+
+      // Warpgroup wg stages into stage s_w (0: the tile's last, 1: the one before), once both
+      // warpgroups are done reading the tile's stages.
+      const int s_w = (it - 1 - wg) % kStages;
+      const uint32_t slot_base[3] = {detail::smem_u32(ss.b[s_w]),
+                                     detail::smem_u32(ss.b[s_w]) + kSlotBytes,
+                                     detail::smem_u32(ss.a[s_w])};
+      detail::named_barrier_sync(kBothWgBarrier, kMathThreads);
+
+      // Fragment -> staging slot: v(ii, hh) is this thread's packed bf16x2 of slot columns
+      // 8 ii + 2 (lane % 4) + {0, 1}, row (lane / 4) + 8 hh of its 16-row slice; accumulator
+      // column c <-> acc[4 (c / 8) + 2 hh + (c % 2)].
+      auto put = [&](int sl, auto&& v) {
+        const uint32_t base = slot_base[sl] + frag_off;
+#pragma unroll
+        for (int ii = 0; ii < 16; ++ii) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            detail::st_shared_b32(base + hh * 8 * kSlotRowBytes + ((uint32_t(ii) ^ frag_sw) << 4),
+                                  v(ii, hh));
+        }
+      };
+      auto acc_pair = [&](int col8, int hh) {  // accumulator columns 8 col8 + 2 (lane % 4) + {0, 1}
+        return detail::pack_bf16x2(acc[4 * col8 + 2 * hh], acc[4 * col8 + 2 * hh + 1]);
+      };
+      if (nslots > 0) {
+        if (l1) {
+          if (p.l1_raw_gate) {
+            put(0, [&](int ii, int hh) { return acc_pair(ii, hh); });
+          } else {
+            // h = silu(g) * u from the bf16-rounded gate/up (what the stored gate_up holds, as
+            // the cuda backend's SwigluForward and the reference compute it).
+            uint32_t hv[32];
+            bool slow = false;
+#pragma unroll
+            for (int ii = 0; ii < 16; ++ii) {
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) {
+                float o[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const float g = detail::round_bf16(acc[4 * ii + 2 * hh + e]);
+                  const float u = detail::round_bf16(acc[4 * (ii + 16) + 2 * hh + e]);
+                  o[e] = detail::swiglu_fast_path(g, u, slow);
+                }
+                hv[2 * ii + hh] = detail::pack_bf16x2(o[0], o[1]);
+              }
+            }
+            if (__any_sync(0xffffffffu, slow)) {  // g < -87 somewhere in the warp: exact path
+#pragma unroll
+              for (int ii = 0; ii < 16; ++ii) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                  float o[2];
+#pragma unroll
+                  for (int e = 0; e < 2; ++e) {
+                    const float g = detail::round_bf16(acc[4 * ii + 2 * hh + e]);
+                    const float u = detail::round_bf16(acc[4 * (ii + 16) + 2 * hh + e]);
+                    o[e] = megamoe::grouped::Swiglu(g, u);
+                  }
+                  hv[2 * ii + hh] = detail::pack_bf16x2(o[0], o[1]);
+                }
+              }
+            }
+            put(0, [&](int ii, int hh) { return hv[2 * ii + hh]; });
+          }
+          if (nslots == 3) {
+            put(1, [&](int ii, int hh) { return acc_pair(ii, hh); });
+            put(2, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
+          }
+        } else {
+          put(0, [&](int ii, int hh) { return acc_pair(ii, hh); });
+          put(1, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
+        }
+        detail::named_barrier_sync(kFirstWgBarrier + wg, 128);
+      }
+      // Each row of a slot is 256 contiguous bytes of the destination row: 16 lanes per row,
+      // 2 rows per warp instruction. Up to two slots (h; L2's two column halves): read this
+      // thread's vectors into registers, hand the stage back to the producer (the proxy fence
+      // orders the generic reads before the TMA refill, and has no global stores in flight to
+      // wait for yet), then store. Three slots (L1 with gate_up): store slot by slot, then
+      // release (registers would spill otherwise).
+      // Destination of (slot sl, row k of this thread), or null.
+      auto dest = [&](int sl, int k) -> __nv_bfloat16* {
+        const int r = 64 * wg + rd_row0 + 8 * k;
+        __nv_bfloat16* d = ss.row_dst[r];
+        if (d == nullptr) return nullptr;
+        if (l1 && sl > 0)  // gate_up row: gate at n_block * 128, up at F + n_block * 128
+          return p.gate_up + int64_t(job.row_begin + r) * 2 * p.f + (sl == 2 ? p.f : 0) +
+                 job.n_block * 128 + rd_chunk * 8;
+        return d + (l1 ? 0 : sl * 128) + rd_chunk * 8;
+      };
+      if (nslots <= 2) {
+        uint4 v[2][8];
+#pragma unroll
+        for (int sl = 0; sl < 2; ++sl) {
+          if (sl < nslots) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k)
+              v[sl][k] = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
+          }
+        }
+        cutlass::arch::fence_view_async_shared();
+        __syncwarp();
+        if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);  // 4 warps x 2 = 8
+#pragma unroll
+        for (int sl = 0; sl < 2; ++sl) {
+          if (sl < nslots) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              __nv_bfloat16* d = dest(sl, k);
+              if (d != nullptr) detail::st_global_v4(d, v[sl][k]);
+            }
+          }
+        }
+      } else {
+        for (int sl = 0; sl < 3; ++sl) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            const uint4 val =
+                detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
+            __nv_bfloat16* d = dest(sl, k);
+            if (d != nullptr) detail::st_global_v4(d, val);
+          }
+        }
+        cutlass::arch::fence_view_async_shared();
+        __syncwarp();
+        if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);
+      }
+      Barrier::arrive(&ss.stored[tn & 1]);
+      ++tn;
+    }
+  }
+
+  // ---------------------------------------------------------------- signaller (one warp)
+  template <class Params, class Hooks>
+  __device__ static void signaller(SharedStorage& ss, const Params& p, const Hooks& hooks) {
+    const int lane = threadIdx.x & 31;
+    uint32_t jn = 0, tn = 0;
+    while (true) {
+      const int slot = jn % kJobSlots;
+      Barrier::wait(&ss.job_full[slot], (jn / kJobSlots) & 1);
+      const ExpertTile job = ss.jobs[slot];
+      __syncwarp();
+      if (lane == 0) Barrier::arrive(&ss.job_empty[slot]);
+      ++jn;
+      if (job.kind < 0) break;
+      Barrier::wait(&ss.stored[tn & 1], (tn >> 1) & 1);
+      ++tn;
+      if (lane == 0) {
+        detail::store_fence<Hooks::kStoreFence>();
+        hooks.tile_done(job);
+      }
+      __syncwarp();
+    }
+  }
+
+  // ---------------------------------------------------------------- the roles of a CTA
+  // Convenience dispatch for a kernel that uses exactly this engine's 384 threads (the
+  // standalone harness does). A fused kernel may call producer / signaller / math itself from
+  // its own role branches (it must keep warps 4..11 as the two consumer warpgroups, give them
+  // kMathRegs with setmaxnreg, leave named barriers 1..3 to them, and call init() + a CTA
+  // barrier first).
+  template <class Params, class Scheduler, class Hooks>
+  __device__ static void run_roles(SharedStorage& ss, const Params& p, Scheduler& sched,
+                                   const Hooks& hooks) {
+    const int warp = threadIdx.x / 32;
+    if (warp < kFirstMathWarp) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      if (warp == kProducerWarp) producer(ss, p, sched, hooks);
+      else if (warp == kSignallerWarp) signaller(ss, p, hooks);
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
+      math(ss, p);
+    }
+  }
+};
+
+}  // namespace megamoe::fused::sm90

@@ -1,0 +1,58 @@
+// Host-side construction of the TMA descriptors (CUtensorMap) that the sm_90a MoE tile engine
+// (ffi/gemm/sm90_moe_tile_engine.cuh) reads: bf16 row-major matrices, 128B swizzle, boxes of 64
+// columns (128 bytes, the widest a 128B-swizzled box may be) by box_rows rows. The driver entry
+// point is looked up through the runtime, so nothing links against libcuda.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+namespace megamoe::fused {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiledFn GetEncodeTiled() {
+  static EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      p = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+// A [rows, cols] row-major matrix with row stride ld elements (bf16 when elem_bytes == 2, e4m3
+// when 1), box {box_cols, box_rows}, 128B swizzle. "" or what failed.
+inline std::string MakeRowMajorTensorMap(CUtensorMap* map, const void* base, int64_t rows,
+                                         int64_t cols, int64_t ld, int box_cols, int box_rows,
+                                         int elem_bytes = 2) {
+  EncodeTiledFn encode = GetEncodeTiled();
+  if (encode == nullptr) return "cuTensorMapEncodeTiled not available";
+  const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(ld * elem_bytes)};
+  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(
+      map, elem_bytes == 2 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+      const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return "cuTensorMapEncodeTiled failed (" + std::to_string(int(r)) + ") for [" +
+           std::to_string(rows) + ", " + std::to_string(cols) + "] box {" +
+           std::to_string(box_cols) + ", " + std::to_string(box_rows) + "}";
+  }
+  return "";
+}
+
+}  // namespace megamoe::fused
