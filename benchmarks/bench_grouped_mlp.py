@@ -8,7 +8,7 @@ the same group sizes.
 
   python3 benchmarks/bench_grouped_mlp.py [--out results.json] [--quick] [--variants 0,1,2]
 
-Each grouped-GEMM tile-schedule variant (MEGAMOE_GROUPED_GEMM_VARIANT, ffi/kernels/grouped_gemm.cu)
+Each grouped-GEMM tile-schedule variant (MEGAMOE_GROUPED_GEMM_VARIANT, ffi/heuristics/gemm_variants.h)
 is timed in its own subprocess. `--shapes tiny --rows 64 --experts 4` smoke-tests the script on CPU.
 """
 

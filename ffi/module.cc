@@ -2,6 +2,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
+
 #include "ffi/registry.h"
 
 namespace nb = nanobind;
@@ -30,6 +32,35 @@ NB_MODULE(_megamoe, m) {
     }
     return out;
   });
+
+  // The scratch (`workspace` result) bytes FFI target `target` needs for `num_groups` groups:
+  // the most any of its platforms' handlers needs (the CUDA one for the visible GPUs).
+  m.def(
+      "scratch_bytes",
+      [](const std::string& target, int64_t num_groups) -> int64_t {
+        if (num_groups < 1) {
+          throw nb::value_error(("scratch_bytes: num_groups must be >= 1, got " +
+                                 std::to_string(num_groups)).c_str());
+        }
+        bool found = false, has_scratch = false;
+        size_t bytes = 0;
+        for (const auto& t : megamoe::FfiTargets()) {
+          if (t.name != target) continue;
+          found = true;
+          if (t.scratch_bytes == nullptr) continue;
+          has_scratch = true;
+          bytes = std::max(bytes, t.scratch_bytes(num_groups));
+        }
+        if (!found) {
+          throw nb::value_error(("scratch_bytes: no FFI target " + target).c_str());
+        }
+        if (!has_scratch) {
+          throw nb::value_error(("scratch_bytes: FFI target " + target +
+                                 " has no scratch result").c_str());
+        }
+        return static_cast<int64_t>(bytes);
+      },
+      nb::arg("target"), nb::arg("num_groups"));
 
   m.def("build_info", []() {
     nb::dict info;

@@ -50,6 +50,16 @@ def has_target(name: str, platform: str) -> bool:
   return (name, platform) in register_targets()
 
 
+def scratch_bytes(target: str, num_groups: int) -> int:
+  """Bytes of the scratch (`workspace`) result FFI target `target` needs for `num_groups` expert
+  groups, as its handlers compute it (the CUDA one for the visible GPUs; CPU handlers need none).
+  Raises RuntimeError without the extension, ValueError for a target with no scratch result."""
+  ext = extension()
+  if ext is None:
+    raise RuntimeError(f"jax_megamoe: {_load_extension()[1]}")
+  return int(ext.scratch_bytes(target, int(num_groups)))
+
+
 def build_info() -> dict[str, Any]:
   """What the extension was built with: cuda_archs, cuda_version, jaxlib_version, cutlass."""
   ext = extension()
@@ -105,8 +115,14 @@ def cuda_unavailable_reason() -> str | None:
   return None
 
 
+# The grouped-GEMM handlers whose scratch gemm_scratch_bytes sizes.
+_GEMM_TARGETS = ("megamoe_grouped_mlp_fwd", "megamoe_grouped_mlp_bwd", "megamoe_grouped_gemm",
+                 "megamoe_grouped_gemm_fp8", "megamoe_grouped_wgrad_fp8")
+
+
 def gemm_scratch_bytes(num_groups: int) -> int:
   """Device scratch of one grouped-GEMM handler (group offsets + a grouped GEMM's argument
-  arrays and CUTLASS workspace) for `num_groups` experts; the handler checks it and names the
-  shortfall. An upper bound until the extension reports the exact size."""
-  return (2 << 20) + 512 * num_groups
+  arrays and CUTLASS workspace) for `num_groups` experts, as C++ computes it (scratch_bytes): the
+  most any of them needs in this build; the handler checks it and names the shortfall."""
+  return max(scratch_bytes(t, num_groups) for t in _GEMM_TARGETS
+             if has_target(t, "cpu") or has_target(t, "CUDA"))

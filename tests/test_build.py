@@ -36,3 +36,38 @@ def test_targets_registered_once():
   assert _ffi.register_targets() is first  # cached: registration happens once
   assert len(first) == len(set(first))
   assert all(platform in ("cpu", "CUDA") for _, platform in first)
+
+
+def _require_extension():
+  if _ffi.extension() is None:
+    pytest.skip("not run: the native extension is not built in this environment")
+
+
+def test_scratch_bytes_come_from_the_handlers():
+  _require_extension()
+  for target in ("megamoe_grouped_mlp_fwd", "megamoe_grouped_mlp_bwd", "megamoe_grouped_gemm_fp8",
+                 "megamoe_fp8_swiglu_quantize"):
+    assert _ffi.scratch_bytes(target, 8) >= 0
+  with pytest.raises(ValueError, match="has no scratch result"):
+    _ffi.scratch_bytes("megamoe_fp8_quantize_rows", 8)
+  with pytest.raises(ValueError, match="no FFI target megamoe_no_such_op"):
+    _ffi.scratch_bytes("megamoe_no_such_op", 8)
+  with pytest.raises(ValueError, match="num_groups must be >= 1"):
+    _ffi.scratch_bytes("megamoe_grouped_mlp_fwd", 0)
+
+
+@pytest.mark.gpu
+def test_cuda_scratch_bytes_cover_offsets_and_gemm():
+  e = 64
+  offsets = 4 * (e + 1)
+  # The quantisers keep only the offsets (cuda_fp8 sizes them so): exact.
+  assert _ffi.scratch_bytes("megamoe_fp8_swiglu_quantize", e) == offsets
+  assert _ffi.scratch_bytes("megamoe_fp8_quantize_wgrad_operand", e) == 2 * offsets
+  assert _ffi.scratch_bytes("megamoe_fp8_swiglu_backward_quantize", e) == 2 * offsets
+  # The GEMMs: the offsets rounded up to 256 bytes, then the GEMM's argument arrays (7 or 11
+  # 256-byte aligned arrays of e entries) and CUTLASS's per-SM tensor maps.
+  for target in ("megamoe_grouped_mlp_fwd", "megamoe_grouped_mlp_bwd", "megamoe_grouped_gemm",
+                 "megamoe_grouped_gemm_fp8", "megamoe_grouped_wgrad_fp8"):
+    assert _ffi.scratch_bytes(target, e) > 512 + 7 * 8 * e, target
+  assert (_ffi.scratch_bytes("megamoe_grouped_mlp_fwd", 2 * e)
+          > _ffi.scratch_bytes("megamoe_grouped_mlp_fwd", e))

@@ -7,7 +7,7 @@
 // it (acquire). Nothing is reset between calls, so consecutive calls and graph replays work.
 #pragma once
 
-#include "ffi/comm/peer_signal.h"
+#include "ffi/comm/peer_signal.cuh"
 #include "ffi/comm/symmetric_memory.h"
 
 namespace megamoe::ep {

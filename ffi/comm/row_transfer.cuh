@@ -1,4 +1,6 @@
-// 16-byte vectors of bf16 / fp16 / fp32 elements and their fp32 unpacking, for the EP kernels.
+// Moving token rows between GPUs' memories: the warp row copy that the dispatch-shaped sends
+// and gathers share, 16-byte vectors of bf16 / fp16 / fp32 elements with their fp32 unpacking
+// (for the reductions on the way), and the load of data that peers wrote.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -82,6 +84,32 @@ __device__ __forceinline__ void PoisonRows(T* out, long long rows, int row_vecs)
 // Load that bypasses L1 (data written by peers: never served from a stale L1 line).
 __device__ __forceinline__ uint4 LoadPeerWritten(const uint4* p) { return __ldcg(p); }
 
+// The calling warp copies one row of `nvec` 16-byte vectors, read as load(c), to every
+// destination: for_each_destination(store) calls store(dst) once per destination row `dst`
+// (uint4*). kUnroll vectors per lane are in flight; each is read once whatever the number of
+// destinations.
+template <int kUnroll, class Load, class ForEachDestination>
+__device__ __forceinline__ void WarpCopyRow(int nvec, Load load,
+                                            ForEachDestination for_each_destination) {
+  const int lane = threadIdx.x & 31;
+  for (int c0 = 0; c0 < nvec; c0 += 32 * kUnroll) {
+    uint4 buf[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * 32 + lane;
+      if (c < nvec) buf[u] = load(c);
+    }
+    for_each_destination([&](uint4* dst) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * 32 + lane;
+        if (c < nvec) dst[c] = buf[u];
+      }
+    });
+  }
+}
+
+// Bit i set for the lanes i below the calling lane (a row's rank among its warp's lanes).
 __device__ __forceinline__ unsigned LaneMaskLt() {
   unsigned m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));

@@ -4,7 +4,7 @@
 // rank, layout}.
 //
 // Layout of one rank's workspace (byte offsets identical on every rank, 256-byte aligned):
-//   signals   SignalArea: monotonic uint64 counters (device-resident epochs, see peer_signal.h)
+//   signals   SignalArea: monotonic uint64 counters (device-resident epochs, see peer_signal.cuh)
 //   meta_ids  int32 [R][max_tokens][top_k]   dispatch-shaped traffic: local expert id or -1
 //   meta_w    f32   [R][max_tokens][top_k]   dispatch-shaped traffic: routing weight
 //   pool_d    elem  [R][max_tokens][hidden]  dispatch-shaped rows, slot (source rank, token)
@@ -25,7 +25,6 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 
 #include "ffi/common/align.h"
 
@@ -128,7 +127,7 @@ inline WorkspaceLayout MakeWorkspaceLayout(int64_t num_ranks, int64_t max_tokens
 struct ErrorRecord {
   int code;   // 0: none, 1: timeout waiting for a peer
   int rank;   // rank that timed out
-  int stage;  // Stage code (peer_signal.h)
+  int stage;  // Stage code (workspace_ops.h)
   int peer;   // rank waited on
   unsigned long long value;     // counter value seen last
   unsigned long long expected;  // value waited for
@@ -154,25 +153,5 @@ struct PeerView {
     return reinterpret_cast<SignalArea*>(base[r] + layout.signals);
   }
 };
-
-// The ranks of a workspace that one EP custom call runs on this device, in rank order: one view
-// (a GPU of a real EP group), or all R views of a virtual group (R workspaces on one GPU, each
-// rank's peer bases pointing at the others': EP at any R with a single GPU, for tests). A call
-// on a virtual group takes operands with a leading axis of one entry per rank.
-struct LocalRanks {
-  const PeerView* views[kMaxRanks] = {};
-  int count = 0;
-  bool stacked = false;  // a virtual group: operands carry the leading rank axis (even for R=1)
-  int absent = -1;       // virtual groups only: a rank whose kernels are never launched (tests)
-};
-
-// Host-side registry (ffi/comm/workspace_registry.cu): the local ranks of workspace
-// `workspace_id` on `device_ordinal`; false with `message` saying why when there are none.
-// Thread-safe; the views stay valid until the workspace is destroyed.
-bool FindLocalRanks(int64_t workspace_id, int device_ordinal, LocalRanks* out,
-                    std::string* message);
-
-// Human-readable report of the error recorded for this view's rank, or "" when there is none.
-std::string DescribeError(const PeerView& view);
 
 }  // namespace megamoe::ep

@@ -26,8 +26,9 @@
 #include <string>
 #include <vector>
 
-#include "ffi/comm/peer_signal.h"
 #include "ffi/comm/symmetric_memory.h"
+#include "ffi/comm/workspace_ops.h"
+#include "ffi/comm/workspace_registry.h"
 
 namespace megamoe::ep {
 namespace {

@@ -60,6 +60,14 @@ inline const char* DataTypeName(ffi::DataType t) {
     if (megamoe_err_.failure()) return megamoe_err_; \
   } while (0)
 
+// Returns an Internal error from the enclosing function when `expr` (a kernel launcher's
+// std::string: "" or what failed) is not empty.
+#define MEGAMOE_RETURN_IF_KERNEL_ERROR(expr)                          \
+  do {                                                                \
+    const std::string megamoe_kerr_ = (expr);                         \
+    if (!megamoe_kerr_.empty()) return ::megamoe::Internal(megamoe_kerr_); \
+  } while (0)
+
 #ifdef __CUDACC__
 #include <cuda_runtime.h>
 // Returns an ffi::Error naming the call when a CUDA runtime call fails.

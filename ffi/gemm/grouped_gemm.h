@@ -36,6 +36,10 @@ struct GroupedGemmProblem {
 // workspace), for `num_groups` groups on a GPU with `sm_count` multiprocessors.
 size_t GroupedGemmWorkspaceBytes(GemmKind kind, int num_groups, int sm_count);
 
+// The most of it any kind needs: what a caller that runs several kinds one after another on one
+// workspace reserves.
+size_t GroupedGemmMaxWorkspaceBytes(int num_groups, int sm_count);
+
 // Enqueues the grouped GEMM on `stream`. Returns "" on success, else what failed.
 std::string RunGroupedGemm(const GroupedGemmProblem& problem, void* workspace,
                            size_t workspace_bytes, int sm_count, cudaStream_t stream);

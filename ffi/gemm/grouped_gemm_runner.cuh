@@ -180,18 +180,12 @@ typename G::Gemm::Arguments MakeArguments(const GroupArgs<G>& a, int num_groups,
 // only, not a stream operation).
 template <class G>
 int MaxActiveClusters() {
-  static std::once_flag once[kMaxDevices];
-  static int value[kMaxDevices];
-  int dev = 0;
-  cudaGetDevice(&dev);
-  dev %= kMaxDevices;
-  std::call_once(once[dev], [&] {
+  return OncePerCurrentDevice<G>([](int) {
     cudaFuncSetAttribute(cutlass::device_kernel<typename G::Kernel>,
                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                          int(sizeof(typename G::Kernel::SharedStorage)));
-    value[dev] = cutlass::KernelHardwareInfo::query_device_max_active_clusters<typename G::Kernel>();
+    return cutlass::KernelHardwareInfo::query_device_max_active_clusters<typename G::Kernel>();
   });
-  return value[dev];
 }
 
 // Device bytes of workspace G needs for `num_groups` groups on `sm_count` multiprocessors.
@@ -255,5 +249,17 @@ struct CompiledGemm {
   std::string (*run)(const Problem& problem, void* workspace, size_t workspace_bytes,
                      int sm_count, cudaStream_t stream) = nullptr;
 };
+
+// G's instance whose prepare kernel is kPrepare (one thread per group of problem.num_groups).
+template <class G, class Problem, void (*kPrepare)(Problem, GroupArgs<G>)>
+CompiledGemm<Problem> Compile() {
+  return {&WorkspaceBytes<G>, [](const Problem& p, void* ws, size_t ws_bytes, int sm_count,
+                                 cudaStream_t stream) {
+            auto prepare = [&p](const GroupArgs<G>& args, cudaStream_t s) {
+              kPrepare<<<(p.num_groups + 127) / 128, 128, 0, s>>>(p, args);
+            };
+            return Run<G>(p.num_groups, prepare, ws, ws_bytes, sm_count, stream);
+          }};
+}
 
 }  // namespace megamoe::gemm

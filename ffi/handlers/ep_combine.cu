@@ -3,8 +3,8 @@
 // every operand carries a leading axis of one entry per rank.
 #include <vector>
 
-#include "ffi/comm/peer_signal.h"
-#include "ffi/handlers/ep_args.h"
+#include "ffi/comm/workspace_ops.h"
+#include "ffi/handlers/ep_ops.h"
 #include "ffi/registry.h"
 
 namespace megamoe::ep {
@@ -99,40 +99,29 @@ ffi::Error CombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d_out
 }
 
 }  // namespace
-}  // namespace megamoe::ep
 
-namespace ffi = xla::ffi;
-using S32Array = ffi::Buffer<ffi::S32>;
-using F32Array = ffi::Buffer<ffi::F32>;
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpCombineFwd, megamoe::ep::CombineFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Array>()
-                                  .Arg<F32Array>()
-                                  .Arg<S32Array>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("workspace_id")
-                                  .Attr<int64_t>("num_experts"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpCombineFwd, CombineFwd,
+                              EpAttributes(EpContext()
+                                  .Arg<ffi::AnyBuffer>()  // y_sorted
+                                  .Arg<S32Array>()        // slot_pos
+                                  .Arg<F32Array>()        // recv_w
+                                  .Arg<S32Array>()        // topk_ids
+                                  .Ret<ffi::AnyBuffer>()),  // out
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpCombineBwd, megamoe::ep::CombineBwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Array>()
-                                  .Arg<F32Array>()
-                                  .Arg<S32Array>()
-                                  .Arg<S32Array>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<F32Array>()
-                                  .Attr<int64_t>("workspace_id")
-                                  .Attr<int64_t>("num_experts"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpCombineBwd, CombineBwd,
+                              EpAttributes(EpContext()
+                                  .Arg<ffi::AnyBuffer>()  // d_out
+                                  .Arg<ffi::AnyBuffer>()  // y_sorted
+                                  .Arg<S32Array>()        // slot_pos
+                                  .Arg<F32Array>()        // recv_w
+                                  .Arg<S32Array>()        // topk_ids
+                                  .Arg<S32Array>()        // group_sizes
+                                  .Ret<ffi::AnyBuffer>()  // dy_sorted
+                                  .Ret<F32Array>()),      // d_recv_w
                               {ffi::Traits::kCmdBufferCompatible});
 
 MEGAMOE_REGISTER_FFI("megamoe_ep_combine_fwd", "CUDA", MegamoeEpCombineFwd);
 MEGAMOE_REGISTER_FFI("megamoe_ep_combine_bwd", "CUDA", MegamoeEpCombineBwd);
+
+}  // namespace megamoe::ep

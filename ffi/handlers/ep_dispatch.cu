@@ -4,8 +4,8 @@
 // On a virtual-rank workspace every operand carries a leading axis of one entry per rank.
 #include <vector>
 
-#include "ffi/comm/peer_signal.h"
-#include "ffi/handlers/ep_args.h"
+#include "ffi/comm/workspace_ops.h"
+#include "ffi/handlers/ep_ops.h"
 #include "ffi/registry.h"
 
 namespace megamoe::ep {
@@ -109,42 +109,31 @@ ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dx_s
 }
 
 }  // namespace
-}  // namespace megamoe::ep
 
-namespace ffi = xla::ffi;
-using S32Array = ffi::Buffer<ffi::S32>;
-using F32Array = ffi::Buffer<ffi::F32>;
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpDispatchFwd, megamoe::ep::DispatchFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Array>()
-                                  .Arg<F32Array>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<S32Array>()
-                                  .Ret<S32Array>()
-                                  .Ret<F32Array>()
-                                  .Ret<S32Array>()
-                                  .Ret<S32Array>()
-                                  .Attr<int64_t>("workspace_id")
-                                  .Attr<int64_t>("num_experts"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpDispatchFwd, DispatchFwd,
+                              EpAttributes(EpContext()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<S32Array>()        // topk_ids
+                                  .Arg<F32Array>()        // topk_weights
+                                  .Ret<ffi::AnyBuffer>()  // x_sorted
+                                  .Ret<S32Array>()        // group_sizes
+                                  .Ret<S32Array>()        // slot_pos
+                                  .Ret<F32Array>()        // recv_w
+                                  .Ret<S32Array>()        // stats
+                                  .Ret<S32Array>()),      // scratch
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpDispatchBwd, megamoe::ep::DispatchBwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<F32Array>()
-                                  .Arg<S32Array>()
-                                  .Arg<S32Array>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<F32Array>()
-                                  .Attr<int64_t>("workspace_id")
-                                  .Attr<int64_t>("num_experts"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpDispatchBwd, DispatchBwd,
+                              EpAttributes(EpContext()
+                                  .Arg<ffi::AnyBuffer>()  // dx_sorted
+                                  .Arg<F32Array>()        // d_recv_w
+                                  .Arg<S32Array>()        // slot_pos
+                                  .Arg<S32Array>()        // topk_ids
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<F32Array>()),      // d_weights
                               {ffi::Traits::kCmdBufferCompatible});
 
 MEGAMOE_REGISTER_FFI("megamoe_ep_dispatch_fwd", "CUDA", MegamoeEpDispatchFwd);
 MEGAMOE_REGISTER_FFI("megamoe_ep_dispatch_bwd", "CUDA", MegamoeEpDispatchBwd);
+
+}  // namespace megamoe::ep

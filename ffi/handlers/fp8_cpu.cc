@@ -1,5 +1,5 @@
 // XLA FFI handlers (CPU) of the blockwise-FP8 ops: the contracts of the CUDA handlers
-// (fp8_args.h) in plain loops, so that CI runs the FP8 path of jax_megamoe.backends.cuda_fp8
+// (fp8_ops.h) in plain loops, so that CI runs the FP8 path of jax_megamoe.backends.cuda_fp8
 // end to end and checks its quantisation bit for bit against jax_megamoe.fp8. Same rules as the
 // kernels: scale = max(amax * fp32(1/448), FLT_MIN) (pow2: rounded up to a power of two),
 // q = e4m3(v / s) rounded to nearest even, saturating; the GEMMs accumulate each 128-deep K
@@ -13,7 +13,7 @@
 
 #include "ffi/common/checks.h"
 #include "ffi/layout/fp8_blocks.h"
-#include "ffi/handlers/fp8_args.h"
+#include "ffi/handlers/fp8_ops.h"
 #include "ffi/common/host_numerics.h"
 #include "ffi/registry.h"
 
@@ -295,59 +295,32 @@ ffi::Error GroupedWgradFp8Impl(ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
 
 }  // namespace
 
-// x -> (q, scale), attribute pow2.
-#define MEGAMOE_QUANT_BINDING_CPU \
-  ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("pow2")
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeRowsCpu, QuantizeRowsImpl, MEGAMOE_QUANT_BINDING_CPU);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeRowsCpu, QuantizeRowsImpl,
+                              BindQuantizeRows(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWeightsCpu, QuantizeWeightsImpl,
-                              MEGAMOE_QUANT_BINDING_CPU.Attr<int64_t>("dgrad"));
-#undef MEGAMOE_QUANT_BINDING_CPU
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWgradOperandCpu, QuantizeWgradOperandImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>()  // q
-                                  .Ret<ffi::AnyBuffer>()  // scale
-                                  .Ret<ffi::AnyBuffer>()  // q_rows
-                                  .Ret<ffi::AnyBuffer>()  // scale_rows
-                                  .Ret<ffi::AnyBuffer>()  // workspace (unused on CPU)
-                                  .Attr<int64_t>("pow2")
-                                  .Attr<int64_t>("rows"));
+                              BindQuantizeWeights(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluQuantizeCpu, SwigluQuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // gate_up
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>()  // h
-                                  .Ret<ffi::AnyBuffer>()  // h_q
-                                  .Ret<ffi::AnyBuffer>()  // h_scale
-                                  .Ret<ffi::AnyBuffer>()  // workspace (unused on CPU)
-                                  .Attr<int64_t>("pow2"));
+                              BindSwigluQuantize(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWgradOperandCpu, QuantizeWgradOperandImpl,
+                              BindQuantizeWgradOperand(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluBackwardQuantizeCpu, SwigluBackwardQuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // dh
-                                  .Arg<ffi::AnyBuffer>()  // gate_up
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>()  // q_rows
-                                  .Ret<ffi::AnyBuffer>()  // scale_rows
-                                  .Ret<ffi::AnyBuffer>()  // q
-                                  .Ret<ffi::AnyBuffer>()  // scale
-                                  .Ret<ffi::AnyBuffer>()  // workspace (unused on CPU)
-                                  .Attr<int64_t>("pow2"));
-// a_q, a_scale, group_sizes, b_q, b_scale -> (d, workspace (unused on CPU)).
-#define MEGAMOE_GEMM_BINDING_CPU                                                     \
-  ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>() \
-      .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cpu, GroupedGemmFp8Impl, MEGAMOE_GEMM_BINDING_CPU);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedWgradFp8Cpu, GroupedWgradFp8Impl, MEGAMOE_GEMM_BINDING_CPU);
-#undef MEGAMOE_GEMM_BINDING_CPU
+                              BindSwigluBackwardQuantize(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cpu, GroupedGemmFp8Impl,
+                              BindGroupedGemmFp8(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedWgradFp8Cpu, GroupedWgradFp8Impl,
+                              BindGroupedGemmFp8(ffi::Ffi::Bind()));
 
 MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_rows", "cpu", Fp8QuantizeRowsCpu);
 MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_weights", "cpu", Fp8QuantizeWeightsCpu);
-MEGAMOE_REGISTER_FFI("megamoe_fp8_swiglu_quantize", "cpu", Fp8SwigluQuantizeCpu);
-MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_wgrad_operand", "cpu", Fp8QuantizeWgradOperandCpu);
-MEGAMOE_REGISTER_FFI("megamoe_fp8_swiglu_backward_quantize", "cpu", Fp8SwigluBackwardQuantizeCpu);
-MEGAMOE_REGISTER_FFI("megamoe_grouped_gemm_fp8", "cpu", GroupedGemmFp8Cpu);
-MEGAMOE_REGISTER_FFI("megamoe_grouped_wgrad_fp8", "cpu", GroupedWgradFp8Cpu);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_fp8_swiglu_quantize", "cpu", Fp8SwigluQuantizeCpu,
+                                  NoScratchBytes);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_fp8_quantize_wgrad_operand", "cpu",
+                                  Fp8QuantizeWgradOperandCpu, NoScratchBytes);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_fp8_swiglu_backward_quantize", "cpu",
+                                  Fp8SwigluBackwardQuantizeCpu, NoScratchBytes);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_grouped_gemm_fp8", "cpu", GroupedGemmFp8Cpu,
+                                  NoScratchBytes);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_grouped_wgrad_fp8", "cpu", GroupedWgradFp8Cpu,
+                                  NoScratchBytes);
 
 }  // namespace megamoe::grouped

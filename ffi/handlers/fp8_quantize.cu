@@ -1,5 +1,5 @@
 // XLA FFI handlers (CUDA) of the blockwise-FP8 quantisers (recipe "fp8", jax_megamoe/fp8.py):
-// Contracts and checks: fp8_args.h; CPU twins: fp8_cpu.cc.
+// Contracts, checks and bindings: fp8_ops.h; CPU twins: fp8_cpu.cc.
 //   megamoe_fp8_quantize_rows     x [N, K] bf16 -> q [N, K] e4m3, scale [N, K/128] f32
 //                                 (1x128 blocks along K: activations, token rows)
 //   megamoe_fp8_quantize_weights  w [E, K, P] bf16 -> q [E, P, K] e4m3 (transposed, K-major),
@@ -8,12 +8,13 @@
 //   megamoe_fp8_swiglu_quantize   gate_up [N, 2F] bf16, group_sizes [E] int32 -> h [N, F] bf16
 //                                 (silu(gate) * up; rows past sum(group_sizes) zero), h_q [N, F]
 //                                 e4m3 and h_scale [N, F/128] f32 (1x128; rows past the sum
-//                                 unwritten), workspace u8[W] (group offsets)
+//                                 unwritten), workspace u8[W] (the group offsets)
 //   megamoe_fp8_quantize_wgrad_operand  x [N, C] bf16, group_sizes [E] -> q [C, L] e4m3,
 //                                 scale [L/128, C] f32 (128x1 blocks inside each group, stored
 //                                 transposed and group-padded; cuda_fp8.WgradOperand),
 //                                 q_rows, scale_rows (attribute rows=1: x's 1x128 rows from the
-//                                 same read, else [0, C], [0, C/128]), workspace u8[8 (E + 1)]
+//                                 same read, else [0, C], [0, C/128]), workspace u8[W] (the
+//                                 group and padded offsets)
 //   megamoe_fp8_swiglu_backward_quantize  dh [N, F], gate_up [N, 2F] bf16, group_sizes [E] ->
 //                                 the SwiGLU backward dgate_up [N, 2F] (never stored in bf16)
 //                                 as 1x128 rows q_rows, scale_rows (rows past the sum unwritten)
@@ -22,24 +23,18 @@
 #include <cuda_runtime.h>
 
 #include "ffi/common/checks.h"
-#include "ffi/handlers/fp8_args.h"
+#include "ffi/handlers/fp8_ops.h"
+#include "ffi/handlers/scratch.h"
 #include "ffi/impls/fp8_quantize.h"
-#include "ffi/impls/grouped_swiglu.h"
 #include "ffi/registry.h"
+#include "ffi/scheduler/group_offsets.h"
 
 namespace megamoe::grouped {
 namespace {
 
-// The workspace result holds `ints` int32 (group offsets); returns them.
-ffi::Error OffsetsWorkspace(ffi::Result<ffi::AnyBuffer>& workspace, int64_t ints,
-                            int32_t** out) {
-  if (workspace->size_bytes() < size_t(ints) * 4) {
-    return InvalidArgument("workspace must hold ", ints, " int32 offsets, got ",
-                           workspace->size_bytes(), " bytes");
-  }
-  *out = static_cast<int32_t*>(workspace->untyped_data());
-  return ffi::Error::Success();
-}
+// Scratch: the group offsets, and with padded the padded offsets after them (no GEMM).
+ScratchNeed OffsetsScratchNeed(int64_t e, int /*sm_count*/) { return {e + 1, 0}; }
+ScratchNeed PaddedOffsetsScratchNeed(int64_t e, int /*sm_count*/) { return {2 * (e + 1), 0}; }
 
 ffi::Error QuantizeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
                             ffi::Result<ffi::AnyBuffer> scale, int64_t pow2) {
@@ -69,10 +64,11 @@ ffi::Error SwigluQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer gate_up,
                               ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2) {
   int64_t n, f, e;
   MEGAMOE_RETURN_IF_ERROR(CheckSwigluQuantize(gate_up, group_sizes, h, q, scale, &n, &f, &e));
-  int32_t* offsets;
-  MEGAMOE_RETURN_IF_ERROR(OffsetsWorkspace(workspace, e + 1, &offsets));
+  Scratch ws;
+  MEGAMOE_RETURN_IF_ERROR(SplitScratch(workspace, OffsetsScratchNeed(e, 0), &ws));
+  const int32_t* offsets = ws.offsets;
   std::string err = GroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()), int(e),
-                                 n, offsets, stream);
+                                 n, ws.offsets, stream);
   if (err.empty()) {
     err = SwigluQuantize1x128(gate_up.untyped_data(), h->untyped_data(), n, f, offsets, int(e),
                               pow2 != 0, q->untyped_data(),
@@ -86,8 +82,10 @@ ffi::Error SwigluQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer gate_up,
 ffi::Error PaddedOffsets(cudaStream_t stream, const ffi::AnyBuffer& group_sizes, int64_t e,
                          int64_t n, ffi::Result<ffi::AnyBuffer>& workspace, int32_t** offsets,
                          int32_t** padded) {
-  MEGAMOE_RETURN_IF_ERROR(OffsetsWorkspace(workspace, 2 * (e + 1), offsets));
-  *padded = *offsets + e + 1;
+  Scratch ws;
+  MEGAMOE_RETURN_IF_ERROR(SplitScratch(workspace, PaddedOffsetsScratchNeed(e, 0), &ws));
+  *offsets = ws.offsets;
+  *padded = ws.offsets + e + 1;
   std::string err = PaddedGroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()),
                                        int(e), n, *offsets, *padded, stream);
   if (!err.empty()) return Internal(err);
@@ -136,65 +134,34 @@ ffi::Error SwigluBackwardQuantizeImpl(cudaStream_t stream, ffi::AnyBuffer dh,
 
 }  // namespace
 
-// x -> (q, scale), attribute pow2: the binding of both quantisers.
-#define MEGAMOE_QUANT_BINDING                                \
-  ffi::Ffi::Bind()                                           \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()              \
-      .Arg<ffi::AnyBuffer>()                                 \
-      .Ret<ffi::AnyBuffer>()                                 \
-      .Ret<ffi::AnyBuffer>()                                 \
-      .Attr<int64_t>("pow2")
-
+// The CUDA context, then each op's binding (fp8_ops.h).
+#define MEGAMOE_CUDA_BIND ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeRowsCuda, QuantizeRowsImpl,
-                              MEGAMOE_QUANT_BINDING,
+                              BindQuantizeRows(MEGAMOE_CUDA_BIND),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWeightsCuda, QuantizeWeightsImpl,
-                              MEGAMOE_QUANT_BINDING.Attr<int64_t>("dgrad"),
+                              BindQuantizeWeights(MEGAMOE_CUDA_BIND),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluQuantizeCuda, SwigluQuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // gate_up
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>()  // h
-                                  .Ret<ffi::AnyBuffer>()  // h_q
-                                  .Ret<ffi::AnyBuffer>()  // h_scale
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<int64_t>("pow2"),
+                              BindSwigluQuantize(MEGAMOE_CUDA_BIND),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeWgradOperandCuda, QuantizeWgradOperandImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>()  // q
-                                  .Ret<ffi::AnyBuffer>()  // scale
-                                  .Ret<ffi::AnyBuffer>()  // q_rows
-                                  .Ret<ffi::AnyBuffer>()  // scale_rows
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<int64_t>("pow2")
-                                  .Attr<int64_t>("rows"),
+                              BindQuantizeWgradOperand(MEGAMOE_CUDA_BIND),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8SwigluBackwardQuantizeCuda, SwigluBackwardQuantizeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // dh
-                                  .Arg<ffi::AnyBuffer>()  // gate_up
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Ret<ffi::AnyBuffer>()  // q_rows
-                                  .Ret<ffi::AnyBuffer>()  // scale_rows
-                                  .Ret<ffi::AnyBuffer>()  // q
-                                  .Ret<ffi::AnyBuffer>()  // scale
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<int64_t>("pow2"),
+                              BindSwigluBackwardQuantize(MEGAMOE_CUDA_BIND),
                               {ffi::Traits::kCmdBufferCompatible});
-#undef MEGAMOE_QUANT_BINDING
+#undef MEGAMOE_CUDA_BIND
 
 MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_rows", "CUDA", Fp8QuantizeRowsCuda);
 MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_weights", "CUDA", Fp8QuantizeWeightsCuda);
-MEGAMOE_REGISTER_FFI("megamoe_fp8_swiglu_quantize", "CUDA", Fp8SwigluQuantizeCuda);
-MEGAMOE_REGISTER_FFI("megamoe_fp8_swiglu_backward_quantize", "CUDA",
-                     Fp8SwigluBackwardQuantizeCuda);
-MEGAMOE_REGISTER_FFI("megamoe_fp8_quantize_wgrad_operand", "CUDA", Fp8QuantizeWgradOperandCuda);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_fp8_swiglu_quantize", "CUDA", Fp8SwigluQuantizeCuda,
+                                  CudaScratchBytes<OffsetsScratchNeed>);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_fp8_swiglu_backward_quantize", "CUDA",
+                                  Fp8SwigluBackwardQuantizeCuda,
+                                  CudaScratchBytes<PaddedOffsetsScratchNeed>);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_fp8_quantize_wgrad_operand", "CUDA",
+                                  Fp8QuantizeWgradOperandCuda,
+                                  CudaScratchBytes<PaddedOffsetsScratchNeed>);
 
 }  // namespace megamoe::grouped

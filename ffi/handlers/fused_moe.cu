@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "ffi/comm/peer_signal.h"
-#include "ffi/handlers/ep_args.h"
+#include "ffi/comm/peer_signal.cuh"
+#include "ffi/handlers/ep_ops.h"
 #include "ffi/impls/fused_moe.h"
 #include "ffi/registry.h"
 

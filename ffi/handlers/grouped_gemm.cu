@@ -9,8 +9,10 @@
 #include "ffi/common/checks.h"
 #include "ffi/common/device_info.h"
 #include "ffi/gemm/grouped_gemm.h"
-#include "ffi/impls/grouped_swiglu.h"
+#include "ffi/handlers/scratch.h"
+#include "ffi/impls/grouped_zero_fill.h"
 #include "ffi/registry.h"
+#include "ffi/scheduler/group_offsets.h"
 
 namespace megamoe::grouped {
 namespace {
@@ -59,25 +61,18 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   for (int64_t v : {m, p, kk}) {
     if (v % 8 != 0) return InvalidArgument("every GEMM extent must be a multiple of 8, got ", v);
   }
-  if (workspace->element_type() != ffi::DataType::U8) {
-    return InvalidArgument("workspace must be uint8");
-  }
   const int sm = CurrentDeviceSmCount();
-  const size_t offsets_bytes = ((e + 1) * 4 + 255) / 256 * 256;
-  const size_t need = offsets_bytes + GroupedGemmWorkspaceBytes(k, int(e), sm);
-  if (workspace->size_bytes() < need) {
-    return InvalidArgument("workspace has ", workspace->size_bytes(), " bytes, need ", need);
-  }
-  uint8_t* ws = static_cast<uint8_t*>(workspace->untyped_data());
-  int32_t* offsets = reinterpret_cast<int32_t*>(ws);
+  Scratch ws;
+  MEGAMOE_RETURN_IF_ERROR(
+      SplitScratch(workspace, {e + 1, GroupedGemmWorkspaceBytes(k, int(e), sm)}, &ws));
+  const int32_t* offsets = ws.offsets;
   std::string err = GroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()), int(e),
-                                 n, offsets, stream);
+                                 n, ws.offsets, stream);
   if (!err.empty()) return Internal(err);
   if (n > 0) {
     GroupedGemmProblem prob{k, int(e), offsets, a.untyped_data(), b.untyped_data(),
                             d->untyped_data(), m, p, kk};
-    err = RunGroupedGemm(prob, ws + offsets_bytes, workspace->size_bytes() - offsets_bytes, sm,
-                         stream);
+    err = RunGroupedGemm(prob, ws.gemm, ws.gemm_bytes, sm, stream);
     if (!err.empty()) return Internal(err);
   }
   err = k == GemmKind::kWgrad
@@ -85,6 +80,11 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
             : ZeroPaddingRows(d->untyped_data(), n, p, offsets, int(e), stream);
   if (!err.empty()) return Internal(err);
   return ffi::Error::Success();
+}
+
+// What Python reserves: the scratch of whichever kind the call names.
+ScratchNeed AnyKindScratchNeed(int64_t e, int sm_count) {
+  return {e + 1, GroupedGemmMaxWorkspaceBytes(int(e), sm_count)};
 }
 
 }  // namespace
@@ -97,8 +97,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmCuda, GroupedGemmImpl,
                                   .Arg<ffi::AnyBuffer>()  // b
                                   .Ret<ffi::AnyBuffer>()  // d
                                   .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<int64_t>("kind"));
+                                  .Attr<int64_t>("kind"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-MEGAMOE_REGISTER_FFI("megamoe_grouped_gemm", "CUDA", GroupedGemmCuda);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_grouped_gemm", "CUDA", GroupedGemmCuda,
+                                  CudaScratchBytes<AnyKindScratchNeed>);
 
 }  // namespace megamoe::grouped

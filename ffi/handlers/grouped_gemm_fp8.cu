@@ -17,35 +17,22 @@
 
 #include "ffi/common/checks.h"
 #include "ffi/common/device_info.h"
-#include "ffi/handlers/fp8_args.h"
+#include "ffi/handlers/fp8_ops.h"
+#include "ffi/handlers/scratch.h"
 #include "ffi/gemm/grouped_gemm_fp8.h"
-#include "ffi/impls/grouped_swiglu.h"
+#include "ffi/impls/grouped_zero_fill.h"
 #include "ffi/registry.h"
+#include "ffi/scheduler/group_offsets.h"
 
 namespace megamoe::grouped {
 namespace {
 
-// The workspace result: `ints` int32 group offsets (rounded up to 256 bytes), then one GEMM's
-// argument arrays and CUTLASS workspace (at least `gemm_need` bytes).
-struct GemmWorkspace {
-  int32_t* offsets;
-  void* gemm;
-  size_t gemm_bytes;
-};
-
-ffi::Error SplitWorkspace(ffi::Result<ffi::AnyBuffer>& workspace, int64_t ints, size_t gemm_need,
-                          GemmWorkspace* out) {
-  const size_t offsets_bytes = (size_t(ints) * 4 + 255) / 256 * 256;
-  const size_t need = offsets_bytes + gemm_need;
-  if (workspace->element_type() != ffi::DataType::U8 || workspace->size_bytes() < need) {
-    return InvalidArgument("workspace must be uint8 with at least ", need, " bytes, got ",
-                           workspace->size_bytes());
-  }
-  uint8_t* base = static_cast<uint8_t*>(workspace->untyped_data());
-  out->offsets = reinterpret_cast<int32_t*>(base);
-  out->gemm = base + offsets_bytes;
-  out->gemm_bytes = workspace->size_bytes() - offsets_bytes;
-  return ffi::Error::Success();
+// Scratch: the group offsets (with the padded offsets after them for wgrad), then the GEMM's.
+ScratchNeed GemmScratchNeed(int64_t e, int sm_count) {
+  return {e + 1, GroupedGemmFp8WorkspaceBytes(int(e), sm_count)};
+}
+ScratchNeed WgradScratchNeed(int64_t e, int sm_count) {
+  return {2 * (e + 1), GroupedWgradFp8WorkspaceBytes(int(e), sm_count)};
 }
 
 ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyBuffer a_scale,
@@ -56,9 +43,8 @@ ffi::Error GroupedGemmFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::AnyB
   MEGAMOE_RETURN_IF_ERROR(CheckGroupedGemmFp8(a_q, a_scale, group_sizes, b_q, b_scale, d, &g));
   const int64_t e = g.e, n = g.n, lda = g.lda, p = g.p, k = g.k;
   const int sm = CurrentDeviceSmCount();
-  GemmWorkspace ws;
-  MEGAMOE_RETURN_IF_ERROR(
-      SplitWorkspace(workspace, e + 1, GroupedGemmFp8WorkspaceBytes(int(e), sm), &ws));
+  Scratch ws;
+  MEGAMOE_RETURN_IF_ERROR(SplitScratch(workspace, GemmScratchNeed(e, sm), &ws));
   int32_t* offsets = ws.offsets;
   std::string err = GroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()), int(e),
                                  n, offsets, stream);
@@ -82,9 +68,8 @@ ffi::Error GroupedWgradFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::Any
   Fp8WgradDims g;
   MEGAMOE_RETURN_IF_ERROR(CheckGroupedWgradFp8(a_q, a_scale, group_sizes, b_q, b_scale, d, &g));
   const int sm = CurrentDeviceSmCount();
-  GemmWorkspace ws;
-  MEGAMOE_RETURN_IF_ERROR(
-      SplitWorkspace(workspace, 2 * (g.e + 1), GroupedWgradFp8WorkspaceBytes(int(g.e), sm), &ws));
+  Scratch ws;
+  MEGAMOE_RETURN_IF_ERROR(SplitScratch(workspace, WgradScratchNeed(g.e, sm), &ws));
   int32_t* offsets = ws.offsets;
   int32_t* padded = offsets + g.e + 1;
   std::string err = PaddedGroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()),
@@ -104,25 +89,18 @@ ffi::Error GroupedWgradFp8Impl(cudaStream_t stream, ffi::AnyBuffer a_q, ffi::Any
 
 }  // namespace
 
-// Both GEMMs: (a_q, a_scale, group_sizes, b_q, b_scale) -> (d, workspace).
-#define MEGAMOE_FP8_GEMM_BINDING                                                       \
-  ffi::Ffi::Bind()                                                                     \
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()                                        \
-      .Arg<ffi::AnyBuffer>()                                                           \
-      .Arg<ffi::AnyBuffer>()                                                           \
-      .Arg<ffi::AnyBuffer>()                                                           \
-      .Arg<ffi::AnyBuffer>()                                                           \
-      .Arg<ffi::AnyBuffer>()                                                           \
-      .Ret<ffi::AnyBuffer>()                                                           \
-      .Ret<ffi::AnyBuffer>()
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cuda, GroupedGemmFp8Impl, MEGAMOE_FP8_GEMM_BINDING,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmFp8Cuda, GroupedGemmFp8Impl,
+                              BindGroupedGemmFp8(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedWgradFp8Cuda, GroupedWgradFp8Impl, MEGAMOE_FP8_GEMM_BINDING,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedWgradFp8Cuda, GroupedWgradFp8Impl,
+                              BindGroupedGemmFp8(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-#undef MEGAMOE_FP8_GEMM_BINDING
 
-MEGAMOE_REGISTER_FFI("megamoe_grouped_gemm_fp8", "CUDA", GroupedGemmFp8Cuda);
-MEGAMOE_REGISTER_FFI("megamoe_grouped_wgrad_fp8", "CUDA", GroupedWgradFp8Cuda);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_grouped_gemm_fp8", "CUDA", GroupedGemmFp8Cuda,
+                                  CudaScratchBytes<GemmScratchNeed>);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_grouped_wgrad_fp8", "CUDA", GroupedWgradFp8Cuda,
+                                  CudaScratchBytes<WgradScratchNeed>);
 
 }  // namespace megamoe::grouped

@@ -5,52 +5,23 @@
 
 #include "ffi/common/checks.h"
 #include "ffi/common/device_info.h"
-#include "ffi/handlers/grouped_mlp_args.h"
+#include "ffi/handlers/grouped_mlp_op.h"
+#include "ffi/handlers/scratch.h"
 #include "ffi/gemm/grouped_gemm.h"
 #include "ffi/impls/grouped_swiglu.h"
+#include "ffi/impls/grouped_zero_fill.h"
 #include "ffi/registry.h"
+#include "ffi/scheduler/group_offsets.h"
 
 namespace megamoe::grouped {
 namespace {
 
-#define MEGAMOE_RETURN_IF_KERNEL_ERROR(expr)               \
-  do {                                                     \
-    std::string megamoe_kerr_ = (expr);                    \
-    if (!megamoe_kerr_.empty()) return Internal(megamoe_kerr_); \
-  } while (0)
-
 int SmCount() { return CurrentDeviceSmCount(); }
 
-// Workspace: group offsets, then one grouped GEMM's workspace (the GEMMs run one after another
-// on the stream and reuse it).
-constexpr size_t kOffsetsBytes(int64_t e) { return ((e + 1) * 4 + 255) / 256 * 256; }
-
-struct Workspace {
-  int32_t* offsets;
-  void* gemm;
-  size_t gemm_bytes;
-};
-
-ffi::Error SplitWorkspace(ffi::Result<ffi::AnyBuffer>& ws, int64_t e, Workspace* out) {
-  if (ws->element_type() != ffi::DataType::U8 || ws->dimensions().size() != 1) {
-    return InvalidArgument("workspace must be a 1-D uint8 buffer");
-  }
-  const size_t bytes = ws->size_bytes();
-  const int sm = SmCount();
-  size_t need = 0;
-  for (GemmKind k : {GemmKind::kFprop, GemmKind::kDgrad, GemmKind::kWgrad}) {
-    need = std::max(need, GroupedGemmWorkspaceBytes(k, int(e), sm));
-  }
-  need += kOffsetsBytes(e);
-  if (bytes < need) {
-    return InvalidArgument("workspace has ", bytes, " bytes, the grouped MLP needs ", need,
-                           " for E=", e, " on ", sm, " SMs");
-  }
-  uint8_t* base = static_cast<uint8_t*>(ws->untyped_data());
-  out->offsets = reinterpret_cast<int32_t*>(base);
-  out->gemm = base + kOffsetsBytes(e);
-  out->gemm_bytes = bytes - kOffsetsBytes(e);
-  return ffi::Error::Success();
+// Scratch: group offsets, then one grouped GEMM's scratch (the GEMMs run one after another on
+// the stream and reuse it).
+ScratchNeed MlpScratchNeed(int64_t e, int sm_count) {
+  return {e + 1, GroupedGemmMaxWorkspaceBytes(int(e), sm_count)};
 }
 
 ffi::Error CheckCudaDims(const MlpDims& d) {
@@ -72,8 +43,8 @@ ffi::Error GroupedMlpFwdImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
   MEGAMOE_RETURN_IF_ERROR(ReadMlpDims(x, group_sizes, w_gate_up, w_down, &d));
   MEGAMOE_RETURN_IF_ERROR(CheckCudaDims(d));
   MEGAMOE_RETURN_IF_ERROR(CheckMlpFwdResults(d, y, gate_up, h));
-  Workspace ws;
-  MEGAMOE_RETURN_IF_ERROR(SplitWorkspace(workspace, d.e, &ws));
+  Scratch ws;
+  MEGAMOE_RETURN_IF_ERROR(SplitScratch(workspace, MlpScratchNeed(d.e, SmCount()), &ws));
   const int e = int(d.e), sm = SmCount();
   if (d.n == 0) return ffi::Error::Success();
 
@@ -105,8 +76,8 @@ ffi::Error GroupedMlpBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuf
   MEGAMOE_RETURN_IF_ERROR(CheckCudaDims(d));
   MEGAMOE_RETURN_IF_ERROR(
       CheckMlpBwdOperands(d, dy, gate_up, h, dx, dw_gate_up, dw_down, dgate_up, dh));
-  Workspace ws;
-  MEGAMOE_RETURN_IF_ERROR(SplitWorkspace(workspace, d.e, &ws));
+  Scratch ws;
+  MEGAMOE_RETURN_IF_ERROR(SplitScratch(workspace, MlpScratchNeed(d.e, SmCount()), &ws));
   const int e = int(d.e), sm = SmCount();
 
   MEGAMOE_RETURN_IF_KERNEL_ERROR(GroupOffsets(
@@ -143,35 +114,17 @@ ffi::Error GroupedMlpBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuf
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedMlpFwdCuda, GroupedMlpFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Arg<ffi::AnyBuffer>()  // w_gate_up
-                                  .Arg<ffi::AnyBuffer>()  // w_down
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // gate_up
-                                  .Ret<ffi::AnyBuffer>()  // h
-                                  .Ret<ffi::AnyBuffer>()); // workspace
-
+                              BindGroupedMlpFwd(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedMlpBwdCuda, GroupedMlpBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // dy
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Arg<ffi::AnyBuffer>()  // w_gate_up
-                                  .Arg<ffi::AnyBuffer>()  // w_down
-                                  .Arg<ffi::AnyBuffer>()  // gate_up
-                                  .Arg<ffi::AnyBuffer>()  // h
-                                  .Ret<ffi::AnyBuffer>()  // dx
-                                  .Ret<ffi::AnyBuffer>()  // dw_gate_up
-                                  .Ret<ffi::AnyBuffer>()  // dw_down
-                                  .Ret<ffi::AnyBuffer>()  // dgate_up (scratch)
-                                  .Ret<ffi::AnyBuffer>()  // dh (scratch)
-                                  .Ret<ffi::AnyBuffer>()); // workspace
+                              BindGroupedMlpBwd(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-MEGAMOE_REGISTER_FFI("megamoe_grouped_mlp_fwd", "CUDA", GroupedMlpFwdCuda);
-MEGAMOE_REGISTER_FFI("megamoe_grouped_mlp_bwd", "CUDA", GroupedMlpBwdCuda);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_grouped_mlp_fwd", "CUDA", GroupedMlpFwdCuda,
+                                  CudaScratchBytes<MlpScratchNeed>);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_grouped_mlp_bwd", "CUDA", GroupedMlpBwdCuda,
+                                  CudaScratchBytes<MlpScratchNeed>);
 
 }  // namespace megamoe::grouped

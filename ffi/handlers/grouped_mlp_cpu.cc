@@ -1,5 +1,5 @@
 // XLA FFI handlers (CPU) of the grouped SwiGLU MLP: the same contract as the CUDA handlers
-// (grouped_mlp_args.h), in plain loops with fp32 accumulation, so CI exercises the binding.
+// (grouped_mlp_op.h), in plain loops with fp32 accumulation, so CI exercises the binding.
 // bf16 or float32; gate_up and h are rounded to the compute dtype as the CUDA path does.
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "ffi/common/checks.h"
-#include "ffi/handlers/grouped_mlp_args.h"
+#include "ffi/handlers/grouped_mlp_op.h"
 #include "ffi/common/host_numerics.h"
 #include "ffi/registry.h"
 
@@ -162,33 +162,13 @@ ffi::Error GroupedMlpBwdImpl(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::AnyBuffer
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedMlpFwdCpu, GroupedMlpFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Arg<ffi::AnyBuffer>()  // w_gate_up
-                                  .Arg<ffi::AnyBuffer>()  // w_down
-                                  .Ret<ffi::AnyBuffer>()  // y
-                                  .Ret<ffi::AnyBuffer>()  // gate_up
-                                  .Ret<ffi::AnyBuffer>()  // h
-                                  .Ret<ffi::AnyBuffer>()); // workspace (unused on CPU)
-
+                              BindGroupedMlpFwd(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedMlpBwdCpu, GroupedMlpBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // dy
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // group_sizes
-                                  .Arg<ffi::AnyBuffer>()  // w_gate_up
-                                  .Arg<ffi::AnyBuffer>()  // w_down
-                                  .Arg<ffi::AnyBuffer>()  // gate_up
-                                  .Arg<ffi::AnyBuffer>()  // h
-                                  .Ret<ffi::AnyBuffer>()  // dx
-                                  .Ret<ffi::AnyBuffer>()  // dw_gate_up
-                                  .Ret<ffi::AnyBuffer>()  // dw_down
-                                  .Ret<ffi::AnyBuffer>()  // dgate_up
-                                  .Ret<ffi::AnyBuffer>()  // dh
-                                  .Ret<ffi::AnyBuffer>()); // workspace (unused on CPU)
+                              BindGroupedMlpBwd(ffi::Ffi::Bind()));
 
-MEGAMOE_REGISTER_FFI("megamoe_grouped_mlp_fwd", "cpu", GroupedMlpFwdCpu);
-MEGAMOE_REGISTER_FFI("megamoe_grouped_mlp_bwd", "cpu", GroupedMlpBwdCpu);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_grouped_mlp_fwd", "cpu", GroupedMlpFwdCpu,
+                                  NoScratchBytes);
+MEGAMOE_REGISTER_FFI_WITH_SCRATCH("megamoe_grouped_mlp_bwd", "cpu", GroupedMlpBwdCpu,
+                                  NoScratchBytes);
 
 }  // namespace megamoe::grouped

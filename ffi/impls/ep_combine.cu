@@ -11,6 +11,7 @@
 
 #include "ffi/impls/ep_dispatch_combine.h"
 #include "ffi/impls/ep_send.cuh"
+#include "ffi/layout/ep_layout.h"
 
 namespace megamoe::ep {
 namespace {
@@ -37,13 +38,14 @@ __global__ void __launch_bounds__(kCombineThreads)
   const uint4* ysrc = reinterpret_cast<const uint4*>(y);
 
   for (int i = warp; i < num_rows; i += num_warps) {
-    const int p_j = lane < top_k ? slot_pos[static_cast<size_t>(i) * top_k + lane] : -1;
-    if (__ballot_sync(0xffffffffu, p_j != -1) == 0u) continue;  // token not routed here
+    const int p_j =
+        lane < top_k ? slot_pos[static_cast<size_t>(i) * top_k + lane] : kSlotNotRouted;
+    if (__ballot_sync(0xffffffffu, p_j != kSlotNotRouted) == 0u) continue;  // not routed here
     const unsigned valid = __ballot_sync(0xffffffffu, p_j >= 0);
     float w_j = 1.f;
     if (kWeighted && lane < top_k) w_j = weights[static_cast<size_t>(i) * top_k + lane];
     const int s = i / num_tokens, t = i % num_tokens;
-    const size_t slot = static_cast<size_t>(v.rank) * L.max_tokens + t;
+    const size_t slot = PoolSlot(v.rank, t, L.max_tokens);
     if (kWithMeta && lane < top_k) {
       reinterpret_cast<float*>(v.base[s] + L.meta_c)[slot * top_k + lane] =
           slot_values[static_cast<size_t>(i) * top_k + lane];
@@ -122,7 +124,7 @@ __global__ void __launch_bounds__(kCombineThreads)
     if (kWithMeta && lane < top_k) {
       const float* meta = reinterpret_cast<const float*>(v.base[v.rank] + L.meta_c);
       slot_values_out[static_cast<size_t>(t) * top_k + lane] =
-          dest >= 0 ? __ldcg(meta + (static_cast<size_t>(dest) * L.max_tokens + t) * top_k + lane)
+          dest >= 0 ? __ldcg(meta + PoolSlot(dest, t, L.max_tokens) * top_k + lane)
                     : 0.f;
     }
     uint4* dst = dst_all + static_cast<size_t>(t) * nvec;
@@ -134,7 +136,7 @@ __global__ void __launch_bounds__(kCombineThreads)
         for (int q = 0; q < N; ++q) acc[u][q] = 0.f;
       for (int r = 0; r < R; ++r) {
         if (!((routes >> r) & 1u)) continue;
-        const uint4* src = pool + (static_cast<size_t>(r) * L.max_tokens + t) * nvec;
+        const uint4* src = pool + PoolSlot(r, t, L.max_tokens) * nvec;
 #pragma unroll
         for (int u = 0; u < kCombineUnroll; ++u) {
           const int c = c0 + u * 32 + lane;
@@ -195,13 +197,14 @@ __global__ void __launch_bounds__(kCombineThreads)
   uint4* dyout = reinterpret_cast<uint4*>(dy);
 
   for (int i = warp; i < num_rows; i += num_warps) {
-    const int p_j = lane < top_k ? slot_pos[static_cast<size_t>(i) * top_k + lane] : -1;
+    const int p_j =
+        lane < top_k ? slot_pos[static_cast<size_t>(i) * top_k + lane] : kSlotNotRouted;
     const float w_j = lane < top_k ? weights[static_cast<size_t>(i) * top_k + lane] : 0.f;
     const unsigned valid = __ballot_sync(0xffffffffu, p_j >= 0);
     if (lane < top_k && p_j < 0) d_weights[static_cast<size_t>(i) * top_k + lane] = 0.f;
     if (valid == 0u) continue;
     const int s = i / num_tokens, t = i % num_tokens;
-    const uint4* g = pool + (static_cast<size_t>(s) * L.max_tokens + t) * nvec;
+    const uint4* g = pool + PoolSlot(s, t, L.max_tokens) * nvec;
     for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
       const int j = __ffs(bits) - 1;
       const int p = __shfl_sync(0xffffffffu, p_j, j);

@@ -12,6 +12,7 @@
 
 #include "ffi/impls/ep_dispatch_combine.h"
 #include "ffi/impls/ep_send.cuh"
+#include "ffi/layout/ep_layout.h"
 
 namespace megamoe::ep {
 namespace {
@@ -33,7 +34,7 @@ __device__ __forceinline__ unsigned BuildChunkMasks(const PeerView& v, int chunk
   if (i < num_rows) {
     const int s = i / num_tokens, t = i % num_tokens;
     const int* meta = reinterpret_cast<const int*>(v.base[v.rank] + v.layout.meta_ids) +
-                      (static_cast<size_t>(s) * v.layout.max_tokens + t) * top_k;
+                      PoolSlot(s, t, v.layout.max_tokens) * top_k;
     const unsigned bit = 1u << lane;
     for (int j = 0; j < top_k; ++j) {
       const int e = __ldcg(meta + j);
@@ -119,7 +120,7 @@ __global__ void __launch_bounds__(kChunkThreads)
     const long long slots = static_cast<long long>(num_rows) * top_k;
     for (long long q = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; q < slots;
          q += static_cast<long long>(gridDim.x) * blockDim.x) {
-      slot_pos[q] = -1;
+      slot_pos[q] = kSlotNotRouted;
       recv_w[q] = __int_as_float(0x7fc00000);
     }
     if (blockIdx.x == 0) {
@@ -151,21 +152,21 @@ __global__ void __launch_bounds__(kChunkThreads)
     const int i = chunk * 32 + lane;
     if (i < num_rows) {
       const int s = i / num_tokens, t = i % num_tokens;
-      const size_t m0 = (static_cast<size_t>(s) * L.max_tokens + t) * top_k;
+      const size_t m0 = PoolSlot(s, t, L.max_tokens) * top_k;
       const int* meta_ids = reinterpret_cast<const int*>(v.base[v.rank] + L.meta_ids) + m0;
       const float* meta_w = reinterpret_cast<const float*>(v.base[v.rank] + L.meta_w) + m0;
       const unsigned lower = LaneMaskLt();
       for (int j = 0; j < top_k; ++j) {
         const int e = __ldcg(meta_ids + j);
-        int p = -1;
+        int p = kSlotNotRouted;
         if (e >= 0 && e < epr) {
           if ((repeated >> j) & 1u) {
-            p = -2;
+            p = kSlotDropped;
             atomicAdd(&stats[3], 1);
           } else {
             p = s_base[e] + chunk_offsets[static_cast<size_t>(chunk) * epr + e] +
                 __popc(mask[e] & lower);
-            if (p >= n_cap) p = -2;
+            if (p >= n_cap) p = kSlotDropped;
           }
         }
         slot_pos[static_cast<size_t>(i) * top_k + j] = p;
@@ -177,30 +178,22 @@ __global__ void __launch_bounds__(kChunkThreads)
     for (int l = 0; l < 32; ++l) {
       const int row = chunk * 32 + l;
       if (row >= num_rows) break;
-      const int p_j = lane < top_k ? slot_pos[static_cast<size_t>(row) * top_k + lane] : -1;
+      const int p_j =
+          lane < top_k ? slot_pos[static_cast<size_t>(row) * top_k + lane] : kSlotNotRouted;
       const unsigned valid = __ballot_sync(0xffffffffu, p_j >= 0);
       if (valid == 0u) continue;
       const int s = row / num_tokens, t = row % num_tokens;
       const uint4* src = reinterpret_cast<const uint4*>(v.base[v.rank] + L.pool_d) +
-                         (static_cast<size_t>(s) * L.max_tokens + t) * nvec;
-      for (int c0 = 0; c0 < nvec; c0 += 32 * kSendUnroll) {
-        uint4 buf[kSendUnroll];
-#pragma unroll
-        for (int u = 0; u < kSendUnroll; ++u) {
-          const int c = c0 + u * 32 + lane;
-          if (c < nvec) buf[u] = LoadPeerWritten(src + c);
-        }
-        for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
-          const int j = __ffs(bits) - 1;
-          const int p = __shfl_sync(0xffffffffu, p_j, j);
-          uint4* dst = out + static_cast<size_t>(p) * nvec;
-#pragma unroll
-          for (int u = 0; u < kSendUnroll; ++u) {
-            const int c = c0 + u * 32 + lane;
-            if (c < nvec) dst[c] = buf[u];
-          }
-        }
-      }
+                         PoolSlot(s, t, L.max_tokens) * nvec;
+      WarpCopyRow<kSendUnroll>(
+          nvec, [&](int c) { return LoadPeerWritten(src + c); },
+          [&](auto&& store) {
+            for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
+              const int j = __ffs(bits) - 1;
+              const int p = __shfl_sync(0xffffffffu, p_j, j);
+              store(out + static_cast<size_t>(p) * nvec);
+            }
+          });
     }
   }
   // Rows past the last expert's group are zero (the grouped GEMM may read them).

@@ -9,13 +9,7 @@
 // concurrently, and a rank that is left out (LocalRanks::absent) is seen by the others exactly
 // as a dead peer: their waits time out and report.
 //
-// Shapes (per device; R ranks, T tokens per rank, H hidden, K top-k, El experts per rank):
-//   recv row i = s * T + t  is token t of source rank s (dense, R*T rows)
-//   slot_pos [R*T, K] int32: row of x_sorted holding (i, slot j); -1 not routed here, -2 dropped
-//                            (capacity overflow or a repeated expert id within a token)
-//   recv_w   [R*T, K] f32:  routing weight of (i, j) (0 where not routed here)
-//   x_sorted [n_cap, H]:    rows grouped by local expert in (expert, source, token) order,
-//                           rows past the total are zero
+// Shapes and codes of their operands (recv rows, slot_pos, recv_w, x_sorted): layout/ep_layout.h.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -4,11 +4,11 @@
 
 #include <cfloat>
 
-
-#include "ffi/layout/fp8_blocks.h"
-#include "ffi/impls/fp8_quantize.h"
-#include "ffi/impls/grouped_swiglu.h"
+#include "ffi/common/launch_error.h"
 #include "ffi/common/swiglu_math.cuh"
+#include "ffi/impls/fp8_quantize.h"
+#include "ffi/layout/fp8_blocks.h"
+#include "ffi/scheduler/group_offsets.h"
 
 namespace megamoe::grouped {
 namespace {
@@ -220,13 +220,7 @@ __global__ void __launch_bounds__(256) QuantizeTileKernel(
   const int64_t col0 = blockIdx.y * 128;
   const int32_t pcol = int32_t(blockIdx.x) * 128;  // first padded column of this block
   if (pcol >= padded[num_groups]) return;
-  // The group g with padded[g] <= pcol < padded[g + 1] (empty groups have no columns).
-  int lo = 0, hi = num_groups - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (padded[mid] <= pcol) lo = mid; else hi = mid - 1;
-  }
-  const int g = lo;
+  const int g = GroupOfPaddedColumn(padded, num_groups, pcol);
   const int64_t row0 = offsets[g] + (pcol - padded[g]);
   const int valid = int(min(int64_t(128), int64_t(offsets[g + 1]) - row0));
   const int t = threadIdx.x;
@@ -383,11 +377,6 @@ __global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16
   }
 }
 
-std::string LastError(const char* what) {
-  cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? std::string() : std::string(what) + ": " + cudaGetErrorString(err);
-}
-
 }  // namespace
 
 std::string QuantizeActivations1x128(const void* x, int64_t rows, int64_t k, bool pow2, void* q,
@@ -398,7 +387,7 @@ std::string QuantizeActivations1x128(const void* x, int64_t rows, int64_t k, boo
   const int64_t blocks = (groups * 8 + threads - 1) / threads;
   QuantizeActivationsKernel<<<dim3(unsigned(blocks)), threads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x), rows, k, pow2, static_cast<uint8_t*>(q), scale);
-  return LastError("QuantizeActivations1x128 launch");
+  return LastLaunchError("QuantizeActivations1x128 launch");
 }
 
 std::string SwigluQuantize1x128(const void* gate_up, void* h, int64_t rows, int64_t f,
@@ -411,7 +400,7 @@ std::string SwigluQuantize1x128(const void* gate_up, void* h, int64_t rows, int6
   SwigluQuantizeKernel<<<dim3(unsigned(blocks)), threads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(gate_up), static_cast<__nv_bfloat16*>(h), rows, f,
       offsets, num_groups, pow2, static_cast<uint8_t*>(q), scale);
-  return LastError("SwigluQuantize1x128 launch");
+  return LastLaunchError("SwigluQuantize1x128 launch");
 }
 
 std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t n, bool pow2,
@@ -421,7 +410,7 @@ std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t 
   auto kernel = dgrad ? QuantizeWeightsDgradKernel : QuantizeWeightsKernel;
   kernel<<<grid, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(w), k, n, pow2,
                                    static_cast<uint8_t*>(q), scale);
-  return LastError("QuantizeWeights128x128 launch");
+  return LastLaunchError("QuantizeWeights128x128 launch");
 }
 
 template <class Values>
@@ -436,7 +425,7 @@ std::string LaunchQuantizeTiles(Values values, int64_t c, const int32_t* offsets
   kernel<<<grid, 256, 0, stream>>>(values, c, offsets, padded, num_groups, length, pow2,
                                    static_cast<uint8_t*>(q), scale,
                                    static_cast<uint8_t*>(q_rows), scale_rows);
-  return LastError("QuantizeTileKernel launch");
+  return LastLaunchError("QuantizeTileKernel launch");
 }
 
 std::string QuantizeWgradOperand128x1(const void* x, int64_t c, const int32_t* offsets,

@@ -37,7 +37,7 @@
 #include <string>
 #include <vector>
 
-#include "ffi/comm/peer_signal.h"
+#include "ffi/comm/peer_signal.cuh"
 #include "ffi/comm/rank_barrier.cuh"
 #include "ffi/comm/row_transfer.cuh"
 #include "ffi/comm/symmetric_memory.h"

@@ -8,6 +8,7 @@
 #ifndef NDEBUG
 #define NDEBUG
 #endif
+#include <algorithm>
 #include <array>
 #include <tuple>
 
@@ -23,7 +24,7 @@ namespace megamoe::grouped {
 namespace bf16_instances {
 inline constexpr int kKinds = 3;
 inline constexpr int kVariants = heuristics::kBf16GemmVariants;
-inline constexpr int kCount = kKinds * kVariants;  // instance i: kind i / kVariants, variant i % kVariants
+inline constexpr int kCount = kKinds * kVariants;
 }  // namespace bf16_instances
 
 namespace {
@@ -81,22 +82,14 @@ __global__ void PrepareBf16Gemm(GroupedGemmProblem p, gemm::GroupArgs<G> args) {
   }
 }
 
+// Instance i: kind i / kVariants, schedule variant i % kVariants.
 template <int I>
-struct Instance {
-  static constexpr GemmKind kKind = static_cast<GemmKind>(I / kVariants);
-  using G = Bf16Gemm<kKind, std::tuple_element_t<I % kVariants, heuristics::sm90::Bf16GemmSchedules>>;
-
-  static size_t WorkspaceBytes(int num_groups, int sm_count) {
-    return gemm::WorkspaceBytes<G>(num_groups, sm_count);
-  }
-  static std::string Run(const GroupedGemmProblem& p, void* ws, size_t ws_bytes, int sm_count,
-                         cudaStream_t stream) {
-    auto prepare = [&p](const gemm::GroupArgs<G>& args, cudaStream_t s) {
-      PrepareBf16Gemm<G, kKind><<<(p.num_groups + 127) / 128, 128, 0, s>>>(p, args);
-    };
-    return gemm::Run<G>(p.num_groups, prepare, ws, ws_bytes, sm_count, stream);
-  }
-};
+gemm::CompiledGemm<GroupedGemmProblem> CompileInstance() {
+  constexpr GemmKind kKind = static_cast<GemmKind>(I / kVariants);
+  using G = Bf16Gemm<kKind,
+                     std::tuple_element_t<I % kVariants, heuristics::sm90::Bf16GemmSchedules>>;
+  return gemm::Compile<G, GroupedGemmProblem, PrepareBf16Gemm<G, kKind>>();
+}
 
 }  // namespace
 
@@ -110,8 +103,7 @@ Bf16GemmInstances() {
 namespace {
 const bool kRegistered = [] {
   ForEachInstanceOfThisShard<bf16_instances::kCount>([](auto i) {
-    using I = Instance<decltype(i)::value>;
-    Bf16GemmInstances()[decltype(i)::value] = {&I::WorkspaceBytes, &I::Run};
+    Bf16GemmInstances()[decltype(i)::value] = CompileInstance<decltype(i)::value>();
   });
   return true;
 }();
@@ -128,6 +120,14 @@ const gemm::CompiledGemm<GroupedGemmProblem>& Chosen(GemmKind kind, int num_grou
 size_t GroupedGemmWorkspaceBytes(GemmKind kind, int num_groups, int sm_count) {
   const auto& gemm = Chosen(kind, num_groups);
   return gemm.workspace_bytes != nullptr ? gemm.workspace_bytes(num_groups, sm_count) : 0;
+}
+
+size_t GroupedGemmMaxWorkspaceBytes(int num_groups, int sm_count) {
+  size_t bytes = 0;
+  for (GemmKind k : {GemmKind::kFprop, GemmKind::kDgrad, GemmKind::kWgrad}) {
+    bytes = std::max(bytes, GroupedGemmWorkspaceBytes(k, num_groups, sm_count));
+  }
+  return bytes;
 }
 
 std::string RunGroupedGemm(const GroupedGemmProblem& p, void* workspace, size_t workspace_bytes,

@@ -31,7 +31,6 @@ namespace megamoe::grouped {
 namespace fp8_instances {
 inline constexpr int kGemmVariants = heuristics::kFp8GemmVariants;
 inline constexpr int kWgradVariants = heuristics::kFp8WgradVariants;
-// Instance i < kGemmVariants: rows x weights variant i; then the wgrad variants.
 inline constexpr int kCount = kGemmVariants + kWgradVariants;
 }  // namespace fp8_instances
 
@@ -101,45 +100,20 @@ __global__ void PrepareWgrad(GroupedWgradFp8Problem p, gemm::GroupArgs<G> args) 
   args.SetScales(g, m, int(p.cb), k, p.a_scale + c0 / 128 * p.ca, p.b_scale + c0 / 128 * p.cb);
 }
 
-template <int I, bool kWgrad = (I >= fp8_instances::kGemmVariants)>
-struct Instance;
-
+// Instance i < kGemmVariants: rows x weights variant i; then the wgrad variants.
 template <int I>
-struct Instance<I, false> {  // rows x weights
-  using G = Fp8Gemm<std::tuple_element_t<I, heuristics::sm90::Fp8GemmSchedules>,
-                    RowsTimesWeightsScales>;
-  static size_t WorkspaceBytes(int num_groups, int sm_count) {
-    return gemm::WorkspaceBytes<G>(num_groups, sm_count);
+auto CompileInstance() {
+  if constexpr (I < fp8_instances::kGemmVariants) {
+    using G = Fp8Gemm<std::tuple_element_t<I, heuristics::sm90::Fp8GemmSchedules>,
+                      RowsTimesWeightsScales>;
+    return gemm::Compile<G, GroupedGemmFp8Problem, PrepareRowsTimesWeights<G>>();
+  } else {
+    using G = Fp8Gemm<std::tuple_element_t<I - fp8_instances::kGemmVariants,
+                                           heuristics::sm90::Fp8WgradSchedules>,
+                      WgradScales>;
+    return gemm::Compile<G, GroupedWgradFp8Problem, PrepareWgrad<G>>();
   }
-  static std::string Run(const GroupedGemmFp8Problem& p, void* ws, size_t ws_bytes, int sm_count,
-                         cudaStream_t stream) {
-    if (p.k % 128 != 0 || p.n % 128 != 0) {
-      return "FP8 grouped GEMM needs K and N multiples of 128, got K=" + std::to_string(p.k) +
-             " N=" + std::to_string(p.n);
-    }
-    auto prepare = [&p](const gemm::GroupArgs<G>& args, cudaStream_t s) {
-      PrepareRowsTimesWeights<G><<<(p.num_groups + 127) / 128, 128, 0, s>>>(p, args);
-    };
-    return gemm::Run<G>(p.num_groups, prepare, ws, ws_bytes, sm_count, stream);
-  }
-};
-
-template <int I>
-struct Instance<I, true> {  // K-grouped weight gradient
-  using G = Fp8Gemm<std::tuple_element_t<I - fp8_instances::kGemmVariants,
-                                         heuristics::sm90::Fp8WgradSchedules>,
-                    WgradScales>;
-  static size_t WorkspaceBytes(int num_groups, int sm_count) {
-    return gemm::WorkspaceBytes<G>(num_groups, sm_count);
-  }
-  static std::string Run(const GroupedWgradFp8Problem& p, void* ws, size_t ws_bytes,
-                         int sm_count, cudaStream_t stream) {
-    auto prepare = [&p](const gemm::GroupArgs<G>& args, cudaStream_t s) {
-      PrepareWgrad<G><<<(p.num_groups + 127) / 128, 128, 0, s>>>(p, args);
-    };
-    return gemm::Run<G>(p.num_groups, prepare, ws, ws_bytes, sm_count, stream);
-  }
-};
+}
 
 }  // namespace
 
@@ -159,11 +133,10 @@ namespace {
 const bool kRegistered = [] {
   ForEachInstanceOfThisShard<fp8_instances::kCount>([](auto i) {
     constexpr int kI = decltype(i)::value;
-    using I = Instance<kI>;
     if constexpr (kI < fp8_instances::kGemmVariants) {
-      Fp8GemmInstances()[kI] = {&I::WorkspaceBytes, &I::Run};
+      Fp8GemmInstances()[kI] = CompileInstance<kI>();
     } else {
-      Fp8WgradInstances()[kI - fp8_instances::kGemmVariants] = {&I::WorkspaceBytes, &I::Run};
+      Fp8WgradInstances()[kI - fp8_instances::kGemmVariants] = CompileInstance<kI>();
     }
   });
   return true;
@@ -189,6 +162,10 @@ size_t GroupedGemmFp8WorkspaceBytes(int num_groups, int sm_count) {
 
 std::string RunGroupedGemmFp8(const GroupedGemmFp8Problem& problem, void* workspace,
                               size_t workspace_bytes, int sm_count, cudaStream_t stream) {
+  if (problem.k % 128 != 0 || problem.n % 128 != 0) {
+    return "FP8 grouped GEMM needs K and N multiples of 128, got K=" +
+           std::to_string(problem.k) + " N=" + std::to_string(problem.n);
+  }
   const auto& gemm = Fp8GemmInstances()[heuristics::Fp8GemmVariant()];
   if (gemm.run == nullptr) return "FP8 grouped GEMM: this variant is not compiled into the build";
   return gemm.run(problem, workspace, workspace_bytes, sm_count, stream);

@@ -1,4 +1,5 @@
-// Shape and dtype validation shared by the CPU and CUDA handlers of the grouped SwiGLU MLP.
+// The grouped SwiGLU MLP op (megamoe_grouped_mlp_fwd / _bwd): its contract, XLA binding and
+// validation, shared by the CPU and CUDA handlers.
 //
 // Contract (all row-major):
 //   x [N, H], group_sizes [E] int32 (sum <= N; rows past the sum are padding),
@@ -7,7 +8,8 @@
 //   backward args    dy [N, H], x, group_sizes, w_gate_up, w_down, gate_up, h
 //   backward results dx [N, H], dw_gate_up [E, H, 2F], dw_down [E, F, H], dgate_up [N, 2F],
 //                    dh [N, F], workspace u8[W]
-// x, the weights, gate_up, h, dy and every floating result share one dtype.
+// x, the weights, gate_up, h, dy and every floating result share one dtype. W: what
+// jax_megamoe._megamoe.scratch_bytes reports for the target (handlers/scratch.h).
 #pragma once
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "ffi/common/checks.h"
+#include "ffi/scheduler/group_offsets.h"
 
 namespace megamoe::grouped {
 
@@ -73,24 +76,10 @@ inline ffi::Error ReadMlpDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& gro
   return ffi::Error::Success();
 }
 
-// The row range of each group on the host (CPU handlers): offsets[g + 1] = min(offsets[g] +
-// max(group_sizes[g], 0), n), as the GPU's GroupOffsets computes them.
+// The row range of each group on the host (CPU handlers), as the GPU's GroupOffsets computes it.
 inline std::vector<int64_t> HostGroupOffsets(const ffi::AnyBuffer& group_sizes, int64_t e,
                                              int64_t n) {
-  const int32_t* s = static_cast<const int32_t*>(group_sizes.untyped_data());
-  std::vector<int64_t> off(e + 1, 0);
-  for (int64_t g = 0; g < e; ++g) off[g + 1] = std::min<int64_t>(off[g] + std::max(s[g], 0), n);
-  return off;
-}
-
-// Group g's columns in a weight-gradient operand (fp8_args.h): [p[g], p[g + 1]), each group's
-// clamped row count (HostGroupOffsets) rounded up to a multiple of 128.
-inline std::vector<int64_t> HostPaddedOffsets(const std::vector<int64_t>& offsets) {
-  std::vector<int64_t> padded(offsets.size(), 0);
-  for (size_t g = 0; g + 1 < offsets.size(); ++g) {
-    padded[g + 1] = padded[g] + (offsets[g + 1] - offsets[g] + 127) / 128 * 128;
-  }
-  return padded;
+  return HostGroupOffsets(static_cast<const int32_t*>(group_sizes.untyped_data()), e, n);
 }
 
 // The forward results y [N, H], gate_up [N, 2F], h [N, F], all in x's dtype.
@@ -130,6 +119,37 @@ inline ffi::Error CheckMlpBwdOperands(const MlpDims& d, const ffi::AnyBuffer& dy
     MEGAMOE_RETURN_IF_ERROR(ExpectDtype(name, t, d.dtype));
   }
   return ffi::Error::Success();
+}
+
+// The bindings after the platform's context (none on CPU, the stream on CUDA): Bind...(b) with
+// b = ffi::Ffi::Bind() or ffi::Ffi::Bind().Ctx<...>().
+template <class Binding>
+auto BindGroupedMlpFwd(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()                  // group_sizes
+      .template Arg<ffi::AnyBuffer>()                  // w_gate_up
+      .template Arg<ffi::AnyBuffer>()                  // w_down
+      .template Ret<ffi::AnyBuffer>()                  // y
+      .template Ret<ffi::AnyBuffer>()                  // gate_up
+      .template Ret<ffi::AnyBuffer>()                  // h
+      .template Ret<ffi::AnyBuffer>();                 // workspace
+}
+
+template <class Binding>
+auto BindGroupedMlpBwd(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // dy
+      .template Arg<ffi::AnyBuffer>()                  // x
+      .template Arg<ffi::AnyBuffer>()                  // group_sizes
+      .template Arg<ffi::AnyBuffer>()                  // w_gate_up
+      .template Arg<ffi::AnyBuffer>()                  // w_down
+      .template Arg<ffi::AnyBuffer>()                  // gate_up
+      .template Arg<ffi::AnyBuffer>()                  // h
+      .template Ret<ffi::AnyBuffer>()                  // dx
+      .template Ret<ffi::AnyBuffer>()                  // dw_gate_up
+      .template Ret<ffi::AnyBuffer>()                  // dw_down
+      .template Ret<ffi::AnyBuffer>()                  // dgate_up (scratch)
+      .template Ret<ffi::AnyBuffer>()                  // dh (scratch)
+      .template Ret<ffi::AnyBuffer>();                 // workspace
 }
 
 }  // namespace megamoe::grouped

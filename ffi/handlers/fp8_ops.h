@@ -1,5 +1,7 @@
-// Shape and dtype validation of the blockwise-FP8 ops, shared by their CUDA handlers
-// (fp8_quantize.cu, grouped_gemm_fp8.cu) and CPU handlers (fp8_cpu.cc). Contracts:
+// The blockwise-FP8 ops: contracts, XLA bindings and shape and dtype validation, shared by their
+// CUDA handlers (fp8_quantize.cu, grouped_gemm_fp8.cu) and CPU handlers (fp8_cpu.cc). Contracts
+// (the ops with group_sizes also return a scratch `workspace` u8[W], W as
+// jax_megamoe._megamoe.scratch_bytes reports it):
 //   quantize_rows     x [N, K] bf16 -> q [N, K] e4m3, scale [N, K/128] f32
 //   quantize_weights  w [E, K, P] bf16 -> q [E, P, K] e4m3, scale [E, K/128, P/128] f32;
 //                     dgrad=1: q [E, K, P] (w's layout), scale [E, P/128, K/128]
@@ -20,9 +22,11 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
 
 #include "ffi/common/checks.h"
-#include "ffi/handlers/grouped_mlp_args.h"
+#include "ffi/handlers/grouped_mlp_op.h"
+#include "ffi/layout/fp8_blocks.h"
 
 namespace megamoe::grouped {
 
@@ -94,11 +98,6 @@ inline ffi::Error CheckSwigluQuantize(const ffi::AnyBuffer& gate_up,
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("h", h->element_type(), ffi::DataType::BF16));
   MEGAMOE_RETURN_IF_ERROR(ExpectShape("h", h->dimensions(), {*n, *f}));
   return CheckQuantOutputs(q, scale, {*n, *f}, {*n, *f / 128});
-}
-
-// Columns of a weight-gradient operand: each group's rows padded to a multiple of 128.
-inline int64_t WgradPaddedLength(int64_t rows, int64_t num_groups) {
-  return (rows + 127) / 128 * 128 + 128 * num_groups;
 }
 
 // The weight-gradient operand of [N, C] rows (q, scale) and, where with_rows, their 1x128
@@ -225,6 +224,70 @@ inline ffi::Error CheckGroupedGemmFp8(const ffi::AnyBuffer& a_q, const ffi::AnyB
   MEGAMOE_RETURN_IF_ERROR(
       ExpectShape("b_scale", b_scale.dimensions(), {g->e, g->k / 128, g->p / 128}));
   return ExpectShape("d", d->dimensions(), {g->n, g->p});
+}
+
+// The bindings after the platform's context (none on CPU, the stream on CUDA): Bind...(b) with
+// b = ffi::Ffi::Bind() or ffi::Ffi::Bind().Ctx<...>().
+template <class Binding>
+auto BindQuantizeRows(Binding&& b) {  // x -> (q, scale)
+  return std::move(b).template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>()
+      .template Attr<int64_t>("pow2");
+}
+
+template <class Binding>
+auto BindQuantizeWeights(Binding&& b) {  // w -> (q, scale)
+  return BindQuantizeRows(std::move(b)).template Attr<int64_t>("dgrad");
+}
+
+template <class Binding>
+auto BindSwigluQuantize(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // gate_up
+      .template Arg<ffi::AnyBuffer>()      // group_sizes
+      .template Ret<ffi::AnyBuffer>()      // h
+      .template Ret<ffi::AnyBuffer>()      // h_q
+      .template Ret<ffi::AnyBuffer>()      // h_scale
+      .template Ret<ffi::AnyBuffer>()      // workspace
+      .template Attr<int64_t>("pow2");
+}
+
+template <class Binding>
+auto BindQuantizeWgradOperand(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()      // group_sizes
+      .template Ret<ffi::AnyBuffer>()      // q
+      .template Ret<ffi::AnyBuffer>()      // scale
+      .template Ret<ffi::AnyBuffer>()      // q_rows
+      .template Ret<ffi::AnyBuffer>()      // scale_rows
+      .template Ret<ffi::AnyBuffer>()      // workspace
+      .template Attr<int64_t>("pow2")
+      .template Attr<int64_t>("rows");
+}
+
+template <class Binding>
+auto BindSwigluBackwardQuantize(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // dh
+      .template Arg<ffi::AnyBuffer>()      // gate_up
+      .template Arg<ffi::AnyBuffer>()      // group_sizes
+      .template Ret<ffi::AnyBuffer>()      // q_rows
+      .template Ret<ffi::AnyBuffer>()      // scale_rows
+      .template Ret<ffi::AnyBuffer>()      // q
+      .template Ret<ffi::AnyBuffer>()      // scale
+      .template Ret<ffi::AnyBuffer>()      // workspace
+      .template Attr<int64_t>("pow2");
+}
+
+// Both GEMMs (grouped_gemm_fp8, grouped_wgrad_fp8).
+template <class Binding>
+auto BindGroupedGemmFp8(Binding&& b) {
+  return std::move(b).template Arg<ffi::AnyBuffer>()  // a_q
+      .template Arg<ffi::AnyBuffer>()      // a_scale
+      .template Arg<ffi::AnyBuffer>()      // group_sizes
+      .template Arg<ffi::AnyBuffer>()      // b_q
+      .template Arg<ffi::AnyBuffer>()      // b_scale
+      .template Ret<ffi::AnyBuffer>()      // d
+      .template Ret<ffi::AnyBuffer>();     // workspace
 }
 
 }  // namespace megamoe::grouped

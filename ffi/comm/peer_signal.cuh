@@ -1,5 +1,6 @@
 // Device-side signalling between the ranks of a symmetric workspace: system-scope release adds,
-// acquire loads and bounded waits that record who waited for what when they time out.
+// acquire loads and bounded waits that record who waited for what (a stage code of
+// comm/workspace_ops.h) when they time out.
 //
 // Protocol for one use of a region (dispatch-shaped or combine-shaped traffic):
 //   send kernel    each block first waits until every receiver has released this rank's previous
@@ -15,63 +16,9 @@
 #include <cstdio>
 
 #include "ffi/comm/symmetric_memory.h"
+#include "ffi/comm/workspace_ops.h"
 
 namespace megamoe::ep {
-
-enum Op : int { kOpDispatchFwd = 0, kOpDispatchBwd = 1, kOpCombineFwd = 2, kOpCombineBwd = 3 };
-enum WaitKind : int { kWaitConsumed = 0, kWaitArrive = 1 };
-#ifdef __CUDACC__
-#define MEGAMOE_HD __host__ __device__
-#else
-#define MEGAMOE_HD
-#endif
-MEGAMOE_HD inline constexpr int Stage(int op, int wait_kind) { return op * 2 + wait_kind; }
-
-// The waits of the fused kernel (ffi/impls/sm90_fused_moe_fwd.cu), after the separate kernels'.
-enum FusedStage : int {
-  kStageFusedCounts = 16,   // every source's routing counts of this call
-  kStageFusedRows = 17,     // the rows of a pool M-block (sent by the sources)
-  kStageFusedL1 = 18,       // the L1 tiles of an M-block (this rank's CTAs)
-  kStageFusedResults = 19,  // every expert rank's results for this rank's slots
-  kStageFusedBarrier = 20,  // this rank's CTAs at a grid barrier
-};
-
-// What a rank was waiting for at `stage` (error reports, host and device).
-MEGAMOE_HD inline const char* StageName(int stage) {
-  switch (stage) {
-    case Stage(kOpDispatchFwd, kWaitConsumed):
-      return "dispatch (forward), send: waiting for the peer to release this rank's previous data "
-             "(consumed)";
-    case Stage(kOpDispatchFwd, kWaitArrive):
-      return "dispatch (forward), receive: waiting for the peer's blocks to arrive (arrive)";
-    case Stage(kOpDispatchBwd, kWaitConsumed):
-      return "dispatch backward (combine-shaped), send: waiting for the peer to release this "
-             "rank's previous data (consumed)";
-    case Stage(kOpDispatchBwd, kWaitArrive):
-      return "dispatch backward (combine-shaped), receive: waiting for the peer's blocks to "
-             "arrive (arrive)";
-    case Stage(kOpCombineFwd, kWaitConsumed):
-      return "combine (forward), send: waiting for the peer to release this rank's previous data "
-             "(consumed)";
-    case Stage(kOpCombineFwd, kWaitArrive):
-      return "combine (forward), receive: waiting for the peer's blocks to arrive (arrive)";
-    case Stage(kOpCombineBwd, kWaitConsumed):
-      return "combine backward (dispatch-shaped), send: waiting for the peer to release this "
-             "rank's previous data (consumed)";
-    case Stage(kOpCombineBwd, kWaitArrive):
-      return "combine backward (dispatch-shaped), receive: waiting for the peer's blocks to "
-             "arrive (arrive)";
-    case kStageFusedCounts: return "fused forward: waiting for the peer's routing counts";
-    case kStageFusedRows:
-      return "fused forward: waiting for the rows of a pool block (sent by every source)";
-    case kStageFusedL1: return "fused forward: waiting for the L1 tiles of a pool block";
-    case kStageFusedResults: return "fused forward: waiting for the peer's expert outputs";
-    case kStageFusedBarrier: return "fused forward: waiting for this rank's blocks at a barrier";
-    default: return "?";
-  }
-}
-
-#ifdef __CUDACC__
 
 __device__ __forceinline__ unsigned long long LoadAcquireSys(const unsigned long long* p) {
   unsigned long long v;
@@ -214,6 +161,16 @@ __device__ __forceinline__ unsigned long long LoadUses(const PeerView& v, int re
   return *reinterpret_cast<volatile unsigned long long*>(&v.signals(v.rank)->uses[region]);
 }
 
-#endif  // __CUDACC__
+// The release kernel, one thread: every source may reuse its slots in this rank's `region`; this
+// rank's epoch of the region += 1.
+static __global__ void ReleaseKernel(PeerView v, int region) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  if (RankFailed(v)) return;
+  __threadfence_system();
+  for (int s = 0; s < v.num_ranks; ++s) AddReleaseSys(&v.signals(s)->consumed[region][v.rank], 1);
+  unsigned long long* uses = &v.signals(v.rank)->uses[region];
+  *reinterpret_cast<volatile unsigned long long*>(uses) = *uses + 1;
+}
+
 
 }  // namespace megamoe::ep

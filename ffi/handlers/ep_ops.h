@@ -1,12 +1,17 @@
-// Shared binding code of the EP handlers: workspace lookup, error reporting, dtype mapping.
+// What the EP handlers (dispatch and combine, forward and backward) share: the binding's
+// context and attributes, the workspace lookup with its error report, the dtype mapping and the
+// checks that a call fits its workspace.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "ffi/comm/symmetric_memory.h"
+#include "ffi/comm/workspace_registry.h"
+#include "ffi/common/checks.h"
 #include "ffi/impls/ep_dispatch_combine.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -115,5 +120,20 @@ inline ffi::Error CudaStatus(cudaError_t err, const char* what) {
   return ffi::Error::Internal(std::string("jax_megamoe EP ") + what + ": " +
                               cudaGetErrorString(err));
 }
+
+// The binding of an EP handler: EpAttributes(EpContext().Arg<...>()...Ret<...>()), the stream
+// and device ordinal first, the workspace id (jax_megamoe.symmetric) and the global expert count
+// last.
+inline auto EpContext() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+}
+template <class Binding>
+auto EpAttributes(Binding&& b) {
+  return std::move(b).template Attr<int64_t>("workspace_id").template Attr<int64_t>("num_experts");
+}
+
+// The integer and float operands (any rank: a virtual group's carry a leading rank axis).
+using S32Array = ffi::Buffer<ffi::S32>;
+using F32Array = ffi::Buffer<ffi::F32>;
 
 }  // namespace megamoe::ep
