@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jax_megamoe import symmetric  # noqa: E402
+from jax_megamoe import parallel, symmetric  # noqa: E402
 from jax_megamoe.backends import cuda_ep  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def bench_shape(mesh, args, hidden, results):
   row = dict(hidden=hidden, tokens_per_gpu=T, experts=E, top_k=k, ranks=ranks, n_cap=n_cap,
              remote_bytes_per_gpu=remote)
   inner, reps = args.inner, args.repeats
-  smap = functools.partial(cuda_ep._shard_map, mesh=mesh)
+  smap = functools.partial(parallel.shard_map, mesh=mesh, check_vma=False)
 
   for blocks in args.comm_blocks:
     ws = symmetric.create_workspace(mesh, "expert", max_tokens=T, hidden=hidden, top_k=k,
@@ -185,7 +185,7 @@ def bench_layer(mesh, args, hidden, ffn, results):
   impls = {
       "cuda EP (NVLink kernels) + reference grouped_mlp": functools.partial(
           cuda_ep.expert_parallel_moe, mesh=mesh, capacity_factor=1.25, check_capacity=False,
-          grouped_mlp=reference.grouped_mlp),
+          mlp=reference.grouped_mlp),
       "reference (shard_map + padded all_to_all)": functools.partial(
           jax_megamoe.moe, mesh=mesh, backend="reference"),
   }
@@ -194,7 +194,7 @@ def bench_layer(mesh, args, hidden, ffn, results):
     if cuda.unavailable_reason(None) is None:
       impls["cuda EP + cuda grouped_mlp"] = functools.partial(
           cuda_ep.expert_parallel_moe, mesh=mesh, capacity_factor=1.25, check_capacity=False,
-          grouped_mlp=cuda.grouped_mlp)
+          mlp=cuda.grouped_mlp)
   except (ImportError, AttributeError):
     pass
   for name, layer in impls.items():

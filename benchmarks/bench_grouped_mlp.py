@@ -74,7 +74,7 @@ def time_torch(fn, trials=7, calls=3, warmup=2) -> float:
 def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
   import jax
   import jax.numpy as jnp
-  from jax_megamoe.backends import cuda
+  from jax_megamoe.backends import cuda_bf16
 
   n, e = int(sizes.sum()), len(sizes)
   k = jax.random.split(jax.random.key(0), 5)
@@ -86,7 +86,7 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
   gs = jnp.asarray(sizes)
   hid = jax.random.normal(k[4], (n, f), bf)
   dgu = jax.random.normal(k[4], (n, 2 * f), bf)
-  gemm = jax.jit(cuda.grouped_gemm, static_argnames="kind")
+  gemm = jax.jit(cuda_bf16.grouped_gemm, static_argnames="kind")
   cases = {
       "L1 fprop": (lambda: gemm(x, gs, wgu, kind=0), 2 * n * h * 2 * f),
       "L2 fprop": (lambda: gemm(hid, gs, wd, kind=0), 2 * n * f * h),
@@ -95,9 +95,9 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
       "L2 wgrad": (lambda: gemm(hid, gs, dy, kind=2), 2 * n * f * h),
       "L1 wgrad": (lambda: gemm(x, gs, dgu, kind=2), 2 * n * h * 2 * f),
   }
-  fwd = jax.jit(cuda._fwd_call)
+  fwd = jax.jit(cuda_bf16.forward)
   _, gate_up, hidden = fwd(x, gs, wgu, wd)
-  bwd = jax.jit(cuda._bwd_call)
+  bwd = jax.jit(cuda_bf16.backward)
   cases["MLP fwd"] = (lambda: fwd(x, gs, wgu, wd), 6 * n * h * f)
   cases["MLP bwd"] = (lambda: bwd(dy, x, gs, wgu, wd, gate_up, hidden), 12 * n * h * f)
   if with_fp8 and h % 128 == 0 and f % 128 == 0:

@@ -6,8 +6,9 @@ Runs a jit-compiled train step over a (data, expert) device mesh: batch sharded 
 device, experts over `expert`, every other weight FSDP-sharded over `data`. AdamW on float32
 master weights with bfloat16 compute, global-norm clipping, warm-up + cosine schedule, the
 router's load-balancing and z losses. Several processes (one per host or per GPU) are joined
-through jax.distributed when the environment says so (JAX_COORDINATOR_ADDRESS +
-JAX_NUM_PROCESSES + JAX_PROCESS_ID, or SLURM / Open MPI).
+through jax.distributed when the environment says so, each driving the GPUs that launch.py picks
+(JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, or SLURM / Open MPI;
+MEGAMOE_LOCAL_DEVICE_IDS; see examples/README.md).
 
 Writes to --out: metrics.jsonl (one line per step), losses.json (the whole curve, for
 compare_losses.py), loss_curve.png, expert_load.png and checkpoints/ (orbax, each sealed with
@@ -51,6 +52,7 @@ from jax_megamoe.models.sharding import param_shardings  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoints as checkpoints_lib  # noqa: E402
 import data as data_lib  # noqa: E402
+import launch  # noqa: E402
 import plots  # noqa: E402
 
 # Dense bf16 peak FLOP/s per device for the MFU estimate (vendor figures), by device_kind.
@@ -185,17 +187,6 @@ def parse_mesh(spec: str) -> dict[str, int] | None:
   if set(sizes) != {"data", "expert"} or min(sizes.values()) < 1:
     return None
   return sizes
-
-
-def init_distributed() -> None:
-  """jax.distributed.initialize() when launched as several processes."""
-  env = os.environ
-  if "JAX_COORDINATOR_ADDRESS" in env and "JAX_NUM_PROCESSES" in env:
-    jax.distributed.initialize(coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
-                               num_processes=int(env["JAX_NUM_PROCESSES"]),
-                               process_id=int(env["JAX_PROCESS_ID"]))
-  elif int(env.get("SLURM_NTASKS", 1)) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", 1)) > 1:
-    jax.distributed.initialize()  # cluster auto-detection
 
 
 def make_mesh(spec: str | None, num_experts: int) -> Mesh:
@@ -403,7 +394,7 @@ def main(argv: list[str]) -> None:
 
 def train(args: types.SimpleNamespace) -> dict:
   """The run (args: parse_flags' result); returns the summary _report gives."""
-  init_distributed()
+  launch.init_distributed()
   is_main = jax.process_index() == 0
   log = print if is_main else (lambda *a, **k: None)
 
@@ -454,7 +445,8 @@ def train(args: types.SimpleNamespace) -> dict:
   if start:
     state = checkpoints.restore(start, {"params": params, "opt_state": opt_state})
     params, opt_state = state["params"], state["opt_state"]
-    history = read_metrics(metrics_path, start, log)
+    # Process 0 alone reads and rewrites the file (another reading it meanwhile could see it cut).
+    history = read_metrics(metrics_path, start, log) if is_main else []
     log(f"resumed from step {start}")
   if is_main:
     write_metrics(metrics_path, history)

@@ -86,8 +86,10 @@ def cuda_available() -> bool:
   return all(_arch_of(d) in built for d in devices)
 
 
+@functools.cache
 def cuda_unavailable_reason() -> str | None:
-  """Why the CUDA kernels cannot run here, or None when they can."""
+  """Why the CUDA kernels cannot run here, or None when they can (fixed for the process: the
+  extension and the GPUs do not change)."""
   info = build_info()
   if not info["extension"]:
     return _load_extension()[1]
@@ -101,3 +103,10 @@ def cuda_unavailable_reason() -> str | None:
   if not cuda_available():
     return f"the GPUs are sm_{archs} but the kernels were built for {info['cuda_archs']}"
   return None
+
+
+def gemm_scratch_bytes(num_groups: int) -> int:
+  """Device scratch of one grouped-GEMM handler (group offsets + a grouped GEMM's argument
+  arrays and CUTLASS workspace) for `num_groups` experts; the handler checks it and names the
+  shortfall. An upper bound until the extension reports the exact size."""
+  return (2 << 20) + 512 * num_groups

@@ -1,5 +1,6 @@
-"""Expert parallelism through XLA collectives: the shard_map layer used by every backend that
-has no dispatch/combine kernels of its own.
+"""Expert parallelism through XLA collectives (the exchange of every backend that has no
+dispatch/combine kernels of its own), and the one shard_map of every expert-parallel layer
+(`shard_over_mesh`).
 
 Layout (DESIGN.md §3): tokens are sharded over every mesh axis (data and expert alike), experts
 over `expert_axis`. Inside each expert-parallel group (the devices that differ only in their
@@ -24,7 +25,10 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_megamoe import token_layout, varying
+from jax_megamoe.validation import LayerShape, check_layer_args
 
+# (x_sorted [N, H], group_sizes [E_local], w_gate_up, w_down) -> y_sorted [N, H]: the expert MLP
+# over rows grouped by expert, recipe already bound (contract: backends.reference.grouped_mlp).
 GroupedMlp = Callable[..., jax.Array]
 
 
@@ -43,31 +47,52 @@ EXCHANGES = ("auto", "ragged", "padded")
 DEFAULT_EXCHANGE = "padded"
 
 
-def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh: Mesh,
-                        expert_axis: str, grouped_mlp: GroupedMlp, recipe: str | None,
-                        exchange: str = "auto"):
-  """moe() under a mesh; argument shapes as in jax_megamoe.moe (already validated)."""
-  if exchange not in EXCHANGES:
-    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-  if exchange == "auto":
-    exchange = DEFAULT_EXCHANGE
+def shard_map(f, mesh: Mesh, in_specs, out_specs, *, check_vma: bool = True):
+  """jax.shard_map with the varying-axes check on or off, in either spelling jax has used."""
+  try:
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=check_vma)
+  except TypeError:  # older spelling
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_rep=check_vma)
+
+
+def shard_over_mesh(per_device: Callable[..., jax.Array], mesh: Mesh, expert_axis: str,
+                    args, *, check_vma: bool = True) -> jax.Array:
+  """Runs per_device(x, topk_ids, topk_weights, w_gate_up, w_down) on every device of `mesh`
+  (DESIGN.md §3): tokens sharded over every mesh axis, experts over `expert_axis`; the result is
+  tokens-sharded. The one shard_map of every expert-parallel layer."""
   tokens = P(token_axes(mesh))
   experts = P(expert_axis)
-  shard_fn = functools.partial(_expert_parallel_shard, expert_axis=expert_axis,
-                               ep_size=mesh.shape[expert_axis],
-                               num_experts=w_gate_up.shape[0], grouped_mlp=grouped_mlp,
-                               recipe=recipe, exchange=exchange)
   in_specs = (tokens, tokens, tokens, experts, experts)
-  args = (x, topk_ids, topk_weights, w_gate_up, w_down)
-  if AxisType.Auto not in mesh.axis_types:
+  if AxisType.Auto not in tuple(getattr(mesh, "axis_types", (AxisType.Auto,))):
     # Explicit-axes meshes type their shardings: lay the inputs out as the shard_map expects,
     # whatever sharding they arrive with (Auto meshes let shard_map reshard by itself).
     args = [jax.reshard(arg, NamedSharding(mesh, spec)) for arg, spec in zip(args, in_specs)]
-  return jax.shard_map(shard_fn, mesh=mesh, in_specs=in_specs, out_specs=tokens)(*args)
+  return shard_map(per_device, mesh, in_specs, tokens, check_vma=check_vma)(*args)
+
+
+def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh: Mesh,
+                        expert_axis: str, mlp: GroupedMlp, shape: LayerShape | None = None,
+                        exchange: str = "auto"):
+  """moe() under a mesh with the collective exchange around `mlp` (x_sorted, group_sizes,
+  w_gate_up, w_down) -> y_sorted. `shape`: the validated sizes (jax_megamoe.validation); None
+  validates the arguments here."""
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+  if shape is None:
+    shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down, mesh, expert_axis)
+  if exchange == "auto":
+    exchange = DEFAULT_EXCHANGE
+  shard_fn = functools.partial(_expert_parallel_shard, expert_axis=expert_axis,
+                               ep_size=shape.ep_size, num_experts=shape.num_experts, mlp=mlp,
+                               exchange=exchange)
+  args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
+  return shard_over_mesh(shard_fn, mesh, expert_axis, args)
 
 
 def _expert_parallel_shard(x, topk_ids, topk_weights, w_gate_up, w_down, *, expert_axis,
-                           ep_size, num_experts, grouped_mlp, recipe, exchange):
+                           ep_size, num_experts, mlp, exchange):
   """One device: x [T, H], topk_* [T, k], w_* [E / ep_size, ...] (its own experts)."""
   num_tokens, top_k = topk_ids.shape
   experts_per_rank = num_experts // ep_size
@@ -87,7 +112,7 @@ def _expert_parallel_shard(x, topk_ids, topk_weights, w_gate_up, w_down, *, expe
   def local_experts(rows, local_expert):
     """Grouped MLP over received rows; padding rows carry local_expert == experts_per_rank."""
     local = token_layout.sort_by_expert(local_expert, experts_per_rank)
-    out = grouped_mlp(rows[local.order], local.group_sizes, w_gate_up, w_down, recipe=recipe)
+    out = mlp(rows[local.order], local.group_sizes, w_gate_up, w_down)
     return out[local.inverse]
 
   slot_sorted = exchange_fn(route, local_experts, expert_axis=expert_axis, ep_size=ep_size,

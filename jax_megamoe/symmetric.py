@@ -3,15 +3,19 @@
 One workspace serves every expert-parallel (EP) group of a mesh: each GPU of a group gets one
 `cudaMalloc` allocation of identical layout (see `workspace_bytes`), zeroed, mapped on every other
 GPU of its group -- through peer access when one process drives the GPUs (JAX's default on a
-host), through CUDA IPC handles exchanged with `multihost_utils.process_allgather` when each GPU
-has its own process (`jax.distributed`). Kernels find their GPU's view by (workspace id, device
-ordinal): the id travels into the compiled program as a static int64 attribute of the custom
-calls, the rank of a GPU is its position along the expert axis of the mesh.
+host), through CUDA IPC handles exchanged over jax.distributed's key-value store when a group
+spans processes (one process per GPU; jax_megamoe.ipc_exchange). Kernels find their GPU's view by
+(workspace id, device ordinal): the id travels into the compiled program as a static int64
+attribute of the custom calls, the rank of a GPU is its position along the expert axis of the mesh.
 
-Lifecycle: create outside `jax.jit` (or let `jax_megamoe.backends.cuda_ep` create one while
-tracing, cached per mesh and shape), use from any number of compiled programs, `close()` when no
-program that uses it will run again. A workspace is never resized: a larger problem gets a new
-one. Memory per GPU, R ranks, T max tokens per rank, H hidden, k top-k, b bytes per element:
+Lifecycle: `create_workspace` up front (the allocation happens where you choose), or let
+`jax_megamoe.backends.cuda_ep` create one while tracing (`workspace_for`, cached per mesh and
+size); both work in every process model, inside or outside `jax.jit`. Use it from any number of
+compiled programs, `close()` when no program that uses it will run again. A workspace is never
+resized: a larger problem gets a new one. With several processes, every process of an EP group
+must create (and close) the same workspaces in the same order -- as SPMD programs that trace the
+same layers do; a mismatch is reported, a missing peer ends the wait after a timeout with its name.
+Memory per GPU, R ranks, T max tokens per rank, H hidden, k top-k, b bytes per element:
   2 * R * T * H * b      (dispatch-shaped and combine-shaped row pools)
 + 3 * R * T * k * 4      (routing ids, weights, per-slot scalars)
 + 512                    (signal counters)
@@ -28,9 +32,13 @@ import dataclasses
 import numbers
 import os
 import threading
+import time
+import warnings
 from typing import Any
 
 import numpy as np
+
+from jax_megamoe import ipc_exchange
 
 MAX_RANKS = 8
 SIGNAL_BYTES = 512  # sizeof(megamoe::ep::SignalArea)
@@ -162,8 +170,14 @@ class SymmetricWorkspace:
   device_ids: tuple[int, ...]
   expert_axis: str
   bytes_per_device: int
-  multiprocess: bool
+  multiprocess: bool  # an EP group of this process spans processes (CUDA IPC handles exchanged)
   closed: bool = False
+  # A virtual group (jax_megamoe.virtual_ranks): all num_ranks ranks on one GPU, driven by one
+  # call with rank-stacked operands.
+  virtual: bool = False
+  # The handshakes this process took part in and the store they went through (close needs them).
+  _exchanges: tuple[ipc_exchange.GroupExchange, ...] = dataclasses.field(default=(), repr=False)
+  _store: Any = dataclasses.field(default=None, repr=False)
 
   def fits(self, *, num_ranks: int, max_tokens: int, hidden: int, top_k: int,
            elem_bytes: int) -> bool:
@@ -176,41 +190,53 @@ class SymmetricWorkspace:
       return
     _call(_library().megamoe_ep_ws_error, self.id)
 
-  def close(self) -> None:
-    """Frees the workspace on every GPU of this process (a collective with several processes).
+  def close(self, timeout_s: float | None = None) -> None:
+    """Frees the workspace on every GPU of this process.
 
     No compiled program that uses it may run afterwards (its calls then fail with a clear error).
+    When an EP group spans processes, every process of the group must close it: this process
+    unmaps its peers' memory, says so through the key-value store and frees its own once every
+    peer has said the same, waiting at most `timeout_s` (default: the workspace's EP timeout).
+    A peer that does not close in time (it died, or closes later) leaves this process's memory
+    allocated until the process exits, with a warning: never a hang, and never memory freed
+    while a peer may still write into it.
     """
-    if self.closed:
-      return
-    lib = _library()
-    if self.multiprocess:
-      from jax.experimental import multihost_utils
-      multihost_utils.sync_global_devices(f"megamoe_ws_{self.id}_close")
-      _call(lib.megamoe_ep_ws_close_peers, self.id)
-      multihost_utils.sync_global_devices(f"megamoe_ws_{self.id}_free")
-    else:
-      _call(lib.megamoe_ep_ws_close_peers, self.id)
-    _call(lib.megamoe_ep_ws_free, self.id)
-    self.closed = True
-    with _cache_lock:
-      for key, ws in list(_cache.items()):
-        if ws is self:
-          del _cache[key]
+    _close([self], timeout_s)
+
+
+def _this_process() -> int:
+  import jax
+  return jax.process_index()
+
+
+def _programs_shared_between_processes() -> bool:
+  """jax_share_binary_between_hosts: process 0's executable runs on every process, so the
+  workspace ids compiled into it must be the same everywhere."""
+  import jax
+  return bool(getattr(jax.config, "jax_share_binary_between_hosts", False))
+
+
+_sequences = ipc_exchange.Sequences()
 
 
 def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidden: int,
                      top_k: int, dtype: Any = "bfloat16", comm_blocks: int | None = None,
-                     timeout_s: float | None = None) -> SymmetricWorkspace:
-  """Allocates and maps a workspace on every GPU of `mesh` (call outside jit).
+                     timeout_s: float | None = None, handshake_timeout_s: float | None = None,
+                     store: ipc_exchange.KeyValueStore | None = None) -> SymmetricWorkspace:
+  """Allocates and maps a workspace on every GPU of `mesh` that belongs to this process.
 
   max_tokens: tokens per GPU (per rank) the workspace must hold; hidden, top_k, dtype: of the
   activations that travel (the element size of `dtype` sizes the pools). comm_blocks: thread
   blocks of every send kernel (default MEGAMOE_EP_COMM_BLOCKS or 128); timeout_s: longest wait on a
   peer before a kernel gives up and reports (default MEGAMOE_EP_TIMEOUT_S or 60).
-  With several processes every process must call this, in the same order.
+
+  Works outside and inside a trace (`jax.jit`). When an EP group of this process spans processes
+  (one process per GPU), the processes of the group exchange CUDA IPC handles through
+  jax.distributed's key-value store (`store`: another KeyValueStore, for tests): every process of
+  the group must then create the same workspaces in the same order, and a peer that does not
+  answer within `handshake_timeout_s` (default MEGAMOE_EP_HANDSHAKE_TIMEOUT_S or 300) is reported
+  by name. Groups inside this process need no other process (see jax_megamoe.ipc_exchange).
   """
-  import jax
   # Arguments checked before any native call, so that a bad one is named here instead of
   # surfacing as a ctypes or CUDA driver error.
   for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("top_k", top_k),
@@ -235,55 +261,127 @@ def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidd
     comm_blocks = int(os.environ.get("MEGAMOE_EP_COMM_BLOCKS", DEFAULT_COMM_BLOCKS))
   if timeout_s is None:
     timeout_s = float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+  handshake_timeout_s = ipc_exchange.timeout_from_env(handshake_timeout_s)
+  me = _this_process()
+  local = [(g, r, d) for g in range(groups.shape[0]) for r in range(num_ranks)
+           for d in [groups[g, r]] if d.process_index == me]
+  if not local:
+    raise ValueError(f"create_workspace: no device of the mesh belongs to this process "
+                     f"(process {me})")
+  # Only this process's EP groups count: a group inside one process needs no exchange, even
+  # when other groups of the mesh (or its data axis) span processes.
+  exchanges = ipc_exchange.plan(groups, me, _sequences)
+  if exchanges and store is None:
+    store = ipc_exchange.DistributedStore()
   lib = _library()
   ws_id = ctypes.c_int64(0)
   _call(lib.megamoe_ep_ws_new, num_ranks, max_tokens, hidden, top_k, elem_bytes, comm_blocks,
         timeout_s, ctypes.byref(ws_id))
   ws_id = ws_id.value
-
-  me = jax.process_index()
-  local = [(g, r, d) for g in range(groups.shape[0]) for r in range(num_ranks)
-           for d in [groups[g, r]] if d.process_index == me]
-  if not local:
-    raise ValueError("create_workspace: no device of the mesh belongs to this process")
-  handles: dict[int, bytes] = {}
-  for _, rank, dev in local:
-    buf = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
-    _call(lib.megamoe_ep_ws_alloc, ws_id, _ordinal(dev), rank, buf)
-    handles[dev.id] = buf.raw
-  multiprocess = jax.process_count() > 1 and any(
-      d.process_index != me for d in groups.reshape(-1))
-  if multiprocess:
-    from jax.experimental import multihost_utils
-    rows = np.zeros((len(local), 8 + IPC_HANDLE_BYTES), np.uint8)
-    for n, (_, _, dev) in enumerate(local):
-      rows[n, :8] = np.frombuffer(np.int64(dev.id).tobytes(), np.uint8)
-      rows[n, 8:] = np.frombuffer(handles[dev.id], np.uint8)
-    gathered = np.asarray(multihost_utils.process_allgather(rows)).reshape(-1, rows.shape[1])
-    for row in gathered:
-      dev_id = int(np.frombuffer(row[:8].tobytes(), np.int64)[0])
-      handles.setdefault(dev_id, row[8:].tobytes())
-  for g, rank, dev in local:
-    for q in range(num_ranks):
-      peer = groups[g, q]
-      if q == rank:
-        continue
-      if peer.process_index == me:
-        _call(lib.megamoe_ep_ws_connect, ws_id, _ordinal(dev), q, _ordinal(peer), None)
-      else:
-        if peer.id not in handles:
-          raise RuntimeError(f"create_workspace: no IPC handle from device {peer.id}")
-        _call(lib.megamoe_ep_ws_connect, ws_id, _ordinal(dev), q, -1, handles[peer.id])
-  _call(lib.megamoe_ep_ws_finalize, ws_id)
-  if multiprocess:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices(f"megamoe_ws_{ws_id}_ready")
+  spec = ipc_exchange.WorkspaceSpec(ws_id, num_ranks, max_tokens, hidden, top_k, elem_bytes,
+                                    comm_blocks)
+  told_peers = False
+  try:
+    handles: dict[int, bytes] = {}
+    for _, rank, dev in local:
+      buf = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
+      _call(lib.megamoe_ep_ws_alloc, ws_id, _ordinal(dev), rank, buf)
+      handles[int(dev.id)] = buf.raw
+    if exchanges:
+      ipc_exchange.publish_shares(store, exchanges, spec, handles)
+      handles.update(ipc_exchange.collect_shares(
+          store, exchanges, spec, handshake_timeout_s,
+          strict_ids=_programs_shared_between_processes()))
+    for g, rank, dev in local:
+      for q in range(num_ranks):
+        peer = groups[g, q]
+        if q == rank:
+          continue
+        if peer.process_index == me:
+          _call(lib.megamoe_ep_ws_connect, ws_id, _ordinal(dev), q, _ordinal(peer), None)
+        else:
+          _connect_ipc(lib, ws_id, dev, q, peer, handles[int(peer.id)])
+    _call(lib.megamoe_ep_ws_finalize, ws_id)
+    if exchanges:
+      ipc_exchange.publish_ready(store, exchanges)
+      told_peers = True
+      ipc_exchange.wait_ready(store, exchanges, handshake_timeout_s)
+  except BaseException as e:
+    if exchanges and not told_peers:  # the peers fail now, not after their timeout
+      ipc_exchange.publish_failure(store, exchanges, f"{type(e).__name__}: {e}")
+    # No peer runs a kernel on it (each raises too), so the memory can go.
+    for name in ("megamoe_ep_ws_close_peers", "megamoe_ep_ws_free"):
+      getattr(lib, name)(ws_id, None, 0)
+    raise
   return SymmetricWorkspace(
       id=ws_id, num_ranks=num_ranks, max_tokens=max_tokens, hidden=hidden, top_k=top_k,
       elem_bytes=elem_bytes, comm_blocks=comm_blocks, timeout_s=timeout_s,
       device_ids=tuple(int(d.id) for d in groups.reshape(-1)), expert_axis=expert_axis,
       bytes_per_device=workspace_bytes(num_ranks, max_tokens, hidden, top_k, elem_bytes),
-      multiprocess=multiprocess)
+      multiprocess=bool(exchanges), _exchanges=tuple(exchanges), _store=store)
+
+
+def _connect_ipc(lib, ws_id: int, dev, peer_rank: int, peer, handle: bytes) -> None:
+  """Maps a peer of another process through its CUDA IPC handle."""
+  try:
+    _call(lib.megamoe_ep_ws_connect, ws_id, _ordinal(dev), peer_rank, -1, handle)
+  except RuntimeError as e:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hint = ("" if visible is None else
+            f" This process sees only CUDA_VISIBLE_DEVICES={visible}: if CUDA IPC cannot reach a "
+            f"GPU hidden from the process here, make every GPU of the node visible and choose "
+            f"each process's GPU with jax.distributed.initialize(local_device_ids=[...]).")
+    raise RuntimeError(f"{e} (mapping device {peer.id} of process {peer.process_index} on device "
+                       f"{dev.id}).{hint}") from None
+
+
+def _close(workspaces: list[SymmetricWorkspace], timeout_s: float | None) -> None:
+  """Closes workspaces (see SymmetricWorkspace.close): all of them are unmapped and announced
+  before any wait, so processes that close them in different orders do not wait on each other."""
+  lib = _library()
+  todo = [ws for ws in workspaces if not ws.closed]
+  if not todo:
+    return
+  if timeout_s is None:
+    timeout_s = max(ws.timeout_s for ws in todo)
+  deadline = time.monotonic() + timeout_s
+  for ws in todo:
+    _call(lib.megamoe_ep_ws_close_peers, ws.id)  # waits for this process's kernels, unmaps
+    ws.closed = True
+    with _cache_lock:
+      for key, cached in list(_cache.items()):
+        if cached is ws:
+          del _cache[key]
+  announced = []
+  for ws in todo:
+    if not ws._exchanges:
+      _call(lib.megamoe_ep_ws_free, ws.id)
+      continue
+    try:
+      ipc_exchange.publish_closed(ws._store, list(ws._exchanges))
+      announced.append(ws)
+    except Exception as e:  # e.g. jax.distributed was shut down before close
+      _keep_allocated(ws, f"its peers could not be told ({type(e).__name__}: {e})")
+  for ws in announced:
+    try:
+      missing = ipc_exchange.wait_closed(ws._store, list(ws._exchanges),
+                                         max(0.001, deadline - time.monotonic()))
+    except Exception as e:
+      missing = [f"({type(e).__name__}: {e})"]
+    if missing:
+      _keep_allocated(ws, f"{', '.join(missing)} did not close it within {timeout_s:g} s")
+    else:
+      _call(lib.megamoe_ep_ws_free, ws.id)
+
+
+_kept: list[SymmetricWorkspace] = []  # closed, memory left allocated until the process exits
+
+
+def _keep_allocated(ws: SymmetricWorkspace, reason: str) -> None:
+  _kept.append(ws)
+  warnings.warn(f"jax_megamoe symmetric workspace {ws.id}: {reason}; its memory on this "
+                f"process's GPUs ({ws.bytes_per_device} bytes each) stays allocated until the "
+                f"process exits, as a peer may still write into it", RuntimeWarning, stacklevel=3)
 
 
 _cache_lock = threading.Lock()
@@ -322,5 +420,4 @@ def close_all() -> None:
   with _cache_lock:
     workspaces = list(_cache.values()) + list(_retired)
     _retired.clear()
-  for ws in workspaces:
-    ws.close()
+  _close(workspaces, None)

@@ -32,3 +32,15 @@ def match_varying(value, *like):
   """value typed as varying over every axis any of `like` varies over (ffi_call results carry
   no varying type inside shard_map; custom_vjp and shard_map's type check expect the inputs')."""
   return cast_varying(value, frozenset().union(*(varying_axes(a) for a in like)))
+
+
+def align_varying(*arrays):
+  """Inside shard_map, every operand cast to vary over the union of their varying axes, so a
+  custom_vjp sees one type and autodiff of the cast sums an invariant weight's gradient."""
+  return tuple(match_varying(a, *arrays) for a in arrays)
+
+
+def match_varying_each(values, *like):
+  """match_varying for each of a tuple (or NamedTuple) of values, e.g. an ffi_call's results."""
+  cast = [match_varying(v, *like) for v in values]
+  return type(values)(*cast) if hasattr(values, "_fields") else tuple(cast)

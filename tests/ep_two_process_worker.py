@@ -41,7 +41,7 @@ def main(process_id: int, port: int) -> None:
 
   gx, gids, gw, gwgu, gwd, gprobe = map(glob, (x, ids, w, wgu, wd, probe))
   layer = functools.partial(cuda_ep.expert_parallel_moe, mesh=mesh, workspace=ws,
-                            grouped_mlp=ep_helpers.dense_grouped_mlp)
+                            mlp=ep_helpers.dense_grouped_mlp)
 
   def loss(x, w, wgu, wd, ids, probe):
     return jnp.sum(layer(x, ids, w, wgu, wd) * probe)

@@ -5,7 +5,9 @@ No Bazel runs here: BUILD is evaluated statically (it is Starlark, which Python'
 its glob()s are expanded with Bazel's rules (recursive `**`, no crossing into sub-packages) and
 select()s resolved for a CUDA and a CPU-only configuration; CMakeLists.txt's file(GLOB...) and
 the sources handed to the _megamoe target are expanded likewise. Each side must compile the
-other's files, in both configurations. The checker itself is tested on planted files in a copy.
+other's files, in both configurations, and split the same sources into the same number of
+translation units (shards, ffi/common/shards.h). The checker itself is tested on planted files in
+a copy.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ import subprocess
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-BAZEL_FILES = ("MODULE.bazel", "BUILD", "bazel/BUILD", "bazel/python_headers.bzl")
+BAZEL_FILES = ("MODULE.bazel", "BUILD", "bazel/BUILD", "bazel/cuda_shards.bzl",
+               "bazel/python_headers.bzl")
 CUDA_ENABLED = "@rules_cuda//cuda:is_enabled"
 HEADER_SUFFIXES = (".h", ".cuh", ".hpp", ".inc")
 EXTENSION_TARGET = "_megamoe"
+SHARDS_RULE = "cuda_shards"  # bazel/cuda_shards.bzl: srcs = {source: shards}
+SHARDS_VARIABLE = "MEGAMOE_SHARDED_CUDA_SOURCES"  # CMake: "source=shards" entries
+SHARDS_HEADER = '#include "ffi/common/shards.h"'
 
 
 # --- Bazel side -----------------------------------------------------------------------------------
@@ -102,6 +108,9 @@ class BuildFile:
       return self.eval(node.left) + self.eval(node.right)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
       return self.eval(node.left) % self.eval(node.right)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "keys" and not node.args):
+      return list(self.eval(node.func.value).keys())
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
       args = [self.eval(a) for a in node.args]
       kwargs = {k.arg: self.eval(k.value) for k in node.keywords}
@@ -139,9 +148,19 @@ class BuildFile:
     return {s for t in self.local_deps(target) for s in self.attr(t, "srcs")
             if s.startswith("ffi/") and not s.endswith(HEADER_SUFFIXES)}
 
+  def sharded(self, target: str) -> dict[str, int]:
+    """{source: shards} of the cuda_shards rules among `target`'s local deps."""
+    return {s: n for t in self.local_deps(target) if self.rules[t][0] == SHARDS_RULE
+            for s, n in self.attr(t, "srcs").items()}
+
+  def compiled_whole(self, target: str) -> set[str]:
+    """Sources compiled as one translation unit (by a rule other than cuda_shards)."""
+    return {s for t in self.local_deps(target) if self.rules[t][0] != SHARDS_RULE
+            for s in self.attr(t, "srcs") if s.startswith("ffi/")}
+
   def headers(self, target: str) -> set[str]:
     return {h for t in self.local_deps(target)
-            for h in self.attr(t, "hdrs") + self.attr(t, "srcs") if h.endswith(HEADER_SUFFIXES)}
+            for h in [*self.attr(t, "hdrs"), *self.attr(t, "srcs")] if h.endswith(HEADER_SUFFIXES)}
 
   def defines(self, target: str) -> set[str]:
     """Macro names the extension's sources may get (local_defines, defines; any flag)."""
@@ -196,12 +215,15 @@ class CMakeLists:
     self.sources: list[tuple[str, tuple[str, ...]]] = []  # (file, if-conditions)
     self.defines: set[str] = set()
     self.archs: list[str] = []
+    self.sharded: dict[str, int] = {}
     keywords = {"PRIVATE", "PUBLIC", "INTERFACE", "NB_STATIC", "NB_SHARED", "STABLE_ABI"}
     for name, args, conditions in _cmake_commands((root / "CMakeLists.txt").read_text()):
       if name == "file" and args[0] in ("GLOB", "GLOB_RECURSE"):
         patterns = [a for a in args[2:] if a != "CONFIGURE_DEPENDS"]
         self.variables[args[1]] = [f for p in patterns
                                    for f in _cmake_glob(root, p, args[0] == "GLOB_RECURSE")]
+      elif name == "set" and args[0] == SHARDS_VARIABLE:
+        self.sharded = {s: int(n) for s, n in (a.split("=") for a in args[1:])}
       elif name == "set" and args[0] == "MEGAMOE_CUDA_ARCHS" and len(args) > 1:
         self.archs = args[1:]
       elif name == "list" and args[:2] == ["APPEND", "MEGAMOE_CUDA_ARCHS"]:
@@ -244,6 +266,14 @@ def inconsistencies(root: pathlib.Path) -> list[str]:
     for f in sorted(bazel_src - cmake_src):
       problems.append(f"{config}: Bazel //:{EXTENSION_TARGET} compiles {f}, CMake does not")
   build = BuildFile(root, cuda=True)
+  bazel_shards = build.sharded(EXTENSION_TARGET)
+  for f in sorted(set(cmake.sharded) | set(bazel_shards)):
+    if cmake.sharded.get(f) != bazel_shards.get(f):
+      problems.append(f"shards of {f}: CMake {cmake.sharded.get(f)}, Bazel {bazel_shards.get(f)}")
+    if f in build.compiled_whole(EXTENSION_TARGET):
+      problems.append(f"Bazel compiles {f} whole besides its shards")
+    if (root / f).exists() and SHARDS_HEADER not in (root / f).read_text():
+      problems.append(f"{f} is compiled as shards but does not include ffi/common/shards.h")
   headers = {f"ffi/{f}" for f in package_files(root / "ffi") if f.endswith(HEADER_SUFFIXES)}
   for h in sorted(headers - build.headers(EXTENSION_TARGET)):
     problems.append(f"header {h} is not in any Bazel hdrs (sandboxed compiles cannot see it)")
@@ -285,29 +315,29 @@ def _plant(path: pathlib.Path, text: str = "// planted by the test\n"):
 
 
 def test_planted_sources_are_seen_by_both_globs(tree):
-  _plant(tree / "ffi/kernels/planted_kernel.cu")
+  _plant(tree / "ffi/impls/planted_kernel.cu")
   _plant(tree / "ffi/planted_host.cc")
   _plant(tree / "ffi/common/planted.cuh")
   assert inconsistencies(tree) == []
-  assert "ffi/kernels/planted_kernel.cu" in BuildFile(tree, cuda=True).compiled(EXTENSION_TARGET)
-  assert "ffi/kernels/planted_kernel.cu" not in BuildFile(tree, cuda=False).compiled(
+  assert "ffi/impls/planted_kernel.cu" in BuildFile(tree, cuda=True).compiled(EXTENSION_TARGET)
+  assert "ffi/impls/planted_kernel.cu" not in BuildFile(tree, cuda=False).compiled(
       EXTENSION_TARGET)
   assert "ffi/planted_host.cc" in CMakeLists(tree).compiled(cuda=False)
 
 
 def test_a_sub_package_hides_files_from_bazel(tree):
-  _plant(tree / "ffi/kernels/BUILD.bazel", "")
-  _plant(tree / "ffi/kernels/hidden.cu")
+  _plant(tree / "ffi/impls/BUILD.bazel", "")
+  _plant(tree / "ffi/impls/hidden.cu")
   problems = inconsistencies(tree)
-  assert any("CMake compiles ffi/kernels/hidden.cu" in p for p in problems), problems
+  assert any("CMake compiles ffi/impls/hidden.cu" in p for p in problems), problems
 
 
 def test_a_non_recursive_bazel_glob_misses_nested_files(tree):
   build = tree / "BUILD"
   build.write_text(build.read_text().replace('"ffi/**/*.cu"', '"ffi/*.cu"'))
-  _plant(tree / "ffi/kernels/nested.cu")
+  _plant(tree / "ffi/impls/nested.cu")
   problems = inconsistencies(tree)
-  assert "CUDA: CMake compiles ffi/kernels/nested.cu, Bazel //:_megamoe does not" in problems
+  assert "CUDA: CMake compiles ffi/impls/nested.cu, Bazel //:_megamoe does not" in problems
   assert all(p.startswith("CUDA: CMake compiles ffi/") for p in problems), problems
 
 
@@ -341,6 +371,34 @@ def test_unlisted_headers_defines_and_archs_are_reported(tree):
   assert "header ffi/common/barrier.cuh is not in any Bazel hdrs" in problems
   assert "CMake defines MEGAMOE_WITH_CUDA for _megamoe, Bazel does not" in problems
   assert "GPU targets differ" in problems
+
+
+def test_shard_tables_are_compared(tree):
+  build = tree / "BUILD"
+  build.write_text(build.read_text().replace('"ffi/impls/sm90_grouped_gemm_bf16.cu": 9',
+                                             '"ffi/impls/sm90_grouped_gemm_bf16.cu": 3'))
+  assert inconsistencies(tree) == [
+      "shards of ffi/impls/sm90_grouped_gemm_bf16.cu: CMake 9, Bazel 3"]
+
+
+def test_a_sharded_source_compiled_whole_is_reported(tree):
+  build = tree / "BUILD"
+  build.write_text(build.read_text().replace("exclude = SHARDED_CUDA_SRCS.keys()", "exclude = []"))
+  assert "Bazel compiles ffi/impls/sm90_grouped_gemm_fp8.cu whole besides its shards" in (
+      inconsistencies(tree))
+
+
+def test_a_sharded_source_must_use_the_shard_header(tree):
+  source = tree / "ffi/impls/sm90_grouped_gemm_fp8.cu"
+  source.write_text(source.read_text().replace(SHARDS_HEADER, ""))
+  assert inconsistencies(tree) == [
+      "ffi/impls/sm90_grouped_gemm_fp8.cu is compiled as shards but does not include "
+      "ffi/common/shards.h"]
+
+
+def test_the_shard_tables_are_not_empty():
+  assert CMakeLists(REPO).sharded, "no sharded sources found in CMakeLists.txt"
+  assert BuildFile(REPO, cuda=True).sharded(EXTENSION_TARGET)
 
 
 def test_cmake_reader_survives_quoted_parentheses(tree):

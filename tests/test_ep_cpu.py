@@ -71,7 +71,7 @@ def test_layer_and_gradient_trace_to_ep_custom_calls():
 
   def loss(x, w, wgu, wd):
     y = cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, workspace=ws,
-                                    grouped_mlp=ep_helpers.dense_grouped_mlp)
+                                    mlp=ep_helpers.dense_grouped_mlp)
     return jnp.sum(y * y)
 
   text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd))
@@ -88,26 +88,31 @@ def test_validation_messages():
   with pytest.raises(ValueError, match="cannot hold 32 tokens"):
     jax.make_jaxpr(lambda x: cuda_ep.expert_parallel_moe(
         x, ids, w, wgu, wd, mesh=mesh, workspace=small,
-        grouped_mlp=ep_helpers.dense_grouped_mlp))(x)
+        mlp=ep_helpers.dense_grouped_mlp))(x)
   with pytest.raises(ValueError, match="expert_axis"):
-    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="ep", workspace=small)
+    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="ep", workspace=small,
+                                mlp=ep_helpers.dense_grouped_mlp)
   with pytest.raises(ValueError, match="divide evenly"):
-    cuda_ep.expert_parallel_moe(x[:63], ids[:63], w[:63], wgu, wd, mesh=mesh, workspace=small)
-  with pytest.raises(ValueError, match="num_experts"):
-    cuda_ep.expert_parallel_moe(x, ids, w, wgu[:7], wd[:7], mesh=mesh, workspace=small)
+    cuda_ep.expert_parallel_moe(x[:63], ids[:63], w[:63], wgu, wd, mesh=mesh, workspace=small,
+                                mlp=ep_helpers.dense_grouped_mlp)
+  with pytest.raises(ValueError, match="experts 7 must divide evenly"):
+    cuda_ep.expert_parallel_moe(x, ids % 7, w, wgu[:7], wd[:7], mesh=mesh, workspace=small,
+                                mlp=ep_helpers.dense_grouped_mlp)
   wrong = _fake_workspace(mesh, device_ids=(1, 0))
   with pytest.raises(ValueError, match="created for devices"):
-    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, workspace=wrong)
-  with pytest.raises(TypeError, match="dtype"):
-    cuda_ep.expert_parallel_moe(x.astype(jnp.int32), ids, w, wgu, wd, mesh=mesh, workspace=small)
+    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, workspace=wrong,
+                                mlp=ep_helpers.dense_grouped_mlp)
+  with pytest.raises(ValueError, match="dtype int32"):
+    cuda_ep.expert_parallel_moe(x.astype(jnp.int32), ids, w, wgu, wd, mesh=mesh, workspace=small,
+                                mlp=ep_helpers.dense_grouped_mlp)
 
 
 def test_overflow_stats_raise_clear_errors():
   with pytest.raises(RuntimeError, match="overflow.*3000.*capacity is 2048"):
-    cuda_ep._raise_on_bad_stats(np.array([3000, 2048, 1, 0], np.int32))
+    cuda_ep.raise_on_bad_stats(np.array([3000, 2048, 1, 0], np.int32))
   with pytest.raises(RuntimeError, match="distinct"):
-    cuda_ep._raise_on_bad_stats(np.array([10, 2048, 0, 2], np.int32))
-  cuda_ep._raise_on_bad_stats(np.array([10, 2048, 0, 0], np.int32))
+    cuda_ep.raise_on_bad_stats(np.array([10, 2048, 0, 2], np.int32))
+  cuda_ep.raise_on_bad_stats(np.array([10, 2048, 0, 0], np.int32))
 
 
 def test_data_and_expert_axes_trace():
@@ -119,7 +124,7 @@ def test_data_and_expert_axes_trace():
 
   def loss(x, w, wgu, wd):
     return jnp.sum(cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, workspace=ws,
-                                               grouped_mlp=ep_helpers.dense_grouped_mlp))
+                                               mlp=ep_helpers.dense_grouped_mlp))
 
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd)
   assert "megamoe_ep_dispatch_bwd" in str(jaxpr)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_megamoe import symmetric
+from jax_megamoe import parallel, symmetric
 from jax_megamoe.backends import cuda_ep
 import ep_helpers
 
@@ -57,7 +57,7 @@ def _problem(seed, dtype=jnp.float32, mask_fraction=0.1, tokens=2 * T_PER_DEVICE
 
 def _layer(mesh, ws, **kw):
   return functools.partial(cuda_ep.expert_parallel_moe, mesh=mesh, workspace=ws,
-                           grouped_mlp=ep_helpers.dense_grouped_mlp, **kw)
+                           mlp=ep_helpers.dense_grouped_mlp, **kw)
 
 
 def _loss_fn(layer, probe):
@@ -78,8 +78,8 @@ def test_dispatch_layout(mesh, ws):
     d = cuda_ep.dispatch(x, ids, w, workspace=ws, num_experts=EXPERTS, n_cap=n_cap)
     return d.x_sorted, d.group_sizes, d.slot_pos, d.recv_w, d.stats
 
-  f = jax.jit(cuda_ep._shard_map(per_device, mesh, in_specs=(P("expert"),) * 3,
-                                 out_specs=(P("expert"),) * 5))
+  f = jax.jit(parallel.shard_map(per_device, mesh, (P("expert"),) * 3, (P("expert"),) * 5,
+                                 check_vma=False))
   _poison(mesh)
   xs, gs, pos, rw, stats = (np.asarray(a) for a in f(x, ids, w))
   x, ids, w = np.asarray(x), np.asarray(ids), np.asarray(w)
@@ -269,8 +269,8 @@ def test_timeout_reports_rank_stage_counters(mesh):
   def per_device(x, ids, w):
     return cuda_ep.dispatch(x, ids, w, workspace=own, num_experts=EXPERTS).x_sorted
 
-  f = jax.jit(cuda_ep._shard_map(per_device, single, in_specs=(P("expert"),) * 3,
-                                 out_specs=P("expert")))
+  f = jax.jit(parallel.shard_map(per_device, single, (P("expert"),) * 3, P("expert"),
+                                 check_vma=False))
   jax.block_until_ready(f(x, ids, w))  # returns after the timeout, records the error
   with pytest.raises(RuntimeError, match=r"rank 0 timed out .* dispatch \(forward\), receive.*"
                                          r"peer rank 1: counter 0, expected >= 4"):

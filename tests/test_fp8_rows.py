@@ -61,7 +61,11 @@ def test_fp8_dispatch_refused_with_the_reason():
   ids = jnp.zeros((8, 2), jnp.int32).at[:, 1].set(1)
   w = jnp.full((8, 2), 0.5, jnp.float32)
   wgu, wd = jnp.zeros((4, 256, 256), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
-  with pytest.raises(ValueError, match="fp8_dispatch=True cannot be served: recipe None"):
-    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, fp8_dispatch=True)
-  with pytest.raises(ValueError, match="fp8_dispatch=True cannot be served"):
-    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, recipe="fp8", fp8_dispatch=True)
+  from jax_megamoe.backends import cuda_fp8, reference
+  with pytest.raises(ValueError, match="fp8_dispatch=True cannot be served: the expert MLP is not"):
+    cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, mlp=reference.grouped_mlp,
+                                fp8_dispatch=True)
+  with pytest.raises(ValueError, match="fp8_dispatch=True cannot be served: x is float32"):
+    f32 = lambda a: a.astype(jnp.float32)
+    cuda_ep.expert_parallel_moe(f32(x), ids, w, f32(wgu), f32(wd), mesh=mesh,
+                                mlp=cuda_fp8.RowsMlp(), fp8_dispatch=True)

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_megamoe import _ffi
-from jax_megamoe.backends import cuda, cuda_fp8, reference
+from jax_megamoe.backends import cuda, cuda_bf16, cuda_fp8, reference
 
 pytestmark = pytest.mark.skipif(
-    not _ffi.has_target(cuda.FWD_TARGET, "cpu"),
+    not _ffi.has_target(cuda_bf16.FWD_TARGET, "cpu"),
     reason="not run: the native extension (with the grouped MLP CPU handler) is not built")
 
 
@@ -95,16 +95,16 @@ def check_against_reference(fn, x, gs, wgu, wd, dy, tol):
 def test_cpu_handler_matches_reference(dtype, tol, seed):
   with jax.default_device(jax.devices("cpu")[0]):
     x, gs, wgu, wd, dy = make_inputs(seed, n=37, h=16, f=24, e=5, valid=29, dtype=dtype)
-    check_against_reference(cuda.grouped_mlp_ffi, x, gs, wgu, wd, dy, tol)
+    check_against_reference(cuda_bf16.grouped_mlp, x, gs, wgu, wd, dy, tol)
 
 
 def test_cpu_handler_one_row_and_all_padding():
   with jax.default_device(jax.devices("cpu")[0]):
     x, _, wgu, wd, dy = make_inputs(3, n=4, h=8, f=8, e=3, valid=1, dtype=jnp.float32)
     gs = jnp.asarray([0, 1, 0], jnp.int32)
-    check_against_reference(cuda.grouped_mlp_ffi, x, gs, wgu, wd, dy, 1e-5)
+    check_against_reference(cuda_bf16.grouped_mlp, x, gs, wgu, wd, dy, 1e-5)
     gs = jnp.zeros((3,), jnp.int32)
-    y = cuda.grouped_mlp_ffi(x, gs, wgu, wd)
+    y = cuda_bf16.grouped_mlp(x, gs, wgu, wd)
     assert np.all(np.asarray(y) == 0)
 
 
@@ -112,9 +112,9 @@ def test_cpu_handler_rejects_bad_shapes_by_name():
   with jax.default_device(jax.devices("cpu")[0]):
     x, gs, wgu, wd, _ = make_inputs(4, n=8, h=8, f=8, e=2, valid=8, dtype=jnp.float32)
     with pytest.raises(ValueError, match="w_down"):
-      cuda.grouped_mlp_ffi(x, gs, wgu, wd[:, :4])
+      cuda_bf16.grouped_mlp(x, gs, wgu, wd[:, :4])
     with pytest.raises(ValueError, match="group_sizes"):
-      cuda.grouped_mlp_ffi(x, gs.astype(jnp.float32), wgu, wd)
+      cuda_bf16.grouped_mlp(x, gs.astype(jnp.float32), wgu, wd)
 
 
 @pytest.mark.parametrize("weights_sharded", [True, False])
@@ -139,7 +139,7 @@ def test_cpu_handler_inside_shard_map_gradients(weights_sharded):
     loss = lambda x, wgu, wd: jnp.sum(f(x, gs, wgu, wd) ** 2)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, wgu, wd)
 
-  for a, b in zip(grads(cuda.grouped_mlp_ffi), grads(reference.grouped_mlp)):
+  for a, b in zip(grads(cuda_bf16.grouped_mlp), grads(reference.grouped_mlp)):
     assert rel_err(a, b) < 1e-5
 
 
@@ -228,7 +228,7 @@ def test_cuda_grouped_gemm_kinds(kind):
     a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
     ref = np.stack([a32[offs[g]:offs[g + 1]].T @ b32[offs[g]:offs[g + 1]] for g in range(e)])
   poison_device_memory(16 << 20)
-  d = cuda.grouped_gemm(a, gs, b, kind=kind)
+  d = cuda_bf16.grouped_gemm(a, gs, b, kind=kind)
   d = np.asarray(d.astype(jnp.float32))
   ref = np.asarray(ref, np.float32)
   total = int(sizes.sum())
@@ -286,7 +286,7 @@ def test_fp8_swiglu_quantize_matches_swiglu_then_quantize(pow2):
   """The fused SwiGLU + 1x128 quantisation equals, bit for bit on the rows in use, the bf16
   MLP's SwiGLU followed by quantize_rows; padding rows of h are zero."""
   x, gs, wgu, wd, _ = make_inputs(33, 900, 256, 384, 6, 811, jnp.bfloat16)
-  _, gate_up, hidden = jax.jit(cuda._fwd_call)(x, gs, wgu, wd)  # SwiGLU of the bf16 kernels
+  _, gate_up, hidden = jax.jit(cuda_bf16.forward)(x, gs, wgu, wd)  # SwiGLU of the bf16 kernels
   poison_device_memory(32 << 20)
   h, rows = jax.jit(lambda g, s: cuda_fp8.swiglu_quantize(g, s, pow2=pow2))(gate_up, gs)
   want = jax.jit(lambda a: cuda_fp8.quantize_rows(a, pow2=pow2))(hidden)
@@ -530,7 +530,8 @@ def test_moe_cuda_fp8_rows_dispatched_in_fp8_two_gpus(recipe):
     return y, g
 
   def ep(fp8_dispatch):
-    return lambda *a: cuda_ep.expert_parallel_moe(*a, mesh=mesh, recipe=recipe,
+    mlp = cuda.expert_mlp(recipe, x.dtype, x.shape[1], wd.shape[1])
+    return lambda *a: cuda_ep.expert_parallel_moe(*a, mesh=mesh, mlp=mlp,
                                                   fp8_dispatch=fp8_dispatch)
 
   poison_device_memory(64 << 20)

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jax_megamoe.models import hf_import  # noqa: E402
-from jax_megamoe.models.qwen3 import load_hf_checkpoint  # noqa: E402
+from jax_megamoe.models.hf_import import load_hf_checkpoint  # noqa: E402
 
 # Small but with every Qwen3-MoE feature that changes the maths: head_dim != hidden / heads,
 # GQA, a dense layer among MoE layers, renormalised or raw top-k weights, tied or untied head.

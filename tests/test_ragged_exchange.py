@@ -54,7 +54,7 @@ def test_ragged_exchange_vjp_matches_padded(monkeypatch, routing):
 
   def loss(exchange, x, w, wgu, wd):
     y = parallel.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert",
-                                     grouped_mlp=reference.grouped_mlp, recipe=None,
+                                     mlp=reference.grouped_mlp,
                                      exchange=exchange)
     return jnp.sum(y * cot), y
 

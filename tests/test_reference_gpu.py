@@ -21,7 +21,7 @@ def _gpu_mesh():
 
 def _layer(exchange, mesh, x, ids, w, wgu, wd):
   return parallel.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert",
-                                      grouped_mlp=reference.grouped_mlp, recipe=None,
+                                      mlp=reference.grouped_mlp,
                                       exchange=exchange)
 
 

@@ -1,62 +1,100 @@
 // XLA FFI handlers of expert-parallel combine: forward, and its backward (dispatch-shaped).
-// Attributes: workspace_id (int64), num_experts (int64, global E).
-#include "ffi/common/peer_signal.h"
-#include "ffi/handlers/ep_common.h"
+// Attributes: workspace_id (int64), num_experts (int64, global E). On a virtual-rank workspace
+// every operand carries a leading axis of one entry per rank.
+#include <vector>
+
+#include "ffi/comm/peer_signal.h"
+#include "ffi/handlers/ep_args.h"
 #include "ffi/registry.h"
 
 namespace megamoe::ep {
 namespace {
 
 ffi::Error CombineFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y_sorted,
-                      ffi::Buffer<ffi::S32, 2> slot_pos, ffi::Buffer<ffi::F32, 2> recv_w,
-                      ffi::Buffer<ffi::S32, 2> ids, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Buffer<ffi::S32> slot_pos, ffi::Buffer<ffi::F32> recv_w,
+                      ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out,
                       int64_t workspace_id, int64_t num_experts) {
-  const PeerView* v = nullptr;
-  if (auto e = ResolveView(workspace_id, ordinal, &v); e.failure()) return e;
+  LocalRanks ranks;
+  if (auto e = ResolveRanks(workspace_id, ordinal, &ranks); e.failure()) return e;
   ElemType type;
   if (auto e = ElemTypeOf(y_sorted.element_type(), "y_sorted", &type); e.failure()) return e;
-  const int64_t T = ids.dimensions()[0], K = ids.dimensions()[1], H = y_sorted.dimensions()[1];
-  if (auto e = CheckFits(*v, T, H, K, type, num_experts); e.failure()) return e;
-  const int64_t rows = v->num_ranks * T;
-  if (out->dimensions()[0] != T || out->dimensions()[1] != H || slot_pos.dimensions()[0] != rows ||
-      recv_w.dimensions()[0] != rows || out->element_type() != y_sorted.element_type()) {
+  RankOperand oy, opos, orw, oids, oout;
+  if (auto e = FirstFailure({SplitRanks(y_sorted, ranks, 2, "y_sorted", &oy),
+                            SplitRanks(slot_pos, ranks, 2, "slot_pos", &opos),
+                            SplitRanks(recv_w, ranks, 2, "recv_w", &orw),
+                            SplitRanks(ids, ranks, 2, "topk_ids", &oids),
+                            SplitRanks(*out, ranks, 2, "out", &oout)});
+      e.failure()) {
+    return e;
+  }
+  const PeerView& v0 = *ranks.views[0];
+  const int64_t T = oids.dims[0], K = oids.dims[1], H = oy.dims[1];
+  if (auto e = CheckFits(v0, T, H, K, type, num_experts); e.failure()) return e;
+  const int64_t rows = v0.num_ranks * T;
+  if (oout.dims[0] != T || oout.dims[1] != H || opos.dims[0] != rows || orw.dims[0] != rows ||
+      out->element_type() != y_sorted.element_type()) {
     return ffi::Error::InvalidArgument("jax_megamoe EP combine: inconsistent operand shapes");
   }
-  CombineArgs a{type, y_sorted.untyped_data(), slot_pos.typed_data(), recv_w.typed_data(),
-                nullptr, ids.typed_data(), static_cast<int>(T), static_cast<int>(H),
-                static_cast<int>(K), static_cast<int>(num_experts / v->num_ranks),
-                static_cast<int>(y_sorted.dimensions()[0])};
-  return CudaStatus(LaunchCombine(*v, a, kOpCombineFwd, out->untyped_data(), nullptr, stream),
+  std::vector<CombineCall> calls;
+  for (int r = 0; r < ranks.count; ++r) {
+    if (r == ranks.absent) continue;
+    calls.push_back({ranks.views[r],
+                     {type, oy.at(r), opos.at<int32_t>(r), orw.at<float>(r), nullptr,
+                      oids.at<int32_t>(r), static_cast<int>(T), static_cast<int>(H),
+                      static_cast<int>(K), static_cast<int>(num_experts / v0.num_ranks),
+                      static_cast<int>(oy.dims[0])},
+                     oout.at(r), nullptr});
+  }
+  if (calls.empty()) return ffi::Error::Success();
+  return CudaStatus(LaunchCombine(calls.data(), static_cast<int>(calls.size()), kOpCombineFwd,
+                                  stream),
                     "combine launch");
 }
 
 ffi::Error CombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d_out,
-                      ffi::AnyBuffer y_sorted, ffi::Buffer<ffi::S32, 2> slot_pos,
-                      ffi::Buffer<ffi::F32, 2> recv_w, ffi::Buffer<ffi::S32, 2> ids,
-                      ffi::Buffer<ffi::S32, 1> group_sizes, ffi::Result<ffi::AnyBuffer> dy_sorted,
-                      ffi::Result<ffi::Buffer<ffi::F32, 2>> d_recv_w, int64_t workspace_id,
+                      ffi::AnyBuffer y_sorted, ffi::Buffer<ffi::S32> slot_pos,
+                      ffi::Buffer<ffi::F32> recv_w, ffi::Buffer<ffi::S32> ids,
+                      ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> dy_sorted,
+                      ffi::Result<ffi::Buffer<ffi::F32>> d_recv_w, int64_t workspace_id,
                       int64_t num_experts) {
-  const PeerView* v = nullptr;
-  if (auto e = ResolveView(workspace_id, ordinal, &v); e.failure()) return e;
+  LocalRanks ranks;
+  if (auto e = ResolveRanks(workspace_id, ordinal, &ranks); e.failure()) return e;
   ElemType type;
   if (auto e = ElemTypeOf(d_out.element_type(), "d_out", &type); e.failure()) return e;
-  const int64_t T = ids.dimensions()[0], K = ids.dimensions()[1], H = d_out.dimensions()[1];
-  if (auto e = CheckFits(*v, T, H, K, type, num_experts); e.failure()) return e;
-  const int64_t rows = v->num_ranks * T;
-  const int64_t epr = num_experts / v->num_ranks;
-  if (d_out.dimensions()[0] != T || y_sorted.dimensions()[1] != H ||
-      y_sorted.element_type() != d_out.element_type() || slot_pos.dimensions()[0] != rows ||
-      recv_w.dimensions()[0] != rows || group_sizes.dimensions()[0] != epr ||
-      dy_sorted->dimensions()[0] != y_sorted.dimensions()[0] || d_recv_w->dimensions()[0] != rows) {
+  RankOperand odo, oy, opos, orw, oids, ogs, ody, odrw;
+  if (auto e = FirstFailure({SplitRanks(d_out, ranks, 2, "d_out", &odo),
+                            SplitRanks(y_sorted, ranks, 2, "y_sorted", &oy),
+                            SplitRanks(slot_pos, ranks, 2, "slot_pos", &opos),
+                            SplitRanks(recv_w, ranks, 2, "recv_w", &orw),
+                            SplitRanks(ids, ranks, 2, "topk_ids", &oids),
+                            SplitRanks(group_sizes, ranks, 1, "group_sizes", &ogs),
+                            SplitRanks(*dy_sorted, ranks, 2, "dy_sorted", &ody),
+                            SplitRanks(*d_recv_w, ranks, 2, "d_recv_w", &odrw)});
+      e.failure()) {
+    return e;
+  }
+  const PeerView& v0 = *ranks.views[0];
+  const int64_t T = oids.dims[0], K = oids.dims[1], H = odo.dims[1];
+  if (auto e = CheckFits(v0, T, H, K, type, num_experts); e.failure()) return e;
+  const int64_t rows = v0.num_ranks * T;
+  const int64_t epr = num_experts / v0.num_ranks;
+  if (odo.dims[0] != T || oy.dims[1] != H || y_sorted.element_type() != d_out.element_type() ||
+      opos.dims[0] != rows || orw.dims[0] != rows || ogs.dims[0] != epr ||
+      ody.dims[0] != oy.dims[0] || odrw.dims[0] != rows) {
     return ffi::Error::InvalidArgument("jax_megamoe EP combine backward: inconsistent shapes");
   }
-  DispatchArgs a{type, d_out.untyped_data(), ids.typed_data(), nullptr, static_cast<int>(T),
-                 static_cast<int>(H), static_cast<int>(K), static_cast<int>(epr)};
+  std::vector<CombineBackwardCall> calls;
+  for (int r = 0; r < ranks.count; ++r) {
+    if (r == ranks.absent) continue;
+    calls.push_back({ranks.views[r],
+                     {type, odo.at(r), oids.at<int32_t>(r), nullptr, static_cast<int>(T),
+                      static_cast<int>(H), static_cast<int>(K), static_cast<int>(epr)},
+                     oy.at(r), opos.at<int32_t>(r), orw.at<float>(r), ogs.at<int32_t>(r),
+                     static_cast<int>(oy.dims[0]), ody.at(r), odrw.at<float>(r)});
+  }
+  if (calls.empty()) return ffi::Error::Success();
   return CudaStatus(
-      LaunchCombineBackward(*v, a, y_sorted.untyped_data(), slot_pos.typed_data(),
-                            recv_w.typed_data(), group_sizes.typed_data(),
-                            static_cast<int>(y_sorted.dimensions()[0]), dy_sorted->untyped_data(),
-                            d_recv_w->typed_data(), stream),
+      LaunchCombineBackward(calls.data(), static_cast<int>(calls.size()), stream),
       "combine backward launch");
 }
 
@@ -64,18 +102,17 @@ ffi::Error CombineBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer d_out
 }  // namespace megamoe::ep
 
 namespace ffi = xla::ffi;
-using S32Matrix = ffi::Buffer<ffi::S32, 2>;
-using F32Matrix = ffi::Buffer<ffi::F32, 2>;
-using S32Vector = ffi::Buffer<ffi::S32, 1>;
+using S32Array = ffi::Buffer<ffi::S32>;
+using F32Array = ffi::Buffer<ffi::F32>;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpCombineFwd, megamoe::ep::CombineFwd,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Matrix>()
-                                  .Arg<F32Matrix>()
-                                  .Arg<S32Matrix>()
+                                  .Arg<S32Array>()
+                                  .Arg<F32Array>()
+                                  .Arg<S32Array>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("workspace_id")
                                   .Attr<int64_t>("num_experts"),
@@ -87,12 +124,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpCombineBwd, megamoe::ep::CombineBwd,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Matrix>()
-                                  .Arg<F32Matrix>()
-                                  .Arg<S32Matrix>()
-                                  .Arg<S32Vector>()
+                                  .Arg<S32Array>()
+                                  .Arg<F32Array>()
+                                  .Arg<S32Array>()
+                                  .Arg<S32Array>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<F32Matrix>()
+                                  .Ret<F32Array>()
                                   .Attr<int64_t>("workspace_id")
                                   .Attr<int64_t>("num_experts"),
                               {ffi::Traits::kCmdBufferCompatible});

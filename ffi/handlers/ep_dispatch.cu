@@ -1,76 +1,110 @@
 // XLA FFI handlers of expert-parallel dispatch: forward, and its backward (combine-shaped).
-// Binding and validation only; the kernels are in ffi/kernels/dispatch.cu and combine.cu.
+// Binding and validation only; the kernels are in ffi/impls/ep_dispatch.cu and ep_combine.cu.
 // Attributes: workspace_id (int64, jax_megamoe.symmetric), num_experts (int64, global E).
-#include "ffi/common/peer_signal.h"
-#include "ffi/handlers/ep_common.h"
+// On a virtual-rank workspace every operand carries a leading axis of one entry per rank.
+#include <vector>
+
+#include "ffi/comm/peer_signal.h"
+#include "ffi/handlers/ep_args.h"
 #include "ffi/registry.h"
 
 namespace megamoe::ep {
 namespace {
 
 ffi::Error DispatchFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                       ffi::Buffer<ffi::S32, 2> ids, ffi::Buffer<ffi::F32, 2> weights,
+                       ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                        ffi::Result<ffi::AnyBuffer> x_sorted,
-                       ffi::Result<ffi::Buffer<ffi::S32, 1>> group_sizes,
-                       ffi::Result<ffi::Buffer<ffi::S32, 2>> slot_pos,
-                       ffi::Result<ffi::Buffer<ffi::F32, 2>> recv_w,
-                       ffi::Result<ffi::Buffer<ffi::S32, 1>> stats,
-                       ffi::Result<ffi::Buffer<ffi::S32, 1>> scratch, int64_t workspace_id,
+                       ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                       ffi::Result<ffi::Buffer<ffi::S32>> slot_pos,
+                       ffi::Result<ffi::Buffer<ffi::F32>> recv_w,
+                       ffi::Result<ffi::Buffer<ffi::S32>> stats,
+                       ffi::Result<ffi::Buffer<ffi::S32>> scratch, int64_t workspace_id,
                        int64_t num_experts) {
-  const PeerView* v = nullptr;
-  if (auto e = ResolveView(workspace_id, ordinal, &v); e.failure()) return e;
+  LocalRanks ranks;
+  if (auto e = ResolveRanks(workspace_id, ordinal, &ranks); e.failure()) return e;
   ElemType type;
   if (auto e = ElemTypeOf(x.element_type(), "x", &type); e.failure()) return e;
-  if (x.dimensions().size() != 2 || x_sorted->dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("jax_megamoe EP dispatch: x and x_sorted must be 2-D");
-  const int64_t T = x.dimensions()[0], H = x.dimensions()[1], K = ids.dimensions()[1];
-  if (auto e = CheckFits(*v, T, H, K, type, num_experts); e.failure()) return e;
-  const int64_t epr = num_experts / v->num_ranks;
-  const int64_t rows = v->num_ranks * T;
-  if (ids.dimensions()[0] != T || weights.dimensions()[0] != T || weights.dimensions()[1] != K ||
-      x_sorted->dimensions()[1] != H || x_sorted->element_type() != x.element_type() ||
-      group_sizes->dimensions()[0] != epr || slot_pos->dimensions()[0] != rows ||
-      slot_pos->dimensions()[1] != K || recv_w->dimensions()[0] != rows ||
-      stats->dimensions()[0] != 4 || scratch->dimensions()[0] < DispatchScratchInts(rows, epr)) {
+  RankOperand ox, oids, ow, oxs, ogs, opos, orw, ost, osc;
+  if (auto e = FirstFailure({SplitRanks(x, ranks, 2, "x", &ox),
+                            SplitRanks(ids, ranks, 2, "topk_ids", &oids),
+                            SplitRanks(weights, ranks, 2, "topk_weights", &ow),
+                            SplitRanks(*x_sorted, ranks, 2, "x_sorted", &oxs),
+                            SplitRanks(*group_sizes, ranks, 1, "group_sizes", &ogs),
+                            SplitRanks(*slot_pos, ranks, 2, "slot_pos", &opos),
+                            SplitRanks(*recv_w, ranks, 2, "recv_w", &orw),
+                            SplitRanks(*stats, ranks, 1, "stats", &ost),
+                            SplitRanks(*scratch, ranks, 1, "scratch", &osc)});
+      e.failure()) {
+    return e;
+  }
+  const PeerView& v0 = *ranks.views[0];
+  const int64_t T = ox.dims[0], H = ox.dims[1], K = oids.dims[1];
+  if (auto e = CheckFits(v0, T, H, K, type, num_experts); e.failure()) return e;
+  const int64_t epr = num_experts / v0.num_ranks;
+  const int64_t rows = v0.num_ranks * T;
+  if (oids.dims[0] != T || ow.dims[0] != T || ow.dims[1] != K || oxs.dims[1] != H ||
+      x_sorted->element_type() != x.element_type() || ogs.dims[0] != epr ||
+      opos.dims[0] != rows || opos.dims[1] != K || orw.dims[0] != rows || ost.dims[0] != 4 ||
+      osc.dims[0] < DispatchScratchInts(rows, epr)) {
     return ffi::Error::InvalidArgument("jax_megamoe EP dispatch: inconsistent operand shapes");
   }
-  DispatchArgs a{type, x.untyped_data(), ids.typed_data(), weights.typed_data(),
-                 static_cast<int>(T), static_cast<int>(H), static_cast<int>(K),
-                 static_cast<int>(epr)};
-  return CudaStatus(
-      LaunchDispatchForward(*v, a, x_sorted->untyped_data(),
-                            static_cast<int>(x_sorted->dimensions()[0]),
-                            group_sizes->typed_data(), slot_pos->typed_data(),
-                            recv_w->typed_data(), stats->typed_data(), scratch->typed_data(),
-                            stream),
-      "dispatch launch");
+  std::vector<DispatchForwardCall> calls;
+  for (int r = 0; r < ranks.count; ++r) {
+    if (r == ranks.absent) continue;
+    calls.push_back({ranks.views[r],
+                     {type, ox.at(r), oids.at<int32_t>(r), ow.at<float>(r), static_cast<int>(T),
+                      static_cast<int>(H), static_cast<int>(K), static_cast<int>(epr)},
+                     oxs.at(r), static_cast<int>(oxs.dims[0]), ogs.at<int32_t>(r),
+                     opos.at<int32_t>(r), orw.at<float>(r), ost.at<int32_t>(r),
+                     osc.at<int32_t>(r)});
+  }
+  if (calls.empty()) return ffi::Error::Success();
+  return CudaStatus(LaunchDispatchForward(calls.data(), static_cast<int>(calls.size()), stream),
+                    "dispatch launch");
 }
 
 // dx[t] = sum over ranks of sum over the token's slots there of dx_sorted rows;
 // d_weights[t, j] = d_recv_w of slot (t, j) on the rank that holds its expert.
 ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dx_sorted,
-                       ffi::Buffer<ffi::F32, 2> d_recv_w, ffi::Buffer<ffi::S32, 2> slot_pos,
-                       ffi::Buffer<ffi::S32, 2> ids, ffi::Result<ffi::AnyBuffer> dx,
-                       ffi::Result<ffi::Buffer<ffi::F32, 2>> d_weights, int64_t workspace_id,
+                       ffi::Buffer<ffi::F32> d_recv_w, ffi::Buffer<ffi::S32> slot_pos,
+                       ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> dx,
+                       ffi::Result<ffi::Buffer<ffi::F32>> d_weights, int64_t workspace_id,
                        int64_t num_experts) {
-  const PeerView* v = nullptr;
-  if (auto e = ResolveView(workspace_id, ordinal, &v); e.failure()) return e;
+  LocalRanks ranks;
+  if (auto e = ResolveRanks(workspace_id, ordinal, &ranks); e.failure()) return e;
   ElemType type;
   if (auto e = ElemTypeOf(dx_sorted.element_type(), "dx_sorted", &type); e.failure()) return e;
-  const int64_t T = ids.dimensions()[0], K = ids.dimensions()[1], H = dx_sorted.dimensions()[1];
-  if (auto e = CheckFits(*v, T, H, K, type, num_experts); e.failure()) return e;
-  const int64_t rows = v->num_ranks * T;
-  if (dx->dimensions()[0] != T || dx->dimensions()[1] != H || slot_pos.dimensions()[0] != rows ||
-      d_recv_w.dimensions()[0] != rows || d_weights->dimensions()[0] != T) {
+  RankOperand odxs, odrw, opos, oids, odx, odw;
+  if (auto e = FirstFailure({SplitRanks(dx_sorted, ranks, 2, "dx_sorted", &odxs),
+                            SplitRanks(d_recv_w, ranks, 2, "d_recv_w", &odrw),
+                            SplitRanks(slot_pos, ranks, 2, "slot_pos", &opos),
+                            SplitRanks(ids, ranks, 2, "topk_ids", &oids),
+                            SplitRanks(*dx, ranks, 2, "dx", &odx),
+                            SplitRanks(*d_weights, ranks, 2, "d_weights", &odw)});
+      e.failure()) {
+    return e;
+  }
+  const PeerView& v0 = *ranks.views[0];
+  const int64_t T = oids.dims[0], K = oids.dims[1], H = odxs.dims[1];
+  if (auto e = CheckFits(v0, T, H, K, type, num_experts); e.failure()) return e;
+  const int64_t rows = v0.num_ranks * T;
+  if (odx.dims[0] != T || odx.dims[1] != H || opos.dims[0] != rows || odrw.dims[0] != rows ||
+      odw.dims[0] != T) {
     return ffi::Error::InvalidArgument("jax_megamoe EP dispatch backward: inconsistent shapes");
   }
-  CombineArgs a{type, dx_sorted.untyped_data(), slot_pos.typed_data(), nullptr,
-                d_recv_w.typed_data(), ids.typed_data(), static_cast<int>(T),
-                static_cast<int>(H), static_cast<int>(K),
-                static_cast<int>(num_experts / v->num_ranks),
-                static_cast<int>(dx_sorted.dimensions()[0])};
-  return CudaStatus(LaunchCombine(*v, a, kOpDispatchBwd, dx->untyped_data(),
-                                  d_weights->typed_data(), stream),
+  std::vector<CombineCall> calls;
+  for (int r = 0; r < ranks.count; ++r) {
+    if (r == ranks.absent) continue;
+    calls.push_back({ranks.views[r],
+                     {type, odxs.at(r), opos.at<int32_t>(r), nullptr, odrw.at<float>(r),
+                      oids.at<int32_t>(r), static_cast<int>(T), static_cast<int>(H),
+                      static_cast<int>(K), static_cast<int>(num_experts / v0.num_ranks),
+                      static_cast<int>(odxs.dims[0])},
+                     odx.at(r), odw.at<float>(r)});
+  }
+  if (calls.empty()) return ffi::Error::Success();
+  return CudaStatus(LaunchCombine(calls.data(), static_cast<int>(calls.size()), kOpDispatchBwd,
+                                  stream),
                     "dispatch backward launch");
 }
 
@@ -78,23 +112,22 @@ ffi::Error DispatchBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dx_s
 }  // namespace megamoe::ep
 
 namespace ffi = xla::ffi;
-using S32Matrix = ffi::Buffer<ffi::S32, 2>;
-using F32Matrix = ffi::Buffer<ffi::F32, 2>;
-using S32Vector = ffi::Buffer<ffi::S32, 1>;
+using S32Array = ffi::Buffer<ffi::S32>;
+using F32Array = ffi::Buffer<ffi::F32>;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpDispatchFwd, megamoe::ep::DispatchFwd,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<S32Matrix>()
-                                  .Arg<F32Matrix>()
+                                  .Arg<S32Array>()
+                                  .Arg<F32Array>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<S32Vector>()
-                                  .Ret<S32Matrix>()
-                                  .Ret<F32Matrix>()
-                                  .Ret<S32Vector>()
-                                  .Ret<S32Vector>()
+                                  .Ret<S32Array>()
+                                  .Ret<S32Array>()
+                                  .Ret<F32Array>()
+                                  .Ret<S32Array>()
+                                  .Ret<S32Array>()
                                   .Attr<int64_t>("workspace_id")
                                   .Attr<int64_t>("num_experts"),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -104,11 +137,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeEpDispatchBwd, megamoe::ep::DispatchBwd,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<F32Matrix>()
-                                  .Arg<S32Matrix>()
-                                  .Arg<S32Matrix>()
+                                  .Arg<F32Array>()
+                                  .Arg<S32Array>()
+                                  .Arg<S32Array>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<F32Matrix>()
+                                  .Ret<F32Array>()
                                   .Attr<int64_t>("workspace_id")
                                   .Attr<int64_t>("num_experts"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -23,8 +23,8 @@
 
 #include "ffi/common/checks.h"
 #include "ffi/handlers/fp8_args.h"
-#include "ffi/kernels/grouped_fp8.h"
-#include "ffi/kernels/grouped_swiglu.h"
+#include "ffi/impls/fp8_quantize.h"
+#include "ffi/impls/grouped_swiglu.h"
 #include "ffi/registry.h"
 
 namespace megamoe::grouped {

@@ -18,8 +18,8 @@
 #include "ffi/common/checks.h"
 #include "ffi/common/device_info.h"
 #include "ffi/handlers/fp8_args.h"
-#include "ffi/kernels/grouped_fp8.h"
-#include "ffi/kernels/grouped_swiglu.h"
+#include "ffi/gemm/grouped_gemm_fp8.h"
+#include "ffi/impls/grouped_swiglu.h"
 #include "ffi/registry.h"
 
 namespace megamoe::grouped {

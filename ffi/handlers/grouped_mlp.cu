@@ -6,8 +6,8 @@
 #include "ffi/common/checks.h"
 #include "ffi/common/device_info.h"
 #include "ffi/handlers/grouped_mlp_args.h"
-#include "ffi/kernels/grouped_gemm.h"
-#include "ffi/kernels/grouped_swiglu.h"
+#include "ffi/gemm/grouped_gemm.h"
+#include "ffi/impls/grouped_swiglu.h"
 #include "ffi/registry.h"
 
 namespace megamoe::grouped {

@@ -9,7 +9,7 @@
 
 #include "ffi/common/checks.h"
 #include "ffi/handlers/grouped_mlp_args.h"
-#include "ffi/handlers/host_numerics.h"
+#include "ffi/common/host_numerics.h"
 #include "ffi/registry.h"
 
 namespace megamoe::grouped {

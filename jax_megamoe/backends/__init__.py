@@ -1,16 +1,24 @@
-"""Backends of jax_megamoe.moe: each computes the same function (DESIGN.md §3).
+"""Backends of jax_megamoe.moe: each computes the whole layer, the same function (DESIGN.md §3).
 
 A backend is a module with
   NAME: str
-  unavailable_reason(recipe) -> str | None     why it cannot run here, None when it can
-  grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, *, recipe) -> [N, H]
-and optionally
-  expert_parallel_moe(...)                      its own dispatch/combine for EP > 1
+  unavailable_reason(recipe) -> str | None    why it cannot run here, None when it can
+  moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, recipe, shape)
+                                              the layer; arguments already validated once by
+                                              jax_megamoe.moe (`shape`: validation.LayerShape;
+                                              topk_ids int32, topk_weights float32)
+"reference" and "cuda" build their layer from two parts: an expert MLP over rows grouped by
+expert (parallel.GroupedMlp) and, under a mesh, an exchange that moves the rows to the experts'
+ranks and back (parallel.expert_parallel_moe: XLA collectives; cuda_ep.expert_parallel_moe:
+NVLink kernels); without a mesh, backends.local.local_moe. "fused" runs one kernel per
+direction and has no separable MLP.
+
 Modules are imported lazily so that a missing or broken native build never breaks "reference".
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
@@ -27,6 +35,7 @@ class BackendUnavailableError(RuntimeError):
   """The requested backend cannot run here; the message says why."""
 
 
+@functools.cache
 def _load(name: str) -> tuple[ModuleType | None, str | None]:
   try:
     module = importlib.import_module(_MODULES[name])
@@ -36,6 +45,7 @@ def _load(name: str) -> tuple[ModuleType | None, str | None]:
 
 
 def unavailable_reason(name: str, recipe: str | None = None) -> str | None:
+  """Why backend `name` cannot run `recipe` here (None when it can)."""
   module, reason = _load(name)
   return reason if module is None else module.unavailable_reason(recipe)
 

@@ -1,4 +1,4 @@
-"""Expert-parallel backend "cuda" for EP > 1: dispatch -> grouped MLP -> combine over NVLink.
+"""The NVLink exchange of backend "cuda": dispatch -> the expert MLP it is given -> combine.
 
 Per device (inside `jax.shard_map` over the mesh), with R ranks along the expert axis, T tokens
 per device, E experts (E / R per rank):
@@ -9,7 +9,7 @@ per device, E experts (E / R per rank):
       what it got by local expert -> x_sorted [n_cap, H] (groups in (expert, source rank, token)
       order, rows past the total zero), group_sizes [E/R], slot_pos [R*T, k] (row of x_sorted of
       received slot (source s, token t, slot j), -1 not here, -2 dropped), recv_w [R*T, k]
-  grouped_mlp(x_sorted, group_sizes, w_gate_up_local, w_down_local) -> y_sorted
+  mlp(x_sorted, group_sizes, w_gate_up_local, w_down_local) -> y_sorted   (a parameter)
   combine(y_sorted, ...)
       the expert rank sums each token's local slots weighted by the routing weights (fp32, slot
       order), sends the partial back in x's dtype; the source adds its ranks' partials in rank
@@ -36,24 +36,41 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jax_megamoe import symmetric
+from jax_megamoe import _ffi, parallel, symmetric
 from jax_megamoe.backends import cuda_fp8
+from jax_megamoe.validation import LayerShape, check_layer_args
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MAX_TOP_K = 32  # slots of a token handled by one warp (ffi/kernels/ep_transfer.cuh)
 
 
 @dataclasses.dataclass(frozen=True)
 class EpConfig:
-  """Static configuration of one EP op (hashable: a nondiff argument of the custom VJPs)."""
+  """Static configuration of one EP op (hashable: a nondiff argument of the custom VJPs).
+
+  stacked: the workspace is a virtual group (jax_megamoe.virtual_ranks): one call runs all R
+  ranks on one GPU, every operand with a leading axis of one entry per rank."""
   workspace_id: int
   num_ranks: int
   num_experts: int
+  stacked: bool = False
 
   @property
   def experts_per_rank(self) -> int:
     return self.num_experts // self.num_ranks
+
+  @property
+  def lead(self) -> tuple[int, ...]:
+    """The leading axes of every operand: (R,) on a virtual group, () on a GPU."""
+    return (self.num_ranks,) if self.stacked else ()
+
+  def per_rank(self, fn: Callable, *args):
+    """fn applied to each rank's slice of `args` (stacked), or to `args` as they are."""
+    if not self.stacked:
+      return fn(*args)
+    outs = [fn(*(a[r] for a in args)) for r in range(self.num_ranks)]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outs)
 
   def attrs(self) -> dict[str, Any]:
     return dict(workspace_id=np.int64(self.workspace_id), num_experts=np.int64(self.num_experts))
@@ -93,32 +110,34 @@ def _scratch_ints(num_rows: int, experts_per_rank: int) -> int:
 
 
 def _dispatch_call(x, ids, w, cfg: EpConfig, n_cap: int) -> Dispatched:
-  tokens, hidden = x.shape
-  k = ids.shape[1]
+  tokens, hidden = x.shape[-2:]
+  k = ids.shape[-1]
   rows = cfg.num_ranks * tokens
   epr = cfg.experts_per_rank
+  lead = cfg.lead
   out_types = (
-      jax.ShapeDtypeStruct((n_cap, hidden), x.dtype),
-      jax.ShapeDtypeStruct((epr,), jnp.int32),
-      jax.ShapeDtypeStruct((rows, k), jnp.int32),
-      jax.ShapeDtypeStruct((rows, k), jnp.float32),
-      jax.ShapeDtypeStruct((4,), jnp.int32),
-      jax.ShapeDtypeStruct((_scratch_ints(rows, epr),), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, n_cap, hidden), x.dtype),
+      jax.ShapeDtypeStruct((*lead, epr), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, rows, k), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, rows, k), jnp.float32),
+      jax.ShapeDtypeStruct((*lead, 4), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, _scratch_ints(rows, epr)), jnp.int32),
   )
   outs = jax.ffi.ffi_call("megamoe_ep_dispatch_fwd", out_types)(x, ids, w, **cfg.attrs())
   return Dispatched(*outs[:5])
 
 
 def _dispatch_bwd_call(dx_sorted, d_recv_w, slot_pos, ids, cfg: EpConfig):
-  tokens, k = ids.shape
-  out_types = (jax.ShapeDtypeStruct((tokens, dx_sorted.shape[1]), dx_sorted.dtype),
-               jax.ShapeDtypeStruct((tokens, k), jnp.float32))
+  tokens, k = ids.shape[-2:]
+  out_types = (jax.ShapeDtypeStruct((*cfg.lead, tokens, dx_sorted.shape[-1]), dx_sorted.dtype),
+               jax.ShapeDtypeStruct((*cfg.lead, tokens, k), jnp.float32))
   return jax.ffi.ffi_call("megamoe_ep_dispatch_bwd", out_types)(
       dx_sorted, d_recv_w, slot_pos, ids, **cfg.attrs())
 
 
 def _combine_call(y_sorted, slot_pos, recv_w, ids, cfg: EpConfig):
-  out_type = jax.ShapeDtypeStruct((ids.shape[0], y_sorted.shape[1]), y_sorted.dtype)
+  out_type = jax.ShapeDtypeStruct((*cfg.lead, ids.shape[-2], y_sorted.shape[-1]),
+                                  y_sorted.dtype)
   return jax.ffi.ffi_call("megamoe_ep_combine_fwd", out_type)(
       y_sorted, slot_pos, recv_w, ids, **cfg.attrs())
 
@@ -184,27 +203,28 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _dispatch_mlp_fp8(x, ids, w, w_gate_up, w_down, cfg, n_cap, pow2):
-  return _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, pow2)[0]
+def _dispatch_mlp_fp8(x, ids, w, w_gate_up, w_down, cfg, n_cap, mlp):
+  return _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, mlp)[0]
 
 
-def _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, pow2):
-  """-> (y_sorted, group_sizes, slot_pos, recv_w, stats), residuals."""
-  packed = cuda_fp8.pack_rows(cuda_fp8.quantize_rows(x, pow2=pow2))
-  d = _dispatch_call(packed, ids, w, cfg, n_cap)
-  x_rows = cuda_fp8.unpack_rows(d.x_sorted, x.shape[1])
-  y, gate_up, hidden = cuda_fp8.mlp_forward(x_rows, d.group_sizes, w_gate_up, w_down, pow2)
+def _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, mlp):
+  """-> (y_sorted, group_sizes, slot_pos, recv_w, stats), residuals. mlp: a cuda_fp8.RowsMlp."""
+  hidden_size = x.shape[-1]
+  quantize = lambda x: cuda_fp8.pack_rows(cuda_fp8.quantize_rows(x, pow2=mlp.pow2))
+  d = _dispatch_call(cfg.per_rank(quantize, x), ids, w, cfg, n_cap)
+  x_rows = cfg.per_rank(lambda rows: cuda_fp8.unpack_rows(rows, hidden_size), d.x_sorted)
+  y, gate_up, hidden = cfg.per_rank(mlp.forward, x_rows, d.group_sizes, w_gate_up, w_down)
   out = (y, d.group_sizes, d.slot_pos, d.recv_w, d.stats)
   return out, (x_rows, d.group_sizes, d.slot_pos, ids, w_gate_up, w_down, gate_up, hidden)
 
 
-def _dispatch_mlp_fp8_bwd(cfg, n_cap, pow2, res, cts):
+def _dispatch_mlp_fp8_bwd(cfg, n_cap, mlp, res, cts):
   del n_cap
   x_rows, group_sizes, slot_pos, ids, w_gate_up, w_down, gate_up, hidden = res
   dy_sorted, _, _, d_recv_w, _ = cts
-  x_sorted = cuda_fp8.dequantize_rows(x_rows, jnp.bfloat16)
-  dx_sorted, dw_gate_up, dw_down = cuda_fp8.mlp_backward(dy_sorted, x_sorted, group_sizes,
-                                                         w_gate_up, w_down, gate_up, hidden, pow2)
+  x_sorted = cfg.per_rank(lambda rows: cuda_fp8.dequantize_rows(rows, jnp.bfloat16), x_rows)
+  dx_sorted, dw_gate_up, dw_down = cfg.per_rank(mlp.backward, dy_sorted, x_sorted, group_sizes,
+                                                w_gate_up, w_down, gate_up, hidden)
   dx, dw = _dispatch_bwd_call(dx_sorted, d_recv_w.astype(jnp.float32), slot_pos, ids, cfg)
   return dx, None, dw, dw_gate_up, dw_down
 
@@ -212,70 +232,58 @@ def _dispatch_mlp_fp8_bwd(cfg, n_cap, pow2, res, cts):
 _dispatch_mlp_fp8.defvjp(_dispatch_mlp_fp8_fwd, _dispatch_mlp_fp8_bwd)
 
 
-def fp8_dispatch_unavailable_reason(x, w_down, recipe) -> str | None:
-  """Why dispatching rows in FP8 cannot serve this layer (None when it can)."""
-  if recipe not in ("fp8", "fp8_pow2"):
-    return f"recipe {recipe!r} is not blockwise fp8"
-  from jax_megamoe.backends import cuda
-  reason = cuda.unavailable_reason(recipe)
-  if reason is not None:
-    return reason
-  if x.dtype != jnp.bfloat16:
-    return f"x is {x.dtype}, the FP8 kernels take bfloat16"
-  if x.shape[1] % 128 or w_down.shape[1] % 128:
-    return f"H={x.shape[1]} and F={w_down.shape[1]} must be multiples of 128"
-  return None
-
-
-def _check_inputs(x, topk_ids, topk_weights):
-  if x.ndim != 2:
-    raise ValueError(f"x must be [tokens, hidden], got shape {x.shape}")
+def _check_inputs(x, topk_ids, topk_weights, lead=()):
+  if x.ndim != 2 + len(lead) or x.shape[:len(lead)] != lead:
+    raise ValueError(f"x must be [{'ranks, ' if lead else ''}tokens, hidden], got shape "
+                     f"{x.shape}")
   if x.dtype not in _SUPPORTED_DTYPES:
     raise TypeError(f"x dtype must be float32, bfloat16 or float16 for the EP kernels, got "
                     f"{x.dtype}")
-  if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+  if topk_ids.shape != topk_weights.shape or topk_ids.shape[:-1] != x.shape[:-1]:
     raise ValueError(f"topk_ids {topk_ids.shape} and topk_weights {topk_weights.shape} must both "
-                     f"be [tokens={x.shape[0]}, top_k]")
-  if topk_ids.shape[1] > 32:
-    raise ValueError(f"top_k must be <= 32 for the EP kernels, got {topk_ids.shape[1]}")
+                     f"be [{'ranks, ' if lead else ''}tokens={x.shape[-2]}, top_k]")
+  if topk_ids.shape[-1] > MAX_TOP_K:
+    raise ValueError(f"top_k must be <= {MAX_TOP_K} for the EP kernels, got {topk_ids.shape[-1]}")
 
 
 def dispatch(x, topk_ids, topk_weights, *, workspace: symmetric.SymmetricWorkspace,
              num_experts: int, n_cap: int | None = None) -> Dispatched:
   """Per-device dispatch (call inside shard_map over the workspace's mesh); differentiable in x
   and topk_weights."""
-  _check_inputs(x, topk_ids, topk_weights)
   cfg = _config(workspace, num_experts, x, topk_ids)
+  _check_inputs(x, topk_ids, topk_weights, cfg.lead)
   if n_cap is None:
-    n_cap = dropless_capacity(cfg.num_ranks, x.shape[0], topk_ids.shape[1], cfg.experts_per_rank)
+    n_cap = dropless_capacity(cfg.num_ranks, x.shape[-2], topk_ids.shape[-1],
+                              cfg.experts_per_rank)
   return _dispatch(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), cfg, n_cap)
 
 
 def combine(y_sorted, dispatched: Dispatched, topk_ids, *, workspace: symmetric.SymmetricWorkspace,
             num_experts: int):
   """Per-device combine of the expert outputs (rows of y_sorted as laid out by `dispatch`)."""
-  cfg = EpConfig(workspace.id, workspace.num_ranks, num_experts)
+  cfg = EpConfig(workspace.id, workspace.num_ranks, num_experts, workspace.virtual)
   return _combine(y_sorted, dispatched.slot_pos, dispatched.recv_w, topk_ids.astype(jnp.int32),
                   dispatched.group_sizes, cfg)
 
 
 def _config(workspace, num_experts, x, topk_ids) -> EpConfig:
-  tokens, hidden = x.shape
+  tokens, hidden = x.shape[-2:]
   elem = jnp.dtype(x.dtype).itemsize
   if num_experts % workspace.num_ranks:
     raise ValueError(f"num_experts={num_experts} must divide evenly over the "
                      f"{workspace.num_ranks} ranks of the expert axis")
   if not workspace.fits(num_ranks=workspace.num_ranks, max_tokens=tokens, hidden=hidden,
-                        top_k=topk_ids.shape[1], elem_bytes=elem):
+                        top_k=topk_ids.shape[-1], elem_bytes=elem):
     raise ValueError(
         f"the symmetric workspace {workspace.id} (max_tokens={workspace.max_tokens}, hidden="
         f"{workspace.hidden}, top_k={workspace.top_k}, {workspace.elem_bytes}-byte elements"
         f"{', closed' if workspace.closed else ''}) cannot hold {tokens} tokens x {hidden} of "
-        f"{x.dtype} with top_k={topk_ids.shape[1]} per rank")
-  return EpConfig(workspace.id, workspace.num_ranks, num_experts)
+        f"{x.dtype} with top_k={topk_ids.shape[-1]} per rank")
+  return EpConfig(workspace.id, workspace.num_ranks, num_experts, workspace.virtual)
 
 
-def _raise_on_bad_stats(stats):
+def raise_on_bad_stats(stats):
+  """Raises RuntimeError for what dispatch's `stats` report (capacity overflow, repeated ids)."""
   stats = np.asarray(stats).reshape(-1, 4)
   for rank, (needed, cap, overflow, repeated) in enumerate(stats):
     if overflow:
@@ -289,22 +297,51 @@ def _raise_on_bad_stats(stats):
           f"the same token; top-k expert ids must be distinct per token")
 
 
-def default_grouped_mlp(recipe=None) -> Callable:
-  """The "cuda" backend's grouped MLP when it can run here, else the pure-JAX reference."""
-  try:
-    from jax_megamoe.backends import cuda
-    if cuda.unavailable_reason(recipe) is None:
-      return cuda.grouped_mlp
-  except (ImportError, AttributeError):
-    pass
-  from jax_megamoe.backends import reference
-  return reference.grouped_mlp
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+  """How one EP layer runs: receive capacity, whether overflow is checked, the row format."""
+  n_cap: int            # rows of x_sorted per rank
+  check_capacity: bool  # raise on overflow (a host callback on dispatch's stats)
+  fp8_rows: bool        # rows travel in FP8 (the MLP is a cuda_fp8.RowsMlp)
+
+  @classmethod
+  def of(cls, shape: LayerShape, mlp, capacity_factor: float | None = None,
+         check_capacity: bool | None = None, fp8_dispatch: bool | None = None) -> "LayerPlan":
+    """capacity_factor / check_capacity / fp8_dispatch as in expert_parallel_moe."""
+    fp8_reason = fp8_rows_reason(mlp, shape)
+    if fp8_dispatch and fp8_reason:
+      raise ValueError(f"fp8_dispatch=True cannot be served: {fp8_reason}")
+    tokens, top_k, epr = shape.tokens_per_device, shape.top_k, shape.experts_per_rank
+    n_cap = capacity_rows(shape.ep_size, tokens, top_k, epr, capacity_factor)
+    if check_capacity is None:
+      check_capacity = n_cap < dropless_capacity(shape.ep_size, tokens, top_k, epr)
+    fp8_rows = fp8_reason is None if fp8_dispatch is None else bool(fp8_dispatch)
+    return cls(n_cap, bool(check_capacity), fp8_rows)
 
 
-def unavailable_reason(mesh, expert_axis: str = "expert") -> str | None:
-  """Why the NVLink kernels cannot serve this mesh (None when they can): then use the
-  collective-based jax_megamoe.parallel path."""
-  from jax_megamoe import _ffi
+def layer_on_local_ranks(x, ids, w, w_gate_up, w_down, *, workspace, num_experts: int,
+                         mlp: Callable, plan: LayerPlan):
+  """dispatch -> mlp -> combine for this device's local ranks of `workspace`: one rank inside
+  shard_map (x [T, H], ids / w [T, k], its experts' weights), or all R ranks of a virtual group
+  (every operand with a leading rank axis). The kernels are the same either way."""
+  cfg = _config(workspace, num_experts, x, ids)
+  _check_inputs(x, ids, w, cfg.lead)
+  if plan.fp8_rows:
+    y_sorted, group_sizes, slot_pos, recv_w, stats = _dispatch_mlp_fp8(
+        x, ids, w, w_gate_up, w_down, cfg, plan.n_cap, mlp)
+    d = Dispatched(None, group_sizes, slot_pos, recv_w, stats)
+  else:
+    d = _dispatch(x, ids, w, cfg, plan.n_cap)
+    y_sorted = cfg.per_rank(mlp, d.x_sorted, d.group_sizes, w_gate_up, w_down)
+  if plan.check_capacity:
+    jax.debug.callback(raise_on_bad_stats, d.stats)
+  return _combine(y_sorted.astype(x.dtype), d.slot_pos, d.recv_w, ids, d.group_sizes, cfg)
+
+
+def unavailable_reason(mesh, expert_axis: str = "expert", shape: LayerShape | None = None
+                       ) -> str | None:
+  """Why the NVLink kernels cannot serve this mesh (and layer, when `shape` is given): None when
+  they can; else backends.cuda uses the collective exchange of jax_megamoe.parallel."""
   reason = _ffi.cuda_unavailable_reason()
   if reason is not None:
     return reason
@@ -318,85 +355,55 @@ def unavailable_reason(mesh, expert_axis: str = "expert") -> str | None:
             f"({symmetric.MAX_RANKS})")
   if any(d.platform != "gpu" for d in groups.reshape(-1)):
     return "the mesh has non-GPU devices"
+  if shape is not None and shape.top_k > MAX_TOP_K:
+    return f"top_k={shape.top_k} > {MAX_TOP_K}, the most the EP kernels take"
+  return None
+
+
+def fp8_rows_reason(mlp, shape: LayerShape) -> str | None:
+  """Why the token rows cannot travel in FP8 for this MLP and layer (None when they can)."""
+  if not isinstance(mlp, cuda_fp8.RowsMlp):
+    return "the expert MLP is not the blockwise-FP8 CUDA MLP (cuda_fp8.RowsMlp)"
+  if shape.dtype != jnp.bfloat16:
+    return f"x is {shape.dtype}, the FP8 kernels take bfloat16"
+  if shape.hidden % cuda_fp8.BLOCK or shape.ffn % cuda_fp8.BLOCK:
+    return f"H={shape.hidden} and F={shape.ffn} must be multiples of {cuda_fp8.BLOCK}"
   return None
 
 
 def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
-                        expert_axis: str = "expert", recipe=None,
+                        expert_axis: str = "expert", mlp: Callable,
+                        shape: LayerShape | None = None,
                         workspace: symmetric.SymmetricWorkspace | None = None,
                         capacity_factor: float | None = None,
                         check_capacity: bool | None = None,
-                        grouped_mlp: Callable | None = None,
                         fp8_dispatch: bool | None = None):
-  """The whole EP MoE layer over `mesh`: y [T_total, H] (see jax_megamoe.moe for the contract).
+  """The whole EP MoE layer over `mesh` with the NVLink exchange around `mlp`:
+  y [T_total, H] (contract: jax_megamoe.moe).
 
-  Tokens are sharded over all mesh axes, experts over `expert_axis`. The symmetric workspace is
-  created (cached) at trace time when not given. `grouped_mlp` (x_sorted, group_sizes, w_gate_up,
-  w_down, recipe=) -> y_sorted replaces the default expert MLP. fp8_dispatch: rows travel in FP8
-  (recipe "fp8"/"fp8_pow2" with the default grouped MLP); None = whenever that is possible.
+  mlp: the expert MLP (parallel.GroupedMlp: (x_sorted, group_sizes, w_gate_up, w_down) ->
+    y_sorted, recipe bound). A cuda_fp8.RowsMlp lets the rows travel in FP8.
+  shape: the validated sizes (jax_megamoe.validation); None validates the arguments here.
+  workspace: the symmetric workspace; None creates (and caches) one at trace time.
+  capacity_factor, check_capacity: see the module doc.
+  fp8_dispatch: rows travel in FP8 (quantised once on the sender); None = whenever `mlp`
+    allows it, True = required (ValueError naming why not), False = bf16 rows.
   """
+  if shape is None:
+    shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down, mesh, expert_axis)
   _check_inputs(x, topk_ids, topk_weights)
-  if expert_axis not in mesh.axis_names:
-    raise ValueError(f"expert_axis {expert_axis!r} is not an axis of the mesh {mesh.axis_names}")
-  num_experts = w_gate_up.shape[0]
-  num_ranks = mesh.shape[expert_axis]
-  if num_experts % num_ranks:
-    raise ValueError(f"num_experts={num_experts} must divide evenly over expert axis "
-                     f"{expert_axis!r} of size {num_ranks}")
-  if x.shape[0] % mesh.size:
-    raise ValueError(f"tokens={x.shape[0]} must divide evenly over the mesh's {mesh.size} devices")
-  fp8_reason = fp8_dispatch_unavailable_reason(x, w_down, recipe)
-  if grouped_mlp is not None:
-    fp8_reason = fp8_reason or "a grouped_mlp was given (it takes bf16 rows)"
-  if fp8_dispatch and fp8_reason:
-    raise ValueError(f"fp8_dispatch=True cannot be served: {fp8_reason}")
-  fp8_rows = fp8_reason is None if fp8_dispatch is None else fp8_dispatch
-  tokens = x.shape[0] // mesh.size
-  hidden, top_k = x.shape[1], topk_ids.shape[1]
+  plan = LayerPlan.of(shape, mlp, capacity_factor, check_capacity, fp8_dispatch)
+  tokens = shape.tokens_per_device
   if workspace is None:
-    workspace = symmetric.workspace_for(mesh, expert_axis, max_tokens=tokens, hidden=hidden,
-                                        top_k=top_k, dtype=x.dtype)
+    workspace = symmetric.workspace_for(mesh, expert_axis, max_tokens=tokens,
+                                        hidden=shape.hidden, top_k=shape.top_k,
+                                        dtype=shape.dtype)
   mesh_ids = tuple(int(d.id) for d in symmetric.ep_groups(mesh, expert_axis).reshape(-1))
   if workspace.device_ids and workspace.device_ids != mesh_ids:
     raise ValueError(f"the symmetric workspace {workspace.id} was created for devices "
                      f"{workspace.device_ids} (EP groups in rank order), but this mesh's EP "
                      f"groups are {mesh_ids}: create the workspace from this mesh and expert_axis")
-  epr = num_experts // num_ranks
-  n_cap = capacity_rows(num_ranks, tokens, top_k, epr, capacity_factor)
-  if check_capacity is None:
-    check_capacity = n_cap < dropless_capacity(num_ranks, tokens, top_k, epr)
-  if grouped_mlp is None:
-    grouped_mlp = default_grouped_mlp(recipe)
-  token_axes = tuple(mesh.axis_names)
-
-  def per_device(x, ids, w, w_gu, w_dn):
-    if fp8_rows:
-      _check_inputs(x, ids, w)
-      cfg = _config(workspace, num_experts, x, ids)
-      y_sorted, group_sizes, slot_pos, recv_w, stats = _dispatch_mlp_fp8(
-          x, ids, w, w_gu, w_dn, cfg, n_cap, recipe == "fp8_pow2")
-      d = Dispatched(None, group_sizes, slot_pos, recv_w, stats)
-    else:
-      d = dispatch(x, ids, w, workspace=workspace, num_experts=num_experts, n_cap=n_cap)
-      y_sorted = grouped_mlp(d.x_sorted, d.group_sizes, w_gu, w_dn, recipe=recipe)
-    if check_capacity:
-      jax.debug.callback(_raise_on_bad_stats, d.stats)
-    return combine(y_sorted.astype(x.dtype), d, ids, workspace=workspace,
-                   num_experts=num_experts)
-
-  in_specs = (P(token_axes), P(token_axes), P(token_axes), P(expert_axis), P(expert_axis))
+  per_device = functools.partial(layer_on_local_ranks, workspace=workspace,
+                                 num_experts=shape.num_experts, mlp=mlp, plan=plan)
   args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
-  if AxisType.Auto not in tuple(getattr(mesh, "axis_types", (AxisType.Auto,))):
-    args = [jax.reshard(a, NamedSharding(mesh, spec)) for a, spec in zip(args, in_specs)]
-  fn = _shard_map(per_device, mesh, in_specs=in_specs, out_specs=P(token_axes))
-  return fn(*args)
-
-
-moe_ep = expert_parallel_moe
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-  try:
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  except TypeError:  # older spelling
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+  return parallel.shard_over_mesh(per_device, mesh, expert_axis, args, check_vma=False)

@@ -29,6 +29,7 @@ on a CPU the whole module runs, slowly, and CI checks it against jax_megamoe.fp8
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_megamoe import varying
+from jax_megamoe import _ffi, varying
 
 GEMM_TARGET = "megamoe_grouped_gemm_fp8"
 QUANTIZE_ROWS_TARGET = "megamoe_fp8_quantize_rows"
@@ -84,12 +85,6 @@ class WgradOperand(NamedTuple):
   scale: jax.Array
 
 
-def _vary_like(outputs, *inputs):
-  """ffi_call results typed as varying over the inputs' mesh axes (inside shard_map)."""
-  values = [varying.match_varying(o, *inputs) for o in outputs]
-  return type(outputs)(*values) if hasattr(outputs, "_fields") else tuple(values)
-
-
 def _require_group_sizes(group_sizes: jax.Array):
   if group_sizes.ndim != 1 or group_sizes.dtype != jnp.int32 or group_sizes.shape[0] < 1:
     raise ValueError(f"group_sizes must be [E] int32 with E >= 1, got "
@@ -112,7 +107,7 @@ def quantize_rows(x: jax.Array, *, pow2: bool = False) -> QuantizedRows:
   out = (jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
          jax.ShapeDtypeStruct((n, k // BLOCK), jnp.float32))
   rows = QuantizedRows(*jax.ffi.ffi_call(QUANTIZE_ROWS_TARGET, out)(x, pow2=np.int64(pow2)))
-  return _vary_like(rows, x)
+  return varying.match_varying_each(rows, x)
 
 
 def quantize_weights(w: jax.Array, *, pow2: bool = False, dgrad: bool = False
@@ -127,7 +122,7 @@ def quantize_weights(w: jax.Array, *, pow2: bool = False, dgrad: bool = False
          jax.ShapeDtypeStruct((e, k // BLOCK, p // BLOCK), jnp.float32))
   call = jax.ffi.ffi_call(QUANTIZE_WEIGHTS_TARGET, out)
   blocks = QuantizedWeights(*call(w, pow2=np.int64(pow2), dgrad=np.int64(dgrad)))
-  return _vary_like(blocks, w)
+  return varying.match_varying_each(blocks, w)
 
 
 def quantize_wgrad_operand(x: jax.Array, group_sizes: jax.Array, *, pow2: bool = False,
@@ -148,24 +143,23 @@ def quantize_wgrad_operand(x: jax.Array, group_sizes: jax.Array, *, pow2: bool =
          jax.ShapeDtypeStruct((8 * (e + 1),), jnp.uint8))
   q, scale, q_rows, scale_rows, _ = jax.ffi.ffi_call(QUANTIZE_WGRAD_OPERAND_TARGET, out)(
       x, group_sizes, pow2=np.int64(pow2), rows=np.int64(with_rows))
-  operand = _vary_like(WgradOperand(q, scale), x, group_sizes)
+  operand = varying.match_varying_each(WgradOperand(q, scale), x, group_sizes)
   if not with_rows:
     return operand
-  return _vary_like(QuantizedRows(q_rows, scale_rows), x, group_sizes), operand
+  return varying.match_varying_each(QuantizedRows(q_rows, scale_rows), x, group_sizes), operand
 
 
 def grouped_wgrad_quantized(a: WgradOperand, group_sizes: jax.Array, b: WgradOperand
                             ) -> jax.Array:
   """[E, Ca, Cb] bf16: for each group g, a_g^T b_g over its rows (the K-grouped weight gradient,
   fp32 accumulation promoted every 128 rows); a group with no rows gets zeros."""
-  from jax_megamoe.backends import cuda  # the shared workspace size
   _require_group_sizes(group_sizes)
   e = group_sizes.shape[0]
   ca, cb = a.q.shape[0], b.q.shape[0]
   out = (jax.ShapeDtypeStruct((e, ca, cb), jnp.bfloat16),
-         jax.ShapeDtypeStruct((cuda.workspace_bytes(e),), jnp.uint8))
+         jax.ShapeDtypeStruct((_ffi.gemm_scratch_bytes(e),), jnp.uint8))
   d, _ = jax.ffi.ffi_call(WGRAD_TARGET, out)(a.q, a.scale, group_sizes, b.q, b.scale)
-  return _vary_like((d,), *a, group_sizes, *b)[0]
+  return varying.match_varying_each((d,), *a, group_sizes, *b)[0]
 
 
 def dequantize_rows(rows: QuantizedRows, dtype=jnp.bfloat16) -> jax.Array:
@@ -177,13 +171,12 @@ def dequantize_rows(rows: QuantizedRows, dtype=jnp.bfloat16) -> jax.Array:
 def grouped_gemm_quantized(a: QuantizedRows, group_sizes: jax.Array,
                            b: QuantizedWeights) -> jax.Array:
   """[N, P] bf16 = rows of group g of a times b[g] (dequantised on the fly)."""
-  from jax_megamoe.backends import cuda  # the shared workspace size
   n = a.q.shape[0]
   e, p, _ = b.q.shape
   out = (jax.ShapeDtypeStruct((n, p), jnp.bfloat16),
-         jax.ShapeDtypeStruct((cuda.workspace_bytes(e),), jnp.uint8))
+         jax.ShapeDtypeStruct((_ffi.gemm_scratch_bytes(e),), jnp.uint8))
   d, _ = jax.ffi.ffi_call(GEMM_TARGET, out)(a.q, a.scale, group_sizes, b.q, b.scale)
-  return _vary_like((d,), *a, group_sizes, *b)[0]
+  return varying.match_varying_each((d,), *a, group_sizes, *b)[0]
 
 
 def grouped_gemm_fp8(a: jax.Array, group_sizes: jax.Array, b: jax.Array, *, pow2: bool = False,
@@ -212,7 +205,7 @@ def swiglu_quantize(gate_up: jax.Array, group_sizes: jax.Array, *, pow2: bool = 
          jax.ShapeDtypeStruct((4 * (group_sizes.shape[0] + 1),), jnp.uint8))
   h, q, scale, _ = jax.ffi.ffi_call(SWIGLU_QUANTIZE_TARGET, out)(gate_up, group_sizes,
                                                                  pow2=np.int64(pow2))
-  h, q, scale = _vary_like((h, q, scale), gate_up, group_sizes)
+  h, q, scale = varying.match_varying_each((h, q, scale), gate_up, group_sizes)
   return h, QuantizedRows(q, scale)
 
 
@@ -237,8 +230,8 @@ def swiglu_backward_quantize(dh: jax.Array, gate_up: jax.Array, group_sizes: jax
   q_rows, scale_rows, q, scale, _ = jax.ffi.ffi_call(SWIGLU_BACKWARD_QUANTIZE_TARGET, out)(
       dh, gate_up, group_sizes, pow2=np.int64(pow2))
   like = (dh, gate_up, group_sizes)
-  return (_vary_like(QuantizedRows(q_rows, scale_rows), *like),
-          _vary_like(WgradOperand(q, scale), *like))
+  return (varying.match_varying_each(QuantizedRows(q_rows, scale_rows), *like),
+          varying.match_varying_each(WgradOperand(q, scale), *like))
 
 
 def mlp_forward(x_rows: QuantizedRows, group_sizes, w_gate_up, w_down, pow2: bool):
@@ -267,8 +260,8 @@ def mlp_backward(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden, pow2: b
 
 def grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, pow2: bool = False):
   """The expert MLP, recipe "fp8" (pow2: "fp8_pow2"): every GEMM in FP8, forward and backward."""
-  from jax_megamoe.backends import cuda
-  return _grouped_mlp(*cuda._align_varying(x_sorted, group_sizes, w_gate_up, w_down), bool(pow2))
+  return _grouped_mlp(*varying.align_varying(x_sorted, group_sizes, w_gate_up, w_down),
+                      bool(pow2))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -290,6 +283,24 @@ def _grouped_mlp_bwd(pow2, res, dy):
 
 
 _grouped_mlp.defvjp(_grouped_mlp_fwd, _grouped_mlp_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsMlp:
+  """The FP8 expert MLP as a parallel.GroupedMlp (bf16 rows in, quantised here) that can also
+  start from rows quantised elsewhere: the NVLink exchange (backends.cuda_ep) then moves the
+  rows in FP8, quantised once on the sender."""
+  pow2: bool = False
+
+  def __call__(self, x_sorted, group_sizes, w_gate_up, w_down):
+    return grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, self.pow2)
+
+  def forward(self, x_rows: QuantizedRows, group_sizes, w_gate_up, w_down):
+    return mlp_forward(x_rows, group_sizes, w_gate_up, w_down, self.pow2)
+
+  def backward(self, dy, x_sorted, group_sizes, w_gate_up, w_down, gate_up, hidden):
+    return mlp_backward(dy, x_sorted, group_sizes, w_gate_up, w_down, gate_up, hidden,
+                        self.pow2)
 
 
 # --- FP8 rows as the bytes of a bf16 row (what the EP dispatch kernels move) -------------------

@@ -1,15 +1,19 @@
-"""Backend "reference": the pure-JAX grouped SwiGLU expert MLP, the oracle for every kernel.
+"""Backend "reference": the pure-JAX layer, the oracle for every kernel.
 
-Runs on any platform. Uses lax.ragged_dot over contiguous expert groups; recipes are emulated
-(jax_megamoe.fp8), so fp8 kernels are compared with exactly the rounding they should apply.
+Runs on any platform. The expert MLP uses lax.ragged_dot over contiguous expert groups; recipes
+are emulated (jax_megamoe.fp8), so fp8 kernels are compared with exactly the rounding they should
+apply. Under a mesh the rows travel through XLA collectives (jax_megamoe.parallel).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jax_megamoe import fp8
+from jax_megamoe import fp8, parallel
+from jax_megamoe.backends.local import local_moe
 
 NAME = "reference"
 
@@ -58,3 +62,12 @@ def grouped_mlp(x_sorted: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Arra
   out = product(hidden, w_down)
   valid_rows = jnp.arange(x_sorted.shape[0]) < jnp.sum(group_sizes)
   return jnp.where(valid_rows[:, None], out, 0.0).astype(dtype)
+
+
+def moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, recipe, shape):
+  """The layer (backend protocol: jax_megamoe.backends)."""
+  mlp = functools.partial(grouped_mlp, recipe=recipe)
+  if mesh is None:
+    return local_moe(x, topk_ids, topk_weights, w_gate_up, w_down, mlp=mlp)
+  return parallel.expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, mesh=mesh,
+                                      expert_axis=expert_axis, mlp=mlp, shape=shape)

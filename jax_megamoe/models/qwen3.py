@@ -1,4 +1,4 @@
-"""Qwen3-MoE decoder in Flax NNX on jax_megamoe.MoE, plus its Hugging Face checkpoint import.
+"""Qwen3-MoE decoder in Flax NNX on jax_megamoe.MoE (its Hugging Face import: hf_import).
 
 Architecture (as transformers' Qwen3MoeForCausalLM): token embedding -> L x [RMSNorm ->
 grouped-query attention with per-head RMSNorm on q and k and RoPE -> residual -> RMSNorm ->
@@ -25,8 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jax_megamoe.module import MoE
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
 
-__all__ = ["CONFIGS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe", "Qwen3MoeConfig", "get_config",
-           "load_hf_checkpoint"]
+__all__ = ["CONFIGS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe", "Qwen3MoeConfig", "get_config"]
 
 # --remat names -> what each decoder layer keeps for the backward pass (None: no remat).
 REMAT_POLICIES = {
@@ -261,12 +260,3 @@ class Qwen3Moe(nnx.Module):
 
 def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array):
   return layer(x, cos, sin)
-
-
-def load_hf_checkpoint(path, *, dtype: Any = jnp.float32, **kwargs: Any) -> Qwen3Moe:
-  """Qwen3Moe with the weights of a Hugging Face Qwen3-MoE checkpoint directory (config.json
-  + safetensors). Options (param_dtype, mesh, fsdp_axis, backend, recipe, remat, attention,
-  num_layers): jax_megamoe.models.hf_import.load_hf_checkpoint, imported here lazily because
-  it builds on this module."""
-  from jax_megamoe.models.hf_import import load_hf_checkpoint as load
-  return load(path, dtype=dtype, **kwargs)

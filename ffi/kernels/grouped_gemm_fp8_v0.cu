@@ -1,7 +1,0 @@
-// FP8 grouped GEMM, schedule variant 0 (grouped_gemm_fp8.cuh).
-#ifndef NDEBUG
-#define NDEBUG
-#endif
-#include "ffi/kernels/grouped_gemm_fp8.cuh"
-
-MEGAMOE_DEFINE_GROUPED_GEMM_FP8(0, Cooperative128x128Cluster1x2)
