@@ -1,7 +1,8 @@
-"""The training example's check of expert-parallel kernel errors sees a real timed-out kernel:
-a dispatch run on one GPU of a 2-rank workspace waits for a peer that never sends (as in
-test_ep_dispatch_combine.py), and ep_workspace_errors() reports it, rank and stage, which stops
-the run before any checkpoint. Run on a 2-GPU machine:
+"""The training example stops on a real timed-out expert-parallel kernel: a dispatch run on one
+GPU of a 2-rank workspace waits for a peer that never sends (as in test_ep_dispatch_combine.py);
+its output is poisoned with NaN (so the step's loss is not finite and the example's guard keeps
+the state and stops before any save), and ep_workspace_errors() reports rank and stage, which
+the example puts in its message. Run on a 2-GPU machine:
 pytest -m multigpu tests/test_example_ep_errors.py"""
 
 import os
@@ -44,6 +45,7 @@ def test_timed_out_dispatch_is_reported_by_the_example(monkeypatch):
 
   f = jax.jit(cuda_ep._shard_map(per_device, single, in_specs=(P("expert"),) * 3,
                                  out_specs=P("expert")))
-  jax.block_until_ready(f(x, jnp.asarray(ids, jnp.int32), jnp.asarray(w)))
+  out = np.asarray(jax.block_until_ready(f(x, jnp.asarray(ids, jnp.int32), jnp.asarray(w))))
+  assert np.isnan(out).all(), "a timed-out dispatch returned rows that look valid"
   errors = example.ep_workspace_errors()
   assert len(errors) == 1 and "rank 0 timed out" in errors[0] and "dispatch" in errors[0]
