@@ -219,6 +219,16 @@ def _programs_shared_between_processes() -> bool:
 _sequences = ipc_exchange.Sequences()
 
 
+def _require_gpus(mesh) -> None:
+  """Symmetric workspaces live in GPU memory: other devices are named here, before a native
+  call would report them as a CUDA driver error. (Tests that fake the native registry on CPU
+  devices fake this too.)"""
+  platforms = sorted({d.platform for d in np.asarray(mesh.devices).reshape(-1)})
+  if platforms != ["gpu"]:
+    raise ValueError(f"create_workspace: the mesh's devices are not GPUs (platform "
+                     f"{', '.join(platforms)}); symmetric workspaces live in GPU memory")
+
+
 def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidden: int,
                      top_k: int, dtype: Any = "bfloat16", comm_blocks: int | None = None,
                      timeout_s: float | None = None, handshake_timeout_s: float | None = None,
@@ -249,10 +259,7 @@ def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidd
                                     and 0 < timeout_s < float("inf")):
     raise ValueError(f"create_workspace: timeout_s must be a positive number of seconds, got "
                      f"{timeout_s!r}")
-  platforms = sorted({d.platform for d in np.asarray(mesh.devices).reshape(-1)})
-  if platforms != ["gpu"]:
-    raise ValueError(f"create_workspace: the mesh's devices are not GPUs (platform "
-                     f"{', '.join(platforms)}); symmetric workspaces live in GPU memory")
+  _require_gpus(mesh)
   elem_bytes = int(np.dtype(dtype).itemsize)
   groups = ep_groups(mesh, expert_axis)
   num_ranks = groups.shape[1]
