@@ -239,8 +239,9 @@ _sequences = ipc_exchange.Sequences()
 
 
 def _require_gpus(mesh) -> None:
-  """Symmetric workspaces live in GPU memory: say so before any native call sees other devices
-  (tests that fake the native registry on CPU devices replace this check with it)."""
+  """Symmetric workspaces live in GPU memory: other devices are named here, before a native
+  call would report them as a CUDA driver error. (Tests that fake the native registry on CPU
+  devices fake this too.)"""
   platforms = sorted({d.platform for d in np.asarray(mesh.devices).reshape(-1)})
   if platforms != ["gpu"]:
     raise ValueError(f"create_workspace: the mesh's devices are not GPUs (platform "
