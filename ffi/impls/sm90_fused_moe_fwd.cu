@@ -194,22 +194,14 @@ struct TileHooks {
 
 // ------------------------------------------------------------------------ helpers
 
-// Exclusive scan of in[0..n) into out[0..n) by one warp; returns the total.
-__device__ __forceinline__ int WarpExclusiveScan(const int* in, int* out, int n, int lane) {
-  int carry = 0;
-  for (int base = 0; base < n; base += 32) {
-    const int i = base + lane;
-    const int v = i < n ? in[i] : 0;
-    int incl = v;
+// Inclusive prefix sum of v over the warp's lanes.
+__device__ __forceinline__ int WarpInclusiveSum(int v, int lane) {
 #pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int u = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += u;
-    }
-    if (i < n) out[i] = carry + incl - v;
-    carry += __shfl_sync(0xffffffffu, incl, 31);
+  for (int d = 1; d < 32; d <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += u;
   }
-  return carry;
+  return v;
 }
 
 // The warp's chunk of tokens [chunk * 32, + 32): mask[e] holds a bit per lane whose token routes
@@ -299,12 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int base = 0; base < n_chunks; base += 32) {
       const int c = base + lane;
       const int val = c < n_chunks ? __ldcg(row + c) : 0;
-      int incl = val;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int u = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += u;
-      }
+      const int incl = WarpInclusiveSum(val, lane);
       if (c < n_chunks) row[c] = carry + incl - val;
       carry += __shfl_sync(0xffffffffu, incl, 31);
     }
@@ -349,21 +336,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int base = 0; base < El; base += 32) {
       const int el = base + lane;
       const int rows = el < El ? RS.rows[q * El + el] : 0;
-      int incl = rows;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int u = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += u;
-      }
+      const int incl = WarpInclusiveSum(rows, lane);
       const int my_off = off + incl - rows;
       const int lo = min(my_off, n_cap), hi = min(my_off + rows, n_cap);
       const int blocks = (hi - lo + Engine::kBlockM - 1) / Engine::kBlockM;
-      int bincl = blocks;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int u = __shfl_up_sync(0xffffffffu, bincl, d);
-        if (lane >= d) bincl += u;
-      }
+      const int bincl = WarpInclusiveSum(blocks, lane);
       if (el < El) {
         RS.owner_offset[q * El + el] = my_off;
         RS.owner_mblock[q * El + el] = mb + bincl - blocks;
@@ -383,12 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int base = 0; base < E; base += 32) {
       const int e = base + lane;
       const int c = e < E ? __ldcg(cs + e) : 0;
-      int incl = c;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int u = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += u;
-      }
+      const int incl = WarpInclusiveSum(c, lane);
       const int prefix = carry + incl - c;
       if (e < E) {
         if (s == me) RS.my_prefix[e] = prefix;

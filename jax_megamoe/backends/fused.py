@@ -21,7 +21,7 @@ What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, to
 recipe. Other layers (and meshes the NVLink kernels cannot serve) run on backend "cuda", the
 same function. Memory of the workspace's fused regions per GPU (R ranks, T tokens per GPU,
 n_cap = R * T * min(k, E / R) pool rows by default, dropless):
-  n_cap * H * 2 (pool) + T * k * H * 2 (comb) + 8 * (n_cap / 128 + 1024) * 2 + 65 KB
+  n_cap * H * 2 (pool) + T * k * H * 2 (comb) + 16 * (n_cap / 128 + 1024) + 65 KB
 e.g. 30B shape at EP=1 (T=16,384, k=8, H=2048): 0.54 + 0.54 GB.
 """
 
@@ -58,6 +58,10 @@ def unavailable_reason(recipe: str | None = None) -> str | None:
     return reason
   if not _ffi.has_target(TARGET, "CUDA"):
     return f"the extension has no CUDA target {TARGET!r} (rebuild the package)"
+  capabilities = sorted({str(getattr(d, "compute_capability", "?")) for d in _ffi.gpu_devices()})
+  if capabilities != ["9.0"]:
+    return (f"the fused kernel is sm_90a only (Hopper: wgmma, TMA); the GPUs here are compute "
+            f"capability {', '.join(capabilities)}")
   if recipe is not None:
     return (f"recipe {recipe!r} has no fused kernel yet (bf16 only); backend 'cuda' runs it "
             "with its FP8 kernels")
