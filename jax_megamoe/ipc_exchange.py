@@ -102,6 +102,7 @@ class WorkspaceSpec:
   top_k: int
   elem_bytes: int
   comm_blocks: int  # the receivers wait on one signal per sending block
+  fused_rows: int = 0  # rows of the fused kernel's pool (0: no fused regions)
 
   def layout_differences(self, other: WorkspaceSpec) -> list[str]:
     return [f"{f.name}={getattr(other, f.name)} (here {getattr(self, f.name)})"

@@ -42,6 +42,9 @@ from jax_megamoe import ipc_exchange
 
 MAX_RANKS = 8
 SIGNAL_BYTES = 512  # sizeof(megamoe::ep::SignalArea)
+FUSED_SIGNAL_BYTES = 512  # sizeof(megamoe::ep::FusedSignals)
+FUSED_MAX_EXPERTS = 1024  # kFusedMaxExperts
+FUSED_BLOCK_M = 128  # kFusedBlockM
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 # Blocks of the send/receive kernels. 264 (two per SM) was faster for combine (0.375 vs 0.474 ms
 # at H=2048) but fills every SM of an H200 with blocks that may spin on a peer: a collective XLA
@@ -55,14 +58,21 @@ def _align(value: int, alignment: int = 256) -> int:
 
 
 def workspace_layout(num_ranks: int, max_tokens: int, hidden: int, top_k: int,
-                     elem_bytes: int) -> dict[str, int]:
-  """Byte offsets of one rank's workspace (mirror of ffi/common/symmetric_memory.h)."""
+                     elem_bytes: int, fused_rows: int = 0) -> dict[str, int]:
+  """Byte offsets of one rank's workspace (mirror of ffi/comm/symmetric_memory.h)."""
   slots = num_ranks * max_tokens
+  fused = fused_rows > 0
+  mblocks = -(-fused_rows // FUSED_BLOCK_M) + FUSED_MAX_EXPERTS if fused else 0
   layout = {"signals": 0}
   off = _align(SIGNAL_BYTES)
   for name, size in (("meta_ids", slots * top_k * 4), ("meta_w", slots * top_k * 4),
                      ("pool_d", slots * hidden * elem_bytes), ("meta_c", slots * top_k * 4),
-                     ("pool_c", slots * hidden * elem_bytes)):
+                     ("pool_c", slots * hidden * elem_bytes),
+                     ("fsig", FUSED_SIGNAL_BYTES if fused else 0),
+                     ("fcounts", 2 * MAX_RANKS * FUSED_MAX_EXPERTS * 4 if fused else 0),
+                     ("ftiles", mblocks * 8), ("fl1done", mblocks * 8),
+                     ("fpool", fused_rows * hidden * elem_bytes),
+                     ("fcomb", max_tokens * top_k * hidden * elem_bytes if fused else 0)):
     layout[name] = off
     off = _align(off + size)
   layout["total_bytes"] = off
@@ -70,10 +80,14 @@ def workspace_layout(num_ranks: int, max_tokens: int, hidden: int, top_k: int,
 
 
 def workspace_bytes(num_ranks: int, max_tokens: int, hidden: int, top_k: int,
-                    elem_bytes: int) -> int:
-  """Bytes one GPU allocates for a workspace of this size."""
+                    elem_bytes: int, fused_rows: int = 0) -> int:
+  """Bytes one GPU allocates for a workspace of this size (fused_rows > 0: with the regions of
+  the fused kernel, whose pool holds that many rows)."""
   _check_sizes(num_ranks, max_tokens, hidden, top_k, elem_bytes)
-  return workspace_layout(num_ranks, max_tokens, hidden, top_k, elem_bytes)["total_bytes"]
+  if fused_rows < 0:
+    raise ValueError(f"fused_rows must be >= 0, got {fused_rows}")
+  return workspace_layout(num_ranks, max_tokens, hidden, top_k, elem_bytes,
+                          fused_rows)["total_bytes"]
 
 
 def _check_sizes(num_ranks, max_tokens, hidden, top_k, elem_bytes):
@@ -111,8 +125,8 @@ def _library() -> ctypes.CDLL:
       raise RuntimeError("jax_megamoe: the extension was built without CUDA; EP workspaces need "
                          "the CUDA build")
     i64, i32, p = ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
-    lib.megamoe_ep_ws_layout.argtypes = [i64, i64, i64, i64, i64, ctypes.POINTER(i64)]
-    lib.megamoe_ep_ws_new.argtypes = [i64, i64, i64, i64, i64, i32, ctypes.c_double,
+    lib.megamoe_ep_ws_layout.argtypes = [i64, i64, i64, i64, i64, i64, ctypes.POINTER(i64)]
+    lib.megamoe_ep_ws_new.argtypes = [i64, i64, i64, i64, i64, i64, i32, ctypes.c_double,
                                       ctypes.POINTER(i64), p, i32]
     lib.megamoe_ep_ws_alloc.argtypes = [i64, i32, i32, ctypes.c_void_p, p, i32]
     lib.megamoe_ep_ws_connect.argtypes = [i64, i32, i32, i32, ctypes.c_void_p, p, i32]
@@ -129,11 +143,14 @@ def _call(fn, *args) -> None:
     raise RuntimeError(f"jax_megamoe symmetric workspace: {msg.value.decode(errors='replace')}")
 
 
-def native_layout(num_ranks, max_tokens, hidden, top_k, elem_bytes) -> dict[str, int]:
+def native_layout(num_ranks, max_tokens, hidden, top_k, elem_bytes,
+                  fused_rows: int = 0) -> dict[str, int]:
   """The layout as the compiled extension computes it (to check the Python mirror)."""
-  out = (ctypes.c_int64 * 7)()
-  _library().megamoe_ep_ws_layout(num_ranks, max_tokens, hidden, top_k, elem_bytes, out)
-  names = ("signals", "meta_ids", "meta_w", "pool_d", "meta_c", "pool_c", "total_bytes")
+  names = ("signals", "meta_ids", "meta_w", "pool_d", "meta_c", "pool_c", "fsig", "fcounts",
+           "ftiles", "fl1done", "fpool", "fcomb", "total_bytes")
+  out = (ctypes.c_int64 * len(names))()
+  _library().megamoe_ep_ws_layout(num_ranks, max_tokens, hidden, top_k, elem_bytes, fused_rows,
+                                  out)
   return dict(zip(names, list(out)))
 
 
@@ -172,6 +189,7 @@ class SymmetricWorkspace:
   bytes_per_device: int
   multiprocess: bool  # an EP group of this process spans processes (CUDA IPC handles exchanged)
   closed: bool = False
+  fused_rows: int = 0  # rows of the fused kernel's pool (0: no fused regions)
   # A virtual group (jax_megamoe.virtual_ranks): all num_ranks ranks on one GPU, driven by one
   # call with rank-stacked operands.
   virtual: bool = False
@@ -180,9 +198,10 @@ class SymmetricWorkspace:
   _store: Any = dataclasses.field(default=None, repr=False)
 
   def fits(self, *, num_ranks: int, max_tokens: int, hidden: int, top_k: int,
-           elem_bytes: int) -> bool:
+           elem_bytes: int, fused_rows: int = 0) -> bool:
     return (not self.closed and num_ranks == self.num_ranks and max_tokens <= self.max_tokens
-            and top_k <= self.top_k and hidden * elem_bytes <= self.hidden * self.elem_bytes)
+            and top_k <= self.top_k and hidden * elem_bytes <= self.hidden * self.elem_bytes
+            and fused_rows <= self.fused_rows)
 
   def check(self) -> None:
     """Raises RuntimeError when a kernel of this workspace recorded an error (a timeout)."""
@@ -220,8 +239,9 @@ _sequences = ipc_exchange.Sequences()
 
 
 def _require_gpus(mesh) -> None:
-  """Symmetric workspaces live in GPU memory: say so before any native call sees other devices
-  (tests that fake the native registry on CPU devices replace this check with it)."""
+  """Symmetric workspaces live in GPU memory: other devices are named here, before a native
+  call would report them as a CUDA driver error. (Tests that fake the native registry on CPU
+  devices fake this too.)"""
   platforms = sorted({d.platform for d in np.asarray(mesh.devices).reshape(-1)})
   if platforms != ["gpu"]:
     raise ValueError(f"create_workspace: the mesh's devices are not GPUs (platform "
@@ -231,8 +251,12 @@ def _require_gpus(mesh) -> None:
 def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidden: int,
                      top_k: int, dtype: Any = "bfloat16", comm_blocks: int | None = None,
                      timeout_s: float | None = None, handshake_timeout_s: float | None = None,
-                     store: ipc_exchange.KeyValueStore | None = None) -> SymmetricWorkspace:
+                     store: ipc_exchange.KeyValueStore | None = None,
+                     fused_rows: int = 0) -> SymmetricWorkspace:
   """Allocates and maps a workspace on every GPU of `mesh` that belongs to this process.
+
+  fused_rows: > 0 adds the regions of the fused kernel (backend "fused"), whose receive pool
+  holds that many rows (see workspace_layout for the bytes).
 
   max_tokens: tokens per GPU (per rank) the workspace must hold; hidden, top_k, dtype: of the
   activations that travel (the element size of `dtype` sizes the pools). comm_blocks: thread
@@ -281,11 +305,11 @@ def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidd
     store = ipc_exchange.DistributedStore()
   lib = _library()
   ws_id = ctypes.c_int64(0)
-  _call(lib.megamoe_ep_ws_new, num_ranks, max_tokens, hidden, top_k, elem_bytes, comm_blocks,
-        timeout_s, ctypes.byref(ws_id))
+  _call(lib.megamoe_ep_ws_new, num_ranks, max_tokens, hidden, top_k, elem_bytes, fused_rows,
+        comm_blocks, timeout_s, ctypes.byref(ws_id))
   ws_id = ws_id.value
   spec = ipc_exchange.WorkspaceSpec(ws_id, num_ranks, max_tokens, hidden, top_k, elem_bytes,
-                                    comm_blocks)
+                                    comm_blocks, fused_rows)
   told_peers = False
   try:
     handles: dict[int, bytes] = {}
@@ -323,8 +347,10 @@ def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidd
       id=ws_id, num_ranks=num_ranks, max_tokens=max_tokens, hidden=hidden, top_k=top_k,
       elem_bytes=elem_bytes, comm_blocks=comm_blocks, timeout_s=timeout_s,
       device_ids=tuple(int(d.id) for d in groups.reshape(-1)), expert_axis=expert_axis,
-      bytes_per_device=workspace_bytes(num_ranks, max_tokens, hidden, top_k, elem_bytes),
-      multiprocess=bool(exchanges), _exchanges=tuple(exchanges), _store=store)
+      bytes_per_device=workspace_bytes(num_ranks, max_tokens, hidden, top_k, elem_bytes,
+                                       fused_rows),
+      multiprocess=bool(exchanges), fused_rows=fused_rows, _exchanges=tuple(exchanges),
+      _store=store)
 
 
 def _connect_ipc(lib, ws_id: int, dev, peer_rank: int, peer, handle: bytes) -> None:
@@ -392,7 +418,7 @@ _retired: list[SymmetricWorkspace] = []
 
 
 def workspace_for(mesh, expert_axis: str, *, max_tokens: int, hidden: int, top_k: int,
-                  dtype: Any) -> SymmetricWorkspace:
+                  dtype: Any, fused_rows: int = 0) -> SymmetricWorkspace:
   """A cached workspace of this mesh that fits the request, created on first use.
 
   Called while tracing (host side, before the program runs): the allocation happens once per
@@ -402,13 +428,13 @@ def workspace_for(mesh, expert_axis: str, *, max_tokens: int, hidden: int, top_k
   groups = ep_groups(mesh, expert_axis)
   key = (tuple(int(d.id) for d in groups.reshape(-1)), groups.shape, expert_axis)
   request = dict(num_ranks=groups.shape[1], max_tokens=max_tokens, hidden=hidden, top_k=top_k,
-                 elem_bytes=elem_bytes)
+                 elem_bytes=elem_bytes, fused_rows=fused_rows)
   with _cache_lock:
     ws = _cache.get(key)
     if ws is not None and ws.fits(**request):
       return ws
   ws = create_workspace(mesh, expert_axis, max_tokens=max_tokens, hidden=hidden, top_k=top_k,
-                        dtype=dtype)
+                        dtype=dtype, fused_rows=fused_rows)
   with _cache_lock:
     # An older, smaller one stays allocated (compiled programs may still use it) until close_all.
     if key in _cache:

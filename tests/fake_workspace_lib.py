@@ -34,8 +34,8 @@ class FakeWorkspaceLib:
                      min(length, len(self.fail[name]) + 1))
     return 1
 
-  def megamoe_ep_ws_new(self, num_ranks, max_tokens, hidden, top_k, elem_bytes, comm_blocks,
-                        timeout_s, out_id, msg, length):
+  def megamoe_ep_ws_new(self, num_ranks, max_tokens, hidden, top_k, elem_bytes, fused_rows,
+                        comm_blocks, timeout_s, out_id, msg, length):
     with self.lock:
       out_id._obj.value = self.next_id
       self.created.append(self.next_id)

@@ -26,6 +26,11 @@ def test_workspace_layout_matches_native():
   except RuntimeError as e:
     pytest.skip(f"not run: {e}")
   assert native == symmetric.workspace_layout(3, 1000, 136, 6, 4)
+  # With the fused kernel's regions (and without them, the same offsets as before).
+  fused = symmetric.native_layout(3, 1000, 136, 6, 4, fused_rows=777)
+  assert fused == symmetric.workspace_layout(3, 1000, 136, 6, 4, fused_rows=777)
+  assert fused["fpool"] < fused["fcomb"] < fused["total_bytes"]
+  assert fused["pool_c"] == native["pool_c"]
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -25,6 +25,10 @@ import train_qwen3_moe as example  # noqa: E402
 
 sys.path.pop(0)
 
+# The in-process runs lay a data=2 x expert=4 mesh over the 8 virtual CPUs of conftest.py.
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or jax.device_count() < 8,
+                                reason="not run: needs the 8 virtual CPU devices")
+
 SMALL = ["--num-layers", "1", "--steps", "12", "--batch", "8", "--seq-len", "32", "--lr",
          "1e-2", "--log-every", "4", "--mesh", "data=2,expert=4", "--no-progress",
          "--checkpoint-every", "3"]

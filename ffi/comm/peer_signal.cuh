@@ -36,13 +36,13 @@ __device__ __forceinline__ unsigned long long GlobalTimerNs() {
   return t;
 }
 
-// Scalars only (no PeerView reference): taking a kernel parameter's address would copy the
-// whole view to local memory in every kernel.
-static __device__ __noinline__ void ReportTimeout(ErrorRecord* e, unsigned int* claim, int rank,
-                                                  int stage, int peer, unsigned long long value,
-                                                  unsigned long long expected,
-                                                  long long waited_ns) {
-  if (atomicCAS(claim, 0u, 1u) != 0u) return;
+// Records a timeout in this rank's ErrorRecord (the host reports it: DescribeError), once per
+// rank; true for the caller that recorded it. Scalars only (no PeerView reference): taking a
+// kernel parameter's address would copy the whole view to local memory in every kernel.
+__device__ __forceinline__ bool RecordTimeout(ErrorRecord* e, unsigned int* claim, int rank,
+                                              int stage, int peer, unsigned long long value,
+                                              unsigned long long expected, long long waited_ns) {
+  if (atomicCAS(claim, 0u, 1u) != 0u) return false;
   if (e != nullptr) {
     e->rank = rank;
     e->stage = stage;
@@ -54,15 +54,25 @@ static __device__ __noinline__ void ReportTimeout(ErrorRecord* e, unsigned int* 
     *reinterpret_cast<volatile int*>(&e->code) = 1;
     __threadfence_system();
   }
-  const int op = stage / 2;
-  printf("jax_megamoe EP timeout: rank %d, op %d (%s), %s: waited %.3f s on peer rank %d, counter "
-         "%llu < expected %llu\n",
-         rank, op, OpShortName(op), WaitShortName(stage % 2), waited_ns * 1e-9, peer, value,
-         expected);
+  return true;
+}
+
+// RecordTimeout, then a line on the device's stdout (kernels without wgmma only: a printf is a
+// function call, and a call anywhere in a wgmma kernel serialises its wgmma, ptxas C7510).
+static __device__ __noinline__ void ReportTimeout(ErrorRecord* e, unsigned int* claim, int rank,
+                                                  int stage, int peer, unsigned long long value,
+                                                  unsigned long long expected,
+                                                  long long waited_ns) {
+  if (!RecordTimeout(e, claim, rank, stage, peer, value, expected, waited_ns)) return;
+  printf("jax_megamoe EP timeout: rank %d, %s: waited %.3f s on peer rank %d, counter %llu < "
+         "expected %llu\n",
+         rank, StageName(stage), waited_ns * 1e-9, peer, value, expected);
 }
 
 // Spins until *addr >= expected (acquire, system scope). False on timeout or when this rank has
 // already recorded an error (the caller then skips its work; the handler reports the error).
+// kPrint = false: the timeout is recorded without a printf (for kernels with wgmma).
+template <bool kPrint = true>
 __device__ __forceinline__ bool WaitAtLeast(const PeerView& v, const unsigned long long* addr,
                                             unsigned long long expected, int stage, int peer) {
   unsigned long long cur = LoadAcquireSys(addr);
@@ -74,8 +84,13 @@ __device__ __forceinline__ bool WaitAtLeast(const PeerView& v, const unsigned lo
     if ((iter & 255u) == 0u) {
       const long long waited = static_cast<long long>(GlobalTimerNs() - start);
       if (waited > v.timeout_ns) {
-        ReportTimeout(v.error, &v.signals(v.rank)->error_claim, v.rank, stage, peer, cur,
-                      expected, waited);
+        if constexpr (kPrint) {
+          ReportTimeout(v.error, &v.signals(v.rank)->error_claim, v.rank, stage, peer, cur,
+                        expected, waited);
+        } else {
+          RecordTimeout(v.error, &v.signals(v.rank)->error_claim, v.rank, stage, peer, cur,
+                        expected, waited);
+        }
         return false;
       }
       if (*reinterpret_cast<volatile unsigned int*>(&v.signals(v.rank)->error_claim) != 0u) {

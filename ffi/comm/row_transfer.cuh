@@ -109,4 +109,11 @@ __device__ __forceinline__ void WarpCopyRow(int nvec, Load load,
   }
 }
 
+// Bit i set for the lanes i below the calling lane (a row's rank among its warp's lanes).
+__device__ __forceinline__ unsigned LaneMaskLt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
 }  // namespace megamoe::ep

@@ -11,8 +11,17 @@
 //   meta_c    f32   [R][max_tokens][top_k]   combine-shaped traffic: per-slot scalars
 //   pool_c    elem  [R][max_tokens][hidden]  combine-shaped rows, slot (expert rank, token)
 // Source rank s writes its token t into slot (s, t) of the receiver, so the pools can never
-// overflow: each token travels at most once per destination rank. Python mirrors this arithmetic
-// in jax_megamoe/symmetric.py (workspace_bytes); keep the two in step.
+// overflow: each token travels at most once per destination rank.
+// With fused_rows > 0, the regions of the fused kernel (ffi/impls/sm90_fused_moe_fwd.cu) follow:
+//   fsig      FusedSignals: its epoch, flags, the rank group's grid barrier
+//   fcounts   int32 [2][kMaxRanks][kFusedMaxExperts]   routing counts of every source (parity)
+//   ftiles    uint64 [FusedMBlocks]    rows arrived per M-block of the pool (added by sources)
+//   fl1done   uint64 [FusedMBlocks]    L1 tiles done per M-block (this rank's CTAs)
+//   fpool     elem  [fused_rows][hidden]           rows in expert order (the L1 GEMM's A)
+//   fcomb     elem  [max_tokens * top_k][hidden]   expert outputs of this rank's slots, in the
+//                                                  rank's own expert-sorted slot order
+// Python mirrors this arithmetic in jax_megamoe/symmetric.py (workspace_layout); keep the two in
+// step.
 #pragma once
 
 #include <cstdint>
@@ -40,20 +49,48 @@ struct alignas(128) SignalArea {
   unsigned int pad1[31];
 };
 
+// The fused kernel's signals: its own epoch and flags (the separate kernels' SignalArea is not
+// touched by it), plus the barrier of this rank's CTAs.
+struct alignas(128) FusedSignals {
+  unsigned long long uses;  // completed fused calls on this rank (its epoch e)
+  unsigned long long pad0[15];
+  // counts_ready[s] = e + 1: source s's routing counts of call e are in fcounts, and s has
+  // zeroed its own arrival counters for call e (so rows for call e may be sent to it).
+  unsigned long long counts_ready[kMaxRanks];
+  unsigned long long pad1[16 - kMaxRanks];
+  // results_ready[q] = e + 1: expert rank q stored every result of call e for this rank.
+  unsigned long long results_ready[kMaxRanks];
+  unsigned long long pad2[16 - kMaxRanks];
+  unsigned int barrier_count, barrier_generation;  // this rank's grid barrier
+  unsigned int pad3[30];
+};
+
+constexpr int64_t kFusedMaxExperts = 1024;  // global experts the fused kernel takes
+constexpr int64_t kFusedBlockM = 128;       // rows of a pool M-block (the GEMM tile's M)
+
+// M-blocks of the fused pool: every expert's rows padded to whole blocks.
+inline constexpr int64_t FusedMBlocks(int64_t fused_rows) {
+  return fused_rows == 0 ? 0 : (fused_rows + kFusedBlockM - 1) / kFusedBlockM + kFusedMaxExperts;
+}
+
 struct WorkspaceLayout {
   int64_t num_ranks = 0, max_tokens = 0, hidden = 0, top_k = 0, elem_bytes = 0;
+  int64_t fused_rows = 0;
   int64_t signals = 0, meta_ids = 0, meta_w = 0, pool_d = 0, meta_c = 0, pool_c = 0;
+  int64_t fsig = 0, fcounts = 0, ftiles = 0, fl1done = 0, fpool = 0, fcomb = 0;
   int64_t total_bytes = 0;
 };
 
 inline WorkspaceLayout MakeWorkspaceLayout(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
-                                           int64_t top_k, int64_t elem_bytes) {
+                                           int64_t top_k, int64_t elem_bytes,
+                                           int64_t fused_rows = 0) {
   WorkspaceLayout l;
   l.num_ranks = num_ranks;
   l.max_tokens = max_tokens;
   l.hidden = hidden;
   l.top_k = top_k;
   l.elem_bytes = elem_bytes;
+  l.fused_rows = fused_rows;
   const int64_t slots = num_ranks * max_tokens;
   int64_t off = 0;
   l.signals = off;
@@ -68,6 +105,20 @@ inline WorkspaceLayout MakeWorkspaceLayout(int64_t num_ranks, int64_t max_tokens
   off = AlignUp(off + slots * top_k * 4, 256);
   l.pool_c = off;
   off = AlignUp(off + slots * hidden * elem_bytes, 256);
+  const bool fused = fused_rows > 0;
+  const int64_t mblocks = FusedMBlocks(fused_rows);
+  l.fsig = off;
+  off = AlignUp(off + (fused ? static_cast<int64_t>(sizeof(FusedSignals)) : 0), 256);
+  l.fcounts = off;
+  off = AlignUp(off + (fused ? 2 * kMaxRanks * kFusedMaxExperts * 4 : 0), 256);
+  l.ftiles = off;
+  off = AlignUp(off + mblocks * 8, 256);
+  l.fl1done = off;
+  off = AlignUp(off + mblocks * 8, 256);
+  l.fpool = off;
+  off = AlignUp(off + fused_rows * hidden * elem_bytes, 256);
+  l.fcomb = off;
+  off = AlignUp(off + (fused ? max_tokens * top_k * hidden * elem_bytes : 0), 256);
   l.total_bytes = off;
   return l;
 }

@@ -2,7 +2,8 @@
 //
 // Python (jax_megamoe/symmetric.py) drives it through a small C ABI (ctypes on the extension's
 // own shared object, so the nanobind module stays free of CUDA):
-//   megamoe_ep_ws_new        declare a workspace: layout, send blocks, timeout -> id
+//   megamoe_ep_ws_new        declare a workspace: layout (fused_rows > 0: with the fused
+//                            kernel's regions), send blocks, timeout -> id
 //   megamoe_ep_ws_alloc      allocate + zero one device's share (rank r of its group), return
 //                            its CUDA IPC handle
 //   megamoe_ep_ws_connect    map peer rank q for a device: same process -> that device's
@@ -140,14 +141,14 @@ std::string DescribeError(const PeerView& view) {
   if (e == nullptr) return "";
   const int code = *reinterpret_cast<const volatile int*>(&e->code);
   if (code == 0) return "";
-  char buf[512];
+  char buf[640];
   std::snprintf(buf, sizeof(buf),
-                "jax_megamoe EP: rank %d timed out after %.3f s in %s, %s, on peer rank %d: "
+                "jax_megamoe EP: rank %d timed out after %.3f s in %s, on peer rank %d: "
                 "counter %llu, expected >= %llu. The EP group is out of step (a peer crashed, "
                 "ran a different program, or the timeout is too short: MEGAMOE_EP_TIMEOUT_S); "
                 "this workspace cannot be used again: recreate it.",
-                e->rank, e->waited_ns * 1e-9, OpName(e->stage / 2), WaitName(e->stage % 2),
-                e->peer, e->value, e->expected);
+                e->rank, e->waited_ns * 1e-9, StageName(e->stage), e->peer, e->value,
+                e->expected);
   return buf;
 }
 
@@ -215,23 +216,30 @@ using namespace megamoe::ep;
 
 #define MEGAMOE_C_API extern "C" __attribute__((visibility("default")))
 
+// The layout's offsets, in WorkspaceLayout's field order from `signals` to `total_bytes`
+// (13 values).
 MEGAMOE_C_API int megamoe_ep_ws_layout(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
-                                       int64_t top_k, int64_t elem_bytes, int64_t* out) {
-  const WorkspaceLayout l = MakeWorkspaceLayout(num_ranks, max_tokens, hidden, top_k, elem_bytes);
-  const int64_t vals[7] = {l.signals, l.meta_ids, l.meta_w, l.pool_d, l.meta_c, l.pool_c,
-                           l.total_bytes};
+                                       int64_t top_k, int64_t elem_bytes, int64_t fused_rows,
+                                       int64_t* out) {
+  const WorkspaceLayout l =
+      MakeWorkspaceLayout(num_ranks, max_tokens, hidden, top_k, elem_bytes, fused_rows);
+  const int64_t vals[13] = {l.signals, l.meta_ids, l.meta_w,  l.pool_d,  l.meta_c,
+                            l.pool_c,  l.fsig,     l.fcounts, l.ftiles,  l.fl1done,
+                            l.fpool,   l.fcomb,    l.total_bytes};
   std::memcpy(out, vals, sizeof(vals));
   return 0;
 }
 
 MEGAMOE_C_API int megamoe_ep_ws_new(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
-                                    int64_t top_k, int64_t elem_bytes, int comm_blocks,
-                                    double timeout_s, int64_t* out_id, char* msg, int len) {
+                                    int64_t top_k, int64_t elem_bytes, int64_t fused_rows,
+                                    int comm_blocks, double timeout_s, int64_t* out_id, char* msg,
+                                    int len) {
   if (num_ranks < 1 || num_ranks > kMaxRanks)
     return Fail(msg, len, "num_ranks must be in [1, " + std::to_string(kMaxRanks) + "]");
   if (comm_blocks < 1) return Fail(msg, len, "comm_blocks must be >= 1");
   auto ws = std::make_unique<Workspace>();
-  ws->layout = MakeWorkspaceLayout(num_ranks, max_tokens, hidden, top_k, elem_bytes);
+  if (fused_rows < 0) return Fail(msg, len, "fused_rows must be >= 0");
+  ws->layout = MakeWorkspaceLayout(num_ranks, max_tokens, hidden, top_k, elem_bytes, fused_rows);
   ws->comm_blocks = comm_blocks;
   ws->timeout_ns = static_cast<long long>(timeout_s * 1e9);
   std::lock_guard<std::mutex> lock(Mutex());
@@ -362,11 +370,11 @@ MEGAMOE_C_API int megamoe_ep_ws_free(int64_t id, char* msg, int len) {
 // shares, ready for kernels. One EP call then runs all R ranks (handlers: FindLocalRanks).
 MEGAMOE_C_API int megamoe_ep_ws_new_virtual(int64_t num_ranks, int64_t max_tokens,
                                             int64_t hidden, int64_t top_k, int64_t elem_bytes,
-                                            int comm_blocks, double timeout_s, int ordinal,
-                                            int64_t* out_id, char* msg, int len) {
+                                            int64_t fused_rows, int comm_blocks, double timeout_s,
+                                            int ordinal, int64_t* out_id, char* msg, int len) {
   int64_t id = 0;
-  if (int rc = megamoe_ep_ws_new(num_ranks, max_tokens, hidden, top_k, elem_bytes, comm_blocks,
-                                 timeout_s, &id, msg, len);
+  if (int rc = megamoe_ep_ws_new(num_ranks, max_tokens, hidden, top_k, elem_bytes, fused_rows,
+                                 comm_blocks, timeout_s, &id, msg, len);
       rc != 0) {
     return rc;
   }

@@ -21,13 +21,6 @@ constexpr int kChunkWarps = 8;
 constexpr int kChunkThreads = kChunkWarps * 32;
 constexpr int kMaxExpertsPerRank = 1024;
 
-// Bit i set for the lanes i below the calling lane.
-__device__ __forceinline__ unsigned LaneMaskLt() {
-  unsigned m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
-}
-
 // Builds this warp's per-expert masks for rows [chunk*32, chunk*32+32). Returns, for the calling
 // lane's row, a bit per slot j whose expert already appeared at an earlier slot of that token.
 __device__ __forceinline__ unsigned BuildChunkMasks(const PeerView& v, int chunk, int num_rows,

@@ -1,16 +1,199 @@
-"""Backend "fused": one overlapping dispatch + grouped GEMM + combine kernel per direction.
+"""Backend "fused": the layer's forward as one persistent sm_90a kernel per GPU.
 
-Not built yet (see the project's issues); "auto" skips it and asking for it explains why.
+The kernel (ffi/impls/sm90_fused_moe_fwd.cu) routes on the device, sends each token's row over
+NVLink straight into the pool of every rank that holds one of its experts (rows in expert
+order), runs L1 with SwiGLU in its epilogue and L2 on its tile engine as soon as a tile's rows
+have arrived (per-block arrival counters, acquire/release), stores every L2 row into its source
+rank's comb buffer, and reduces each token's slots at the source in slot order: no XLA sort,
+gather or permute, and bitwise reproducible. One custom call per forward per GPU, one
+cooperative launch (every CTA co-resident; at most MEGAMOE_FUSED_MAX_CTAS CTAs, default one per
+SM on one GPU and all but 8 SMs when EP spans GPUs, so that a collective XLA runs beside it on
+another stream keeps room).
+
+Backward (until the fused backward exists): the custom_vjp's residuals are the layer's inputs
+alone (x, topk_ids, topk_weights, w_gate_up, w_down: no activation is kept, 0 bytes beyond the
+inputs; the fused backward is planned to recompute x @ W_gate_up, as Prime Intellect's does),
+and the backward runs backend "cuda"'s kernels on them: its dispatch and grouped MLP forward
+again, then its backward. So "fused" trains from day one; its backward costs a cuda forward
+more than backend "cuda"'s.
+
+What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, no
+recipe. Other layers (and meshes the NVLink kernels cannot serve) run on backend "cuda", the
+same function. Memory of the workspace's fused regions per GPU (R ranks, T tokens per GPU,
+n_cap = R * T * min(k, E / R) pool rows by default, dropless):
+  n_cap * H * 2 (pool) + T * k * H * 2 (comb) + 8 * (n_cap / 128 + 1024) * 2 + 65 KB
+e.g. 30B shape at EP=1 (T=16,384, k=8, H=2048): 0.54 + 0.54 GB.
 """
 
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_megamoe import _ffi, parallel, symmetric, varying
+from jax_megamoe.backends import cuda, cuda_bf16, cuda_ep
+from jax_megamoe.backends.local import local_moe
+from jax_megamoe.validation import LayerShape
+
 NAME = "fused"
+TARGET = "megamoe_fused_moe_fwd"
+MAX_EXPERTS = symmetric.FUSED_MAX_EXPERTS
+CHUNK = 32  # tokens of a routing chunk (the kernel's chunk_counts layout)
+# SMs left to other kernels when EP spans GPUs (a collective on another stream must find room:
+# DESIGN.md §7, deadlock across GPUs).
+SMS_LEFT_FOR_COLLECTIVES = 8
 
 
+@functools.cache
 def unavailable_reason(recipe: str | None = None) -> str | None:
-  del recipe
-  return ("the fused single-kernel path is not implemented yet; use backend='cuda' "
-          "(separate dispatch | grouped GEMM | combine kernels) or 'reference'")
+  """Why this backend cannot run `recipe` here (None when it can)."""
+  reason = _ffi.cuda_unavailable_reason()
+  if reason is not None:
+    return reason
+  if not _ffi.has_target(TARGET, "CUDA"):
+    return f"the extension has no CUDA target {TARGET!r} (rebuild the package)"
+  if recipe is not None:
+    return (f"recipe {recipe!r} has no fused kernel yet (bf16 only); backend 'cuda' runs it "
+            "with its FP8 kernels")
+  return None
 
 
-def moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, recipe, shape):
-  raise NotImplementedError(unavailable_reason(recipe))
+def layer_unavailable_reason(shape: LayerShape) -> str | None:
+  """Why the fused kernel cannot take this layer (None when it can)."""
+  if shape.dtype != jnp.bfloat16:
+    return f"x is {shape.dtype}; the fused kernel takes bfloat16"
+  if shape.hidden % 256 or shape.ffn % 128:
+    return f"H={shape.hidden} must be a multiple of 256 and F={shape.ffn} of 128"
+  if shape.num_experts > MAX_EXPERTS:
+    return f"{shape.num_experts} experts > {MAX_EXPERTS}"
+  if shape.top_k > cuda_ep.MAX_TOP_K:
+    return f"top_k={shape.top_k} > {cuda_ep.MAX_TOP_K}"
+  return None
+
+
+def max_ctas(spans_gpus: bool) -> int:
+  """The launch's CTA budget attribute: > 0 at most that many, <= 0 every SM but -value."""
+  env = os.environ.get("MEGAMOE_FUSED_MAX_CTAS")
+  if env is not None:
+    value = int(env)
+    if value < 1:
+      raise ValueError(f"MEGAMOE_FUSED_MAX_CTAS must be a positive number of CTAs, got {env!r}")
+    return value
+  return -SMS_LEFT_FOR_COLLECTIVES if spans_gpus else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+  """Static configuration of one fused call (a nondiff argument of the custom_vjp)."""
+  workspace: symmetric.SymmetricWorkspace  # hashed by identity
+  num_experts: int
+  plan: cuda_ep.LayerPlan  # n_cap, check_capacity (the backward's cuda path uses it too)
+  max_ctas: int
+  local: bool  # every expert on this device (no mesh): the backward's cuda path is local_moe
+
+  @property
+  def stacked(self) -> bool:
+    return self.workspace.virtual
+
+
+def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
+  """The custom call: y, and the dispatch stats [.., 4]."""
+  lead = (cfg.workspace.num_ranks,) if cfg.stacked else ()
+  tokens, hidden = x.shape[-2:]
+  top_k = ids.shape[-1]
+  ffn = w_down.shape[-2]
+  n_cap = cfg.plan.n_cap
+  n_chunks = -(-tokens // CHUNK)
+  out_types = (
+      jax.ShapeDtypeStruct((*lead, tokens, hidden), x.dtype),
+      jax.ShapeDtypeStruct((*lead, n_cap, ffn), x.dtype),  # h (scratch)
+      jax.ShapeDtypeStruct((*lead, cfg.num_experts * n_chunks), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, 4), jnp.int32),
+  )
+  y, _, _, _, _, stats = jax.ffi.ffi_call(TARGET, out_types)(
+      x, ids, w, w_gate_up, w_down, workspace_id=np.int64(cfg.workspace.id),
+      num_experts=np.int64(cfg.num_experts), n_cap=np.int64(n_cap),
+      max_ctas=np.int64(cfg.max_ctas))
+  return y, stats
+
+
+def _cuda_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
+  """The same function on backend "cuda"'s kernels (the backward's path)."""
+  if cfg.local:
+    return local_moe(x, ids, w, w_gate_up, w_down, mlp=cuda_bf16.grouped_mlp)
+  return cuda_ep.layer_on_local_ranks(x, ids, w, w_gate_up, w_down, workspace=cfg.workspace,
+                                      num_experts=cfg.num_experts, mlp=cuda_bf16.grouped_mlp,
+                                      plan=cfg.plan)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused_layer(x, ids, w, w_gate_up, w_down, cfg):
+  return _fused_layer_fwd(x, ids, w, w_gate_up, w_down, cfg)[0]
+
+
+def _fused_layer_fwd(x, ids, w, w_gate_up, w_down, cfg):
+  y, stats = _fused_call(x, ids, w, w_gate_up, w_down, cfg)
+  if cfg.plan.check_capacity:
+    jax.debug.callback(cuda_ep.raise_on_bad_stats, stats)
+  return y, (x, ids, w, w_gate_up, w_down)
+
+
+def _fused_layer_bwd(cfg, residuals, dy):
+  x, ids, w, w_gate_up, w_down = residuals
+  layer = lambda x, w, wgu, wd: _cuda_layer(x, ids, w, wgu, wd, cfg)
+  _, vjp = jax.vjp(layer, x, w, w_gate_up, w_down)
+  dx, dw, dwgu, dwd = vjp(dy.astype(x.dtype))
+  return dx, None, dw, dwgu, dwd
+
+
+_fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
+
+
+def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
+  """The fused layer on this device's local ranks of cfg.workspace (one rank inside shard_map,
+  or the R ranks of a virtual group, operands stacked), differentiable."""
+  x, w_gate_up, w_down = varying.align_varying(x, w_gate_up, w_down)
+  return _fused_layer(x, ids.astype(jnp.int32), w.astype(jnp.float32), w_gate_up, w_down, cfg)
+
+
+def _local_workspace(shape: LayerShape, n_cap: int) -> symmetric.SymmetricWorkspace:
+  """A one-rank workspace on every local GPU (whichever device XLA runs the call on)."""
+  gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+  mesh = Mesh(np.array(gpus).reshape(-1, 1), ("data", "expert"))
+  return symmetric.workspace_for(mesh, "expert", max_tokens=shape.tokens, hidden=shape.hidden,
+                                 top_k=shape.top_k, dtype=shape.dtype, fused_rows=n_cap)
+
+
+def moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, recipe,
+        shape: LayerShape):
+  """The layer (backend protocol: jax_megamoe.backends). Layers or meshes the kernel cannot
+  take run on backend "cuda" (see the module doc)."""
+  args = (x, topk_ids, topk_weights, w_gate_up, w_down)
+  fallback = functools.partial(cuda.moe, *args, mesh=mesh, expert_axis=expert_axis,
+                               recipe=recipe, shape=shape)
+  if recipe is not None or layer_unavailable_reason(shape) is not None:
+    return fallback()
+  if mesh is None:
+    plan = cuda_ep.LayerPlan.of(shape, cuda_bf16.grouped_mlp)
+    cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
+                      max_ctas(False), local=True)
+    return fused_layer(*args, cfg)
+  if cuda_ep.unavailable_reason(mesh, expert_axis, shape) is not None:
+    return fallback()
+  plan = cuda_ep.LayerPlan.of(shape, cuda_bf16.grouped_mlp)
+  workspace = symmetric.workspace_for(mesh, expert_axis, max_tokens=shape.tokens_per_device,
+                                      hidden=shape.hidden, top_k=shape.top_k, dtype=shape.dtype,
+                                      fused_rows=plan.n_cap)
+  cfg = FusedConfig(workspace, shape.num_experts, plan, max_ctas(shape.ep_size > 1),
+                    local=False)
+  args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
+  return parallel.shard_over_mesh(functools.partial(fused_layer, cfg=cfg), mesh, expert_axis,
+                                  args, check_vma=False)

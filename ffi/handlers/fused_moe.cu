@@ -1,0 +1,131 @@
+// XLA FFI handler of the fused MoE forward (backend "fused"): binding and validation only; the
+// kernel is ffi/impls/sm90_fused_moe_fwd.cu. Attributes: workspace_id (int64, a workspace with
+// fused regions), num_experts (global E), n_cap (pool rows per rank), max_ctas (CTAs of the
+// launch: > 0 at most that many, <= 0 every SM but -max_ctas). On a virtual-rank workspace
+// every operand carries a leading axis of one entry per rank.
+#include <cuda_bf16.h>
+
+#include <string>
+#include <vector>
+
+#include "ffi/comm/peer_signal.cuh"
+#include "ffi/handlers/ep_ops.h"
+#include "ffi/impls/fused_moe.h"
+#include "ffi/registry.h"
+
+namespace megamoe::fused {
+namespace {
+
+namespace ffi = xla::ffi;
+using ep::FirstFailure;
+using ep::LocalRanks;
+using ep::RankOperand;
+using ep::SplitRanks;
+
+ffi::Error Fail(const std::string& message) {
+  return ffi::Error::InvalidArgument("jax_megamoe fused forward: " + message);
+}
+
+ffi::Error RequireBf16(ffi::DataType dtype, const char* name) {
+  if (dtype == ffi::DataType::BF16) return ffi::Error::Success();
+  return Fail(std::string(name) + " must be bfloat16");
+}
+
+ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                       ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
+                       ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
+                       ffi::Result<ffi::Buffer<ffi::S32>> chunk_counts,
+                       ffi::Result<ffi::Buffer<ffi::S32>> slot_rows,
+                       ffi::Result<ffi::Buffer<ffi::S32>> slot_dest,
+                       ffi::Result<ffi::Buffer<ffi::S32>> stats, int64_t workspace_id,
+                       int64_t num_experts, int64_t n_cap, int64_t max_ctas) {
+  LocalRanks ranks;
+  if (auto e = ep::ResolveRanks(workspace_id, ordinal, &ranks); e.failure()) return e;
+  for (auto [dtype, name] : {std::pair{x.element_type(), "x"},
+                             {w_gate_up.element_type(), "w_gate_up"},
+                             {w_down.element_type(), "w_down"}, {y->element_type(), "y"},
+                             {h->element_type(), "h"}}) {
+    if (auto e = RequireBf16(dtype, name); e.failure()) return e;
+  }
+  RankOperand ox, oids, ow, ogu, odn, oy, oh, occ, orows, odest, ost;
+  if (auto e = FirstFailure({SplitRanks(x, ranks, 2, "x", &ox),
+                            SplitRanks(ids, ranks, 2, "topk_ids", &oids),
+                            SplitRanks(weights, ranks, 2, "topk_weights", &ow),
+                            SplitRanks(w_gate_up, ranks, 3, "w_gate_up", &ogu),
+                            SplitRanks(w_down, ranks, 3, "w_down", &odn),
+                            SplitRanks(*y, ranks, 2, "y", &oy),
+                            SplitRanks(*h, ranks, 2, "h", &oh),
+                            SplitRanks(*chunk_counts, ranks, 1, "chunk_counts", &occ),
+                            SplitRanks(*slot_rows, ranks, 2, "slot_rows", &orows),
+                            SplitRanks(*slot_dest, ranks, 2, "slot_dest", &odest),
+                            SplitRanks(*stats, ranks, 1, "stats", &ost)});
+      e.failure()) {
+    return e;
+  }
+  const ep::PeerView& v0 = *ranks.views[0];
+  const int64_t T = ox.dims[0], H = ox.dims[1], K = oids.dims[1];
+  const int64_t El = ogu.dims[0], F = ogu.dims[2] / 2;
+  const auto n = [](int64_t v) { return std::to_string(v); };
+  if (oids.dims[0] != T || ow.dims[0] != T || ow.dims[1] != K)
+    return Fail("topk_ids and topk_weights must be [T=" + n(T) + ", k]");
+  if (ogu.dims[1] != H || ogu.dims[2] != 2 * F || El * v0.num_ranks != num_experts)
+    return Fail("w_gate_up must be [E/R=" + n(num_experts / v0.num_ranks) + ", H=" + n(H) +
+                ", 2F] per rank");
+  if (odn.dims[0] != El || odn.dims[1] != F || odn.dims[2] != H)
+    return Fail("w_down must be [E/R, F=" + n(F) + ", H=" + n(H) + "] per rank");
+  if (oy.dims[0] != T || oy.dims[1] != H) return Fail("y must be [T, H] per rank");
+  if (oh.dims[0] != n_cap || oh.dims[1] != F)
+    return Fail("h must be [n_cap=" + n(n_cap) + ", F=" + n(F) + "] per rank");
+  if (occ.dims[0] < FusedChunkCountInts(T, num_experts))
+    return Fail("chunk_counts must hold " + n(FusedChunkCountInts(T, num_experts)) + " ints");
+  if (orows.dims[0] != T || orows.dims[1] != K || odest.dims[0] != T || odest.dims[1] != K)
+    return Fail("slot_rows and slot_dest must be [T, k] per rank");
+  if (ost.dims[0] != 4) return Fail("stats must be [4] per rank");
+  const FusedForwardProblem problem{static_cast<int>(T), static_cast<int>(H),
+                                    static_cast<int>(F), static_cast<int>(K),
+                                    static_cast<int>(num_experts), static_cast<int>(n_cap),
+                                    static_cast<int>(max_ctas)};
+  if (std::string why = FusedForwardUnsupported(problem, v0.layout, v0.num_ranks); !why.empty())
+    return Fail(why);
+  std::vector<FusedRankOperands> ops;
+  for (int r = 0; r < ranks.count; ++r) {
+    ops.push_back({ranks.views[r], ox.at(r), oids.at<int32_t>(r), ow.at<float>(r), ogu.at(r),
+                   odn.at(r), oy.at(r), oh.at(r), occ.at<int32_t>(r), orows.at<int32_t>(r),
+                   odest.at<int32_t>(r), ost.at<int32_t>(r)});
+  }
+  if (std::string err = LaunchFusedForward(ops.data(), static_cast<int>(ops.size()),
+                                           ranks.absent, problem, stream);
+      !err.empty()) {
+    return ffi::Error::Internal("jax_megamoe fused forward: " + err);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace megamoe::fused
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeFusedMoeFwd, megamoe::fused::FusedMoeFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("workspace_id")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("n_cap")
+                                  .Attr<int64_t>("max_ctas"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+MEGAMOE_REGISTER_FFI("megamoe_fused_moe_fwd", "CUDA", MegamoeFusedMoeFwd);

@@ -1,0 +1,52 @@
+// Host interface of the fused MoE forward (ffi/impls/sm90_fused_moe_fwd.cu): one persistent
+// sm_90a kernel per call that routes, dispatches token rows over NVLink into the expert ranks'
+// pools, runs L1 + SwiGLU and L2 on the tile engine and combines the results at the sources.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "ffi/comm/symmetric_memory.h"
+
+namespace megamoe::fused {
+
+// One rank's operands: a GPU of a real EP group, or one rank of a virtual group.
+struct FusedRankOperands {
+  const ep::PeerView* view;
+  const void* x;           // [T, H] bf16 tokens of this rank
+  const int32_t* ids;      // [T, k] global expert ids, -1 masks a slot
+  const float* weights;    // [T, k] routing weights
+  const void* w_gate_up;   // [E/R, H, 2F] bf16, this rank's experts
+  const void* w_down;      // [E/R, F, H] bf16
+  void* y;                 // [T, H] bf16 result
+  void* h;                 // [n_cap, F] bf16 scratch: L1's output, L2's A
+  int32_t* chunk_counts;   // [E, ceil(T / 32)] scratch: slots per expert per 32-token chunk
+  int32_t* slot_rows;      // [T, k] scratch: each slot's row in this rank's comb (-1: none)
+  int32_t* slot_dest;      // [T, k] scratch: each slot's row in its expert rank's pool (-1)
+  int32_t* stats;          // [4]: rows routed here, n_cap, overflow (0/1), repeated expert ids
+};
+
+struct FusedForwardProblem {
+  int num_tokens;   // T per rank
+  int hidden;       // H, a multiple of 256
+  int ffn;          // F, a multiple of 128
+  int top_k;        // k <= 32
+  int num_experts;  // E (global) <= ep::kFusedMaxExperts, a multiple of R
+  int n_cap;        // pool rows per rank (<= the workspace's fused_rows)
+  int max_ctas;     // CTAs of the launch: > 0 at most that many, <= 0 every SM but -max_ctas
+};
+
+// Why this problem cannot run on the fused kernel ("" when it can).
+std::string FusedForwardUnsupported(const FusedForwardProblem& p, const ep::WorkspaceLayout& l,
+                                    int num_ranks);
+
+int64_t FusedChunkCountInts(int64_t num_tokens, int64_t num_experts);
+
+// Launches the kernel for `count` local ranks (rank `absent` of a virtual group is left out:
+// tests of the timeout path). "" on success, else what failed.
+std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int absent,
+                               const FusedForwardProblem& problem, cudaStream_t stream);
+
+}  // namespace megamoe::fused

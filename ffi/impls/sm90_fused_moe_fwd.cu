@@ -1,0 +1,707 @@
+// The fused MoE forward on sm_90a: one persistent, cooperative kernel per call that routes the
+// tokens of every local rank, dispatches their rows over NVLink straight into the expert ranks'
+// pools, runs L1 (+ SwiGLU) and L2 on the tile engine (ffi/gemm/sm90_moe_tile_engine.cuh), with
+// the L2 epilogue storing each result row into its source rank's comb buffer, and reduces every
+// token's slots at its source in slot order (bitwise reproducible).
+//
+// A launch covers `count` local ranks: one (a GPU of a real EP group) or the R ranks of a
+// virtual group on one GPU (tests at any R); the CTAs are split into one group per rank, and
+// every rank's group runs the phases below, in order, talking to the other ranks only through
+// the symmetric workspace (ffi/comm/symmetric_memory.h, fused regions):
+//
+//   1 route      per 32-token chunk, this rank's slots per expert (chunk_counts); this rank's
+//                arrival counters zeroed
+//   2 counts     per expert, the scan over chunks and the total, stored into every rank's
+//                fcounts; then counts_ready[me] = epoch + 1 on every rank, and wait for every
+//                source's (the rank's epoch lives in device memory: graph replays see it)
+//   3 layout     from the full count matrix, in every CTA: where each expert's rows start in
+//                its owner's pool (group order: expert, source rank, token), this rank's first
+//                row in each block, the M-blocks, this rank's own expert walk and comb order
+//   4 dispatch   each slot's pool row; each token's row copied once per slot into its expert
+//                rank's pool, then that pool M-block's arrival counter bumped (release)
+//   5 GEMMs      the tile engine over this rank's tiles, all L1 then all L2, strided over the
+//                rank's CTAs; an L1 tile waits for its M-block's rows (acquire), an L2 tile
+//                for its M-block's L1 tiles; L2 rows go to comb[source][source's slot order]
+//   6 results    results_ready[me] = epoch + 1 on every source; wait for every expert rank's
+//   7 combine    y[t] = sum over slots j, in order, of w[t, j] * comb[slot row], fp32
+//
+// Safety: the launch is cooperative (every CTA co-resident before any waits); every wait is
+// bounded and reports rank, stage and counters; a rank that timed out writes NaN into y.
+// Capacity: a row whose pool position is past n_cap is dropped (stats[2] = 1, raised by
+// Python); repeated expert ids of one token count once (stats[3]).
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ffi/comm/peer_signal.cuh"
+#include "ffi/comm/rank_barrier.cuh"
+#include "ffi/comm/row_transfer.cuh"
+#include "ffi/comm/symmetric_memory.h"
+#include "ffi/gemm/sm90_moe_tile_engine.cuh"
+#include "ffi/gemm/sm90_tensor_maps.cuh"
+#include "ffi/impls/fused_moe.h"
+#include "ffi/scheduler/expert_tile_walk.cuh"
+
+namespace megamoe::fused {
+namespace {
+
+using ep::kFusedMaxExperts;
+using ep::kMaxRanks;
+using ep::PeerView;
+using Engine = sm90::Sm90MoeTileEngine<4, 4>;
+using Walk = ExpertTileWalk<Engine::kBlockM, kFusedMaxExperts>;
+static_assert(Engine::kBlockM == ep::kFusedBlockM, "pool M-blocks are the tile engine's M");
+
+constexpr int kThreads = Engine::kThreads;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 32;        // tokens of a routing chunk: one per lane
+constexpr int kCopyUnroll = 4;    // 16-byte vectors in flight per lane when copying rows
+
+// ------------------------------------------------------------------------ shared memory
+
+// Tables a rank's CTAs keep through the GEMMs (the L2 epilogue reads them).
+struct alignas(16) RankTables {
+  int32_t src_start[kFusedMaxExperts];   // [El][R]: first pool row of (local expert, source)
+  int32_t src_prefix[kFusedMaxExperts];  // [El][R]: that block's first row in the source's comb
+};
+
+struct alignas(1024) FusedSmem {
+  Engine::SharedStorage engine;  // its stage ring doubles as RoutingScratch until the GEMMs
+  Walk::SharedStorage walk;      // this rank's experts: clamped offsets, M-block prefix
+  RankTables tables;
+  unsigned long long epoch;
+  int32_t total_rows;            // rows routed to this rank's experts (before capacity)
+  int32_t total_blocks;          // M-blocks of this rank's pool
+};
+
+// Routing scratch, in the stage ring (free until the GEMMs start).
+struct RoutingScratch {
+  uint32_t mask[kWarps][kFusedMaxExperts];  // per warp: the chunk's tokens of each expert
+  int32_t dst_base[kFusedMaxExperts];       // this rank's first row in expert e's block
+  int32_t owner_offset[kFusedMaxExperts];   // first row of expert e in its owner's pool
+  int32_t owner_mblock[kFusedMaxExperts];   // first M-block of expert e in its owner's pool
+  int32_t my_prefix[kFusedMaxExperts];      // this rank's slots of experts < e (comb order)
+  int32_t rows[kFusedMaxExperts];           // rows of expert e over all sources
+};
+static_assert(sizeof(RoutingScratch) <= sizeof(Engine::SharedStorage::a) +
+                                            sizeof(Engine::SharedStorage::b),
+              "the routing scratch must fit in the stage ring");
+
+__device__ __forceinline__ FusedSmem& Smem() {
+  extern __shared__ __align__(1024) uint8_t fused_smem[];
+  return *reinterpret_cast<FusedSmem*>(fused_smem);
+}
+
+// ------------------------------------------------------------------------ parameters
+
+// An L2 result row -> its source rank's comb row (the source's expert-sorted slot order).
+struct CombRowDest {
+  char* base[kMaxRanks];  // every rank's workspace as mapped here
+  int64_t comb_offset;    // layout.fcomb
+  int32_t num_ranks;
+  int32_t hidden;
+
+  __device__ __forceinline__ __nv_bfloat16* row(const ExpertTile& t, int r) const {
+    const RankTables& tab = Smem().tables;
+    const int p = t.row_begin + r;
+    const int* start = tab.src_start + t.expert * num_ranks;
+    int s = num_ranks - 1;
+    while (s > 0 && start[s] > p) --s;
+    const int64_t comb_row = tab.src_prefix[t.expert * num_ranks + s] + (p - start[s]);
+    return reinterpret_cast<__nv_bfloat16*>(base[s] + comb_offset) + comb_row * hidden;
+  }
+};
+
+using EngineParams = sm90::EngineParams<CombRowDest>;
+
+struct alignas(128) RankParams {
+  EngineParams engine;
+  PeerView view;
+  const __nv_bfloat16* x;
+  const int32_t* ids;
+  const float* weights;
+  __nv_bfloat16* y;
+  int32_t* chunk_counts;
+  int32_t* slot_rows;
+  int32_t* slot_dest;
+  int32_t* stats;
+};
+
+struct KernelParams {
+  RankParams rank[kMaxRanks];
+  int32_t num_local;      // ranks of this launch
+  int32_t absent;         // a rank left out (-1: none)
+  int32_t ctas_per_rank;  // G
+  int32_t num_tokens, hidden, ffn, top_k, num_experts, n_cap;
+};
+// Kernel parameters may take 32,764 bytes (CUDA 12.1+, sm_70+).
+static_assert(sizeof(KernelParams) <= 32764, "the fused kernel's parameters are too large");
+
+// ------------------------------------------------------------------------ engine glue
+
+// This CTA's tiles: all L1 tiles of the rank, then all L2 tiles, CTA c taking c, c + G, ...
+struct TileSchedule {
+  Walk walk;
+  int tile, stride, l1_tiles, l2_tiles, l1_blocks_n, l2_blocks_n;
+  int cursor1 = 0, cursor2 = 0;
+
+  // Called by every lane of the producer warp (each with its own copy): warp-uniform.
+  __device__ __forceinline__ bool next(ExpertTile& job) {
+    int t = tile;
+    tile += stride;
+    if (t < l1_tiles) {
+      job = walk.decode(t, l1_blocks_n, sm90::kL1GateUp, cursor1);
+      return true;
+    }
+    t -= l1_tiles;
+    if (t < l2_tiles) {
+      job = walk.decode(t, l2_blocks_n, sm90::kL2Down, cursor2);
+      return true;
+    }
+    return false;
+  }
+};
+
+struct TileHooks {
+  static constexpr int kStoreFence = 1;  // L1's h is read by this GPU's L2 tiles
+  const PeerView* view;
+  unsigned long long* rows_arrived;  // ftiles of this rank
+  unsigned long long* l1_done;       // fl1done of this rank
+  int l1_blocks_n;
+
+  __device__ __forceinline__ void wait_rows_ready(const ExpertTile& t) const {
+    if (t.kind == sm90::kL1GateUp) {
+      ep::WaitAtLeast<false>(*view, rows_arrived + t.mb_global, static_cast<unsigned long long>(t.rows),
+                      ep::kStageFusedRows, -1);
+    } else {
+      ep::WaitAtLeast<false>(*view, l1_done + t.mb_global, static_cast<unsigned long long>(l1_blocks_n),
+                      ep::kStageFusedL1, -1);
+    }
+  }
+  __device__ __forceinline__ void tile_done(const ExpertTile& t) const {
+    if (t.kind == sm90::kL1GateUp) {
+      asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(l1_done + t.mb_global)
+                   : "memory");
+    }
+  }
+};
+
+// ------------------------------------------------------------------------ helpers
+
+// Exclusive scan of in[0..n) into out[0..n) by one warp; returns the total.
+__device__ __forceinline__ int WarpExclusiveScan(const int* in, int* out, int n, int lane) {
+  int carry = 0;
+  for (int base = 0; base < n; base += 32) {
+    const int i = base + lane;
+    const int v = i < n ? in[i] : 0;
+    int incl = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += u;
+    }
+    if (i < n) out[i] = carry + incl - v;
+    carry += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  return carry;
+}
+
+// The warp's chunk of tokens [chunk * 32, + 32): mask[e] holds a bit per lane whose token routes
+// a slot to expert e. Returns, for the calling lane's token, a bit per slot j that repeats an
+// expert of an earlier slot (counted once).
+__device__ __forceinline__ unsigned ChunkMasks(const int32_t* __restrict__ ids, int chunk,
+                                               int tokens, int top_k, int experts,
+                                               uint32_t* mask, int lane) {
+  for (int e = lane; e < experts; e += 32) mask[e] = 0u;
+  __syncwarp();
+  unsigned repeated = 0u;
+  const int t = chunk * kChunk + lane;
+  if (t < tokens) {
+    const uint32_t bit = 1u << lane;
+    for (int j = 0; j < top_k; ++j) {
+      const int e = __ldg(ids + static_cast<size_t>(t) * top_k + j);
+      if (e >= 0 && e < experts && (atomicOr(&mask[e], bit) & bit)) repeated |= 1u << j;
+    }
+  }
+  __syncwarp();
+  return repeated;
+}
+
+__device__ __forceinline__ void FenceProxyAsyncGlobal() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// ------------------------------------------------------------------------ the kernel
+
+__global__ void __launch_bounds__(kThreads, 1)
+    FusedMoeForwardKernel(const __grid_constant__ KernelParams P) {
+  const int slot = blockIdx.x / P.ctas_per_rank;  // which local rank this CTA works for
+  const int cta = blockIdx.x % P.ctas_per_rank;
+  if (slot >= P.num_local || slot == P.absent) return;
+  const RankParams& A = P.rank[slot];
+  const PeerView& v = A.view;
+  const ep::WorkspaceLayout& L = v.layout;
+  FusedSmem& S = Smem();
+  RoutingScratch& RS = *reinterpret_cast<RoutingScratch*>(&S.engine.a[0][0]);
+  ep::FusedSignals* sig = ep::FusedSignalsOf(v, v.rank);
+
+  const int G = P.ctas_per_rank, T = P.num_tokens, K = P.top_k, E = P.num_experts;
+  const int H = P.hidden, F = P.ffn, n_cap = P.n_cap;
+  const int R = v.num_ranks, me = v.rank, El = E / R;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int gwarp = cta * kWarps + warp, nwarps = G * kWarps;
+  const int gthread = cta * kThreads + threadIdx.x, nthreads = G * kThreads;
+  const int n_chunks = (T + kChunk - 1) / kChunk;
+
+  if (threadIdx.x == 0) S.epoch = *reinterpret_cast<volatile unsigned long long*>(&sig->uses);
+  __syncthreads();
+  const unsigned long long epoch = S.epoch;
+  int32_t* fcounts = reinterpret_cast<int32_t*>(v.base[me] + L.fcounts);
+  const size_t parity_ints = static_cast<size_t>(kMaxRanks) * kFusedMaxExperts;
+  const int32_t* counts = fcounts + (epoch & 1) * parity_ints;  // [s][e] of this call
+  auto* rows_arrived = reinterpret_cast<unsigned long long*>(v.base[me] + L.ftiles);
+  auto* l1_done = reinterpret_cast<unsigned long long*>(v.base[me] + L.fl1done);
+
+  // ---- 1 route: this rank's slots per expert in every 32-token chunk; zero its counters.
+  const int64_t mblocks = ep::FusedMBlocks(L.fused_rows);
+  for (int64_t i = gthread; i < mblocks; i += nthreads) {
+    rows_arrived[i] = 0ull;
+    l1_done[i] = 0ull;
+  }
+  uint32_t* mask = RS.mask[warp];
+  for (int chunk = gwarp; chunk < n_chunks; chunk += nwarps) {
+    ChunkMasks(A.ids, chunk, T, K, E, mask, lane);
+    for (int e = lane; e < E; e += 32) {
+      A.chunk_counts[static_cast<size_t>(e) * n_chunks + chunk] = __popc(mask[e]);
+    }
+  }
+  ep::RankBarrier(v, G);
+
+  // ---- 2 counts: per expert the scan over chunks (in place) and the total, to every rank.
+  for (int e = gwarp; e < E; e += nwarps) {
+    int32_t* row = A.chunk_counts + static_cast<size_t>(e) * n_chunks;
+    int carry = 0;
+    for (int base = 0; base < n_chunks; base += 32) {
+      const int c = base + lane;
+      const int val = c < n_chunks ? __ldcg(row + c) : 0;
+      int incl = val;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += u;
+      }
+      if (c < n_chunks) row[c] = carry + incl - val;
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane < R) {
+      int32_t* dst = reinterpret_cast<int32_t*>(v.base[lane] + L.fcounts) +
+                     (epoch & 1) * parity_ints + static_cast<size_t>(me) * kFusedMaxExperts + e;
+      *dst = carry;
+    }
+  }
+  ep::RankBarrier(v, G);
+  if (cta == 0 && threadIdx.x == 0) {
+    __threadfence_system();
+    for (int q = 0; q < R; ++q) ep::StoreReleaseSys(&ep::FusedSignalsOf(v, q)->counts_ready[me],
+                                                    epoch + 1);
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < R; ++s) {
+      if (!ep::WaitAtLeast<false>(v, &sig->counts_ready[s], epoch + 1, ep::kStageFusedCounts,
+                                  s)) {
+        break;
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- 3 layout, from counts[s][e] (every source's totals).
+  for (int e = threadIdx.x; e < E; e += kThreads) {
+    int rows = 0, before_me = 0;
+    for (int s = 0; s < R; ++s) {
+      const int c = __ldcg(counts + static_cast<size_t>(s) * kFusedMaxExperts + e);
+      if (s < me) before_me += c;
+      rows += c;
+    }
+    RS.rows[e] = rows;
+    RS.dst_base[e] = before_me;  // + owner_offset below
+  }
+  __syncthreads();
+  if (warp < R) {  // warp q: expert offsets and M-blocks inside rank q's pool
+    const int q = warp;
+    int off = 0, mb = 0;
+    for (int base = 0; base < El; base += 32) {
+      const int el = base + lane;
+      const int rows = el < El ? RS.rows[q * El + el] : 0;
+      int incl = rows;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += u;
+      }
+      const int my_off = off + incl - rows;
+      const int lo = min(my_off, n_cap), hi = min(my_off + rows, n_cap);
+      const int blocks = (hi - lo + Engine::kBlockM - 1) / Engine::kBlockM;
+      int bincl = blocks;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, bincl, d);
+        if (lane >= d) bincl += u;
+      }
+      if (el < El) {
+        RS.owner_offset[q * El + el] = my_off;
+        RS.owner_mblock[q * El + el] = mb + bincl - blocks;
+      }
+      off += __shfl_sync(0xffffffffu, incl, 31);
+      mb += __shfl_sync(0xffffffffu, bincl, 31);
+    }
+    if (q == me && lane == 0) {
+      S.total_rows = off;
+      S.total_blocks = mb;
+    }
+  }
+  __syncthreads();
+  for (int s = warp; s < R; s += kWarps) {  // warp s: source s's comb order (expert-sorted)
+    const int32_t* cs = counts + static_cast<size_t>(s) * kFusedMaxExperts;
+    int carry = 0;
+    for (int base = 0; base < E; base += 32) {
+      const int e = base + lane;
+      const int c = e < E ? __ldcg(cs + e) : 0;
+      int incl = c;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += u;
+      }
+      const int prefix = carry + incl - c;
+      if (e < E) {
+        if (s == me) RS.my_prefix[e] = prefix;
+        if (e / El == me) S.tables.src_prefix[(e - me * El) * R + s] = prefix;
+      }
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += kThreads) RS.dst_base[e] += RS.owner_offset[e];
+  for (int el = threadIdx.x; el < El; el += kThreads) {
+    const int e = me * El + el;
+    int start = RS.owner_offset[e];
+    for (int s = 0; s < R; ++s) {
+      S.tables.src_start[el * R + s] = start;
+      start += __ldcg(counts + static_cast<size_t>(s) * kFusedMaxExperts + e);
+    }
+    S.walk.offsets[el] = min(RS.owner_offset[e], n_cap);
+    S.walk.mb_prefix[el] = RS.owner_mblock[e];
+  }
+  if (threadIdx.x == 0) {
+    S.walk.offsets[El] = min(S.total_rows, n_cap);
+    S.walk.mb_prefix[El] = S.total_blocks;
+  }
+  __syncthreads();
+
+  // ---- 4 dispatch. (a) every slot's pool row at its expert rank and row in this rank's comb.
+  int repeated_here = 0, dropped_here = 0;
+  for (int chunk = gwarp; chunk < n_chunks; chunk += nwarps) {
+    const unsigned repeated = ChunkMasks(A.ids, chunk, T, K, E, mask, lane);
+    const int t = chunk * kChunk + lane;
+    if (t < T) {
+      const unsigned lower = ep::LaneMaskLt();
+      for (int j = 0; j < K; ++j) {
+        const size_t sj = static_cast<size_t>(t) * K + j;
+        const int e = __ldg(A.ids + sj);
+        int dest = -1, comb = -1;
+        if (e >= 0 && e < E) {
+          if ((repeated >> j) & 1u) {
+            ++repeated_here;
+          } else {
+            const int within = __ldcg(A.chunk_counts + static_cast<size_t>(e) * n_chunks + chunk) +
+                               __popc(mask[e] & lower);
+            const int p = RS.dst_base[e] + within;
+            if (p < n_cap) {
+              dest = p;
+              comb = RS.my_prefix[e] + within;
+            } else {
+              ++dropped_here;
+            }
+          }
+        }
+        A.slot_dest[sj] = dest;
+        A.slot_rows[sj] = comb;
+      }
+    }
+    __syncwarp();
+  }
+  if (repeated_here) atomicAdd(A.stats + 3, repeated_here);
+  if (dropped_here) atomicOr(A.stats + 2, 1);
+  ep::RankBarrier(v, G);
+
+  // (b) each token's row, read once, written to the pool row of each of its slots; then the
+  // arrival of those rows counted on their M-blocks (release after the warp's stores).
+  const int nvec = H * static_cast<int>(sizeof(__nv_bfloat16)) / 16;
+  for (int t = gwarp; t < T; t += nwarps) {
+    const size_t s0 = static_cast<size_t>(t) * K;
+    const int p_j = lane < K ? __ldcg(A.slot_dest + s0 + lane) : -1;
+    const int e_j = lane < K ? __ldg(A.ids + s0 + lane) : -1;
+    const unsigned valid = __ballot_sync(0xffffffffu, p_j >= 0);
+    if (valid == 0u) continue;
+    const uint4* src = reinterpret_cast<const uint4*>(A.x + static_cast<size_t>(t) * H);
+    for (int c0 = 0; c0 < nvec; c0 += 32 * kCopyUnroll) {
+      uint4 buf[kCopyUnroll];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int c = c0 + u * 32 + lane;
+        if (c < nvec) buf[u] = __ldg(src + c);
+      }
+      for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
+        const int j = __ffs(bits) - 1;
+        const int p = __shfl_sync(0xffffffffu, p_j, j);
+        const int q = __shfl_sync(0xffffffffu, e_j, j) / El;
+        uint4* dst = reinterpret_cast<uint4*>(v.base[q] + L.fpool) + static_cast<size_t>(p) * nvec;
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int c = c0 + u * 32 + lane;
+          if (c < nvec) dst[c] = buf[u];
+        }
+      }
+    }
+    __syncwarp();
+    FenceProxyAsyncGlobal();  // the rows are read by TMA (async proxy) on the expert rank
+    if (p_j >= 0) {
+      const int q = e_j / El;
+      const int mb = RS.owner_mblock[e_j] + (p_j - RS.owner_offset[e_j]) / Engine::kBlockM;
+      ep::AddReleaseSys(reinterpret_cast<unsigned long long*>(v.base[q] + L.ftiles) + mb, 1ull);
+    }
+  }
+  __syncthreads();  // the stage ring is the engine's from here
+
+  // ---- 5 GEMMs on the tile engine.
+  if (threadIdx.x == 0) Engine::init(S.engine);
+  __syncthreads();
+  const int l1_n = F / 128, l2_n = H / Engine::kBlockN;
+  if (warp < Engine::kFirstMathWarp) {
+    cutlass::arch::warpgroup_reg_dealloc<Engine::kProducerRegs>();
+    if (warp == Engine::kProducerWarp) {
+      TileSchedule sched;
+      sched.walk.s = &S.walk;
+      sched.walk.num_experts = El;
+      sched.tile = cta;
+      sched.stride = G;
+      sched.l1_tiles = S.total_blocks * l1_n;
+      sched.l2_tiles = S.total_blocks * l2_n;
+      sched.l1_blocks_n = l1_n;
+      sched.l2_blocks_n = l2_n;
+      const TileHooks hooks{&v, rows_arrived, l1_done, l1_n};
+      Engine::producer(S.engine, A.engine, sched, hooks);
+    } else if (warp == Engine::kSignallerWarp) {
+      const TileHooks hooks{&v, rows_arrived, l1_done, l1_n};
+      Engine::signaller(S.engine, A.engine, hooks);
+    }
+    cutlass::arch::warpgroup_reg_alloc<168>();
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Engine::kMathRegs>();
+    Engine::math(S.engine, A.engine);
+    cutlass::arch::warpgroup_reg_dealloc<168>();
+  }
+
+  // ---- 6 results: every result of this rank's tiles is stored; tell the sources, wait for ours.
+  ep::RankBarrier(v, G);
+  if (cta == 0 && threadIdx.x == 0) {
+    __threadfence_system();
+    for (int q = 0; q < R; ++q) {
+      ep::StoreReleaseSys(&ep::FusedSignalsOf(v, q)->results_ready[me], epoch + 1);
+    }
+  }
+  if (threadIdx.x == 0) {
+    for (int q = 0; q < R; ++q) {
+      if (!ep::WaitAtLeast<false>(v, &sig->results_ready[q], epoch + 1, ep::kStageFusedResults, q)) {
+        break;
+      }
+    }
+  }
+  const bool failed = ep::BlockRankFailed(v);
+
+  // ---- 7 combine: y[t] = sum over slots j (in order) of w[t, j] * comb[slot row] in fp32.
+  const __nv_bfloat16* comb = reinterpret_cast<const __nv_bfloat16*>(v.base[me] + L.fcomb);
+  for (int t = gwarp; t < T; t += nwarps) {
+    uint4* dst = reinterpret_cast<uint4*>(A.y + static_cast<size_t>(t) * H);
+    if (failed) {
+      for (int c = lane; c < nvec; c += 32) dst[c] = ep::NanVec16(static_cast<const __nv_bfloat16*>(nullptr));
+      continue;
+    }
+    const size_t s0 = static_cast<size_t>(t) * K;
+    const int row_j = lane < K ? __ldcg(A.slot_rows + s0 + lane) : -1;
+    const float w_j = lane < K ? __ldg(A.weights + s0 + lane) : 0.f;
+    const unsigned valid = __ballot_sync(0xffffffffu, row_j >= 0);
+    for (int c0 = 0; c0 < nvec; c0 += 32 * kCopyUnroll) {
+      float acc[kCopyUnroll][8];
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u)
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+      for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
+        const int j = __ffs(bits) - 1;
+        const int row = __shfl_sync(0xffffffffu, row_j, j);
+        const float w = __shfl_sync(0xffffffffu, w_j, j);
+        const uint4* src = reinterpret_cast<const uint4*>(comb + static_cast<size_t>(row) * H);
+#pragma unroll
+        for (int u = 0; u < kCopyUnroll; ++u) {
+          const int c = c0 + u * 32 + lane;
+          if (c < nvec) {
+            float f[8];
+            ep::Unpack(ep::LoadPeerWritten(src + c), f, static_cast<const __nv_bfloat16*>(nullptr));
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[u][q] = fmaf(w, f[q], acc[u][q]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kCopyUnroll; ++u) {
+        const int c = c0 + u * 32 + lane;
+        if (c < nvec) dst[c] = ep::Pack(acc[u], static_cast<const __nv_bfloat16*>(nullptr));
+      }
+    }
+  }
+
+  if (cta == 0 && threadIdx.x == 0) {
+    A.stats[0] = S.total_rows;
+    A.stats[1] = n_cap;
+    if (S.total_rows > n_cap) atomicOr(A.stats + 2, 1);
+    // The rank's next call starts from the next epoch (every CTA has read this one).
+    *reinterpret_cast<volatile unsigned long long*>(&sig->uses) = epoch + 1;
+  }
+}
+
+}  // namespace
+
+int64_t FusedChunkCountInts(int64_t num_tokens, int64_t num_experts) {
+  return num_experts * ((num_tokens + kChunk - 1) / kChunk);
+}
+
+std::string FusedForwardUnsupported(const FusedForwardProblem& p, const ep::WorkspaceLayout& l,
+                                    int num_ranks) {
+  auto num = [](int64_t v) { return std::to_string(v); };
+  if (l.fused_rows == 0) return "the symmetric workspace has no fused regions (fused_rows = 0)";
+  if (l.elem_bytes != 2) return "the workspace is not sized for bf16 rows";
+  if (p.n_cap < 1 || p.n_cap > l.fused_rows)
+    return "n_cap " + num(p.n_cap) + " must be in [1, the workspace's fused_rows " +
+           num(l.fused_rows) + "]";
+  if (p.num_tokens > l.max_tokens)
+    return "tokens per rank " + num(p.num_tokens) + " > workspace max_tokens " + num(l.max_tokens);
+  if (p.top_k < 1 || p.top_k > l.top_k || p.top_k > 32)
+    return "top_k " + num(p.top_k) + " must be in [1, min(32, workspace top_k " + num(l.top_k) +
+           ")]";
+  if (p.hidden > l.hidden) return "hidden " + num(p.hidden) + " > workspace hidden " + num(l.hidden);
+  if (p.hidden % Engine::kBlockN != 0 || p.hidden < Engine::kBlockN)
+    return "hidden " + num(p.hidden) + " must be a positive multiple of " + num(Engine::kBlockN);
+  if (p.ffn % 128 != 0 || p.ffn < 128)
+    return "ffn " + num(p.ffn) + " must be a positive multiple of 128";
+  if (p.num_experts < num_ranks || p.num_experts % num_ranks != 0 ||
+      p.num_experts > kFusedMaxExperts)
+    return "num_experts " + num(p.num_experts) + " must be a multiple of the " + num(num_ranks) +
+           " ranks and at most " + num(kFusedMaxExperts);
+  if (static_cast<int64_t>(p.num_tokens) * p.top_k > (int64_t{1} << 31) - 1)
+    return "tokens * top_k overflows int32";
+  return "";
+}
+
+std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int absent,
+                               const FusedForwardProblem& p, cudaStream_t stream) {
+  if (count < 1 || count > kMaxRanks) return "bad number of local ranks " + std::to_string(count);
+  const ep::WorkspaceLayout& L = ranks[0].view->layout;
+  if (std::string why = FusedForwardUnsupported(p, L, ranks[0].view->num_ranks); !why.empty())
+    return why;
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  // max_ctas > 0: at most that many; <= 0: every SM but -max_ctas (room for other kernels).
+  const int budget = p.max_ctas > 0 ? std::min(p.max_ctas, sms) : sms + p.max_ctas;
+  const int per_rank = budget / count;
+  if (per_rank < 1)
+    return "max_ctas " + std::to_string(budget) + " leaves no CTA for each of the " +
+           std::to_string(count) + " local ranks";
+
+  // ~10 KB (tensor maps): on the heap, copied into the launch by cudaLaunchKernelEx.
+  auto owned = std::make_unique<KernelParams>();
+  KernelParams& params = *owned;
+  params.num_local = count;
+  params.absent = absent;
+  params.ctas_per_rank = per_rank;
+  params.num_tokens = p.num_tokens;
+  params.hidden = p.hidden;
+  params.ffn = p.ffn;
+  params.top_k = p.top_k;
+  params.num_experts = p.num_experts;
+  params.n_cap = p.n_cap;
+  const int R = ranks[0].view->num_ranks;
+  const int64_t El = p.num_experts / R, H = p.hidden, F = p.ffn;
+  for (int r = 0; r < count; ++r) {
+    const FusedRankOperands& o = ranks[r];
+    RankParams& rp = params.rank[r];
+    rp.view = *o.view;
+    rp.x = static_cast<const __nv_bfloat16*>(o.x);
+    rp.ids = o.ids;
+    rp.weights = o.weights;
+    rp.y = static_cast<__nv_bfloat16*>(o.y);
+    rp.chunk_counts = o.chunk_counts;
+    rp.slot_rows = o.slot_rows;
+    rp.slot_dest = o.slot_dest;
+    rp.stats = o.stats;
+    EngineParams& ep_ = rp.engine;
+    sm90::GemmOperands& l1 = ep_.op[sm90::kL1GateUp];
+    sm90::GemmOperands& l2 = ep_.op[sm90::kL2Down];
+    char* pool = o.view->base[o.view->rank] + L.fpool;
+    std::string err;
+    // Pool rows are packed with this call's H (the region holds fused_rows x layout.hidden).
+    if (!(err = MakeRowMajorTensorMap(&l1.a_map, pool, L.fused_rows, H, H, 64, 128))
+             .empty() ||
+        !(err = MakeRowMajorTensorMap(&l1.b_map, o.w_gate_up, El * H, 2 * F, 2 * F, 64, 64))
+             .empty() ||
+        !(err = MakeRowMajorTensorMap(&l2.a_map, o.h, p.n_cap, F, F, 64, 128)).empty() ||
+        !(err = MakeRowMajorTensorMap(&l2.b_map, o.w_down, El * F, H, H, 64, 64)).empty()) {
+      return "fused forward: " + err;
+    }
+    l1.k = static_cast<int32_t>(H);
+    l1.a_load = static_cast<int32_t>(sm90::ALoad::kTmaBlock);
+    l2.k = static_cast<int32_t>(F);
+    l2.a_load = static_cast<int32_t>(sm90::ALoad::kTmaBlock);
+    ep_.h = static_cast<__nv_bfloat16*>(o.h);
+    ep_.gate_up = nullptr;
+    ep_.f = static_cast<int32_t>(F);
+    for (int q = 0; q < kMaxRanks; ++q) ep_.l2_dest.base[q] = o.view->base[q];
+    ep_.l2_dest.comb_offset = L.fcomb;
+    ep_.l2_dest.num_ranks = R;
+    ep_.l2_dest.hidden = static_cast<int32_t>(H);
+    if (cudaError_t e = cudaMemsetAsync(o.stats, 0, 4 * sizeof(int32_t), stream); e != cudaSuccess)
+      return std::string("fused forward: stats memset: ") + cudaGetErrorString(e);
+  }
+
+  const size_t smem = sizeof(FusedSmem);
+  // Per device (a function attribute of the current device's context); cheap to repeat.
+  if (cudaError_t e = cudaFuncSetAttribute(FusedMoeForwardKernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+      e != cudaSuccess) {
+    return std::string("fused forward: shared memory attribute: ") + cudaGetErrorString(e);
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(per_rank * count);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;  // every CTA co-resident before any waits
+  attr[0].val.cooperative = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  if (cudaError_t e = cudaLaunchKernelEx(&config, FusedMoeForwardKernel, params);
+      e != cudaSuccess) {
+    return std::string("fused forward launch: ") + cudaGetErrorString(e);
+  }
+  return "";
+}
+
+}  // namespace megamoe::fused

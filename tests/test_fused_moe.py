@@ -1,0 +1,177 @@
+"""Backend "fused" (one persistent kernel per forward) against the reference backend.
+
+On one GPU: without a mesh, under a one-GPU mesh (shard_map), and at R = 2, 3, 4, 8 ranks
+through virtual ranks (one launch whose CTAs split into R rank groups). Forward within the
+bf16 tolerance of DESIGN.md (1e-2), gradients (the backward runs backend "cuda"'s kernels from
+the inputs), bitwise run to run; odd token counts, more than one tile per expert, experts of 0
+and 1 rows, skewed and masked routing, capacity overflow raised, an absent rank timing out.
+Outputs land in device memory filled with NaN beforehand. GPU only; skipped (reported as not
+run) elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import jax_megamoe as jm
+from jax_megamoe import virtual_ranks
+from jax_megamoe.backends import fused
+import ep_helpers
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, FFN = 256, 128
+
+
+def _poison():
+  junk = [jnp.full((1 << 24,), jnp.nan, jnp.float32) for _ in range(4)]
+  jax.block_until_ready(junk)
+  del junk
+
+
+def _inputs(seed, tokens, experts, top_k, kind="uniform", hidden=HIDDEN, ffn=FFN):
+  rng = np.random.default_rng(seed)
+  if kind == "one_expert":  # every token's first slot on expert 0
+    ids, w = ep_helpers.routing(rng, tokens, experts - 1, top_k)
+    ids = np.where(ids >= 0, ids + 1, ids)
+    ids[:, 0] = 0
+  elif kind == "masked":
+    ids, w = ep_helpers.routing(rng, tokens, experts, top_k, mask_fraction=0.3)
+  elif kind == "sparse":  # experts 0..2 only: the others empty, expert 2 gets one row
+    ids = np.full((tokens, top_k), -1, np.int32)
+    ids[:, 0] = rng.integers(0, 2, tokens)
+    ids[0, 1] = 2
+    w = rng.random((tokens, top_k)).astype(np.float32)
+  else:
+    ids, w = ep_helpers.routing(rng, tokens, experts, top_k)
+  x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+  wgu, wd = ep_helpers.weights_for(rng, experts, hidden, ffn, jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+  return x, jnp.asarray(ids), jnp.asarray(w), wgu, wd, dy
+
+
+def _value_and_grads(layer, x, ids, w, wgu, wd, dy):
+  def loss(x, w, wgu, wd):
+    y = layer(x, ids, w, wgu, wd)
+    return jnp.sum(y.astype(jnp.float32) * dy), y
+  (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+      x, w, wgu, wd)
+  return y, g
+
+
+def _reference(x, ids, w, wgu, wd):
+  return jm.moe(x, ids, w, wgu, wd, backend="reference")
+
+
+def _errors(got, want):
+  f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))
+  names = ("y", "dx", "dtopk_weights", "dw_gate_up", "dw_down")
+  (y, g), (y_ref, g_ref) = got, want
+  return {n: ep_helpers.rel_err(f32(a), f32(b)) for n, a, b in zip(names, (y, *g), (y_ref, *g_ref))}
+
+
+def _check(layer, args, forward_only=False):
+  want = _value_and_grads(_reference, *args)
+  _poison()
+  got = _value_and_grads(layer, *args)
+  assert np.all(np.isfinite(np.asarray(got[0], np.float32))), "y has non-finite rows"
+  errs = _errors(got, want)
+  assert max(errs.values()) < 1e-2, errs
+  return got
+
+
+def test_available_and_picked_by_auto():
+  assert fused.unavailable_reason() is None, fused.unavailable_reason()
+  assert jm.backends.resolve("auto").NAME == "fused"
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, kind", [
+    (1000, 8, 2, "uniform"),     # ~250 rows per expert: two M-tiles each, the last partial
+    (300, 24, 4, "masked"),      # 300 tokens: not a multiple of the 32-token chunk
+    (1, 16, 4, "uniform"),       # one token: four 1-row experts, twelve empty
+    (513, 16, 4, "one_expert"),  # 513 rows on expert 0, the rest spread
+    (200, 16, 2, "sparse"),      # empty experts, one expert with a single row
+])
+def test_one_gpu_matches_reference(tokens, experts, top_k, kind):
+  args = _inputs(tokens + experts, tokens, experts, top_k, kind)
+  _check(lambda *a: jm.moe(*a, backend="fused"), args)
+
+
+def test_published_hidden_sizes():
+  """H=2048, F=768 (the 30B layer's widths) at a small token count."""
+  args = _inputs(3, 512, 16, 8, hidden=2048, ffn=768)
+  _check(lambda *a: jm.moe(*a, backend="fused"), args)
+
+
+def test_one_gpu_mesh_and_bitwise_reproducible():
+  gpu = jax.devices("gpu")[:1]
+  mesh = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,), devices=gpu)
+  args = _inputs(11, 640, 16, 4, "masked")
+  layer = lambda *a: jm.moe(*a, mesh=mesh, backend="fused")
+  first = _check(layer, args)
+  second = _value_and_grads(layer, *args)
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_consecutive_calls_see_no_stale_signal():
+  fwd = jax.jit(lambda *a: jm.moe(*a, backend="fused"))
+  for seed in range(20):
+    x, ids, w, wgu, wd, _ = _inputs(500 + seed, 96 + 7 * seed, 16, 4, "masked")
+    err = ep_helpers.rel_err(np.asarray(fwd(x, ids, w, wgu, wd), np.float32),
+                             np.asarray(_reference(x, ids, w, wgu, wd), np.float32))
+    assert err < 1e-2, (seed, err)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
+@pytest.mark.parametrize("kind", ["uniform", "one_expert", "masked"])
+def test_virtual_ranks_match_reference(num_ranks, kind):
+  tokens, experts, top_k = 160, 24, 4
+  args = _inputs(num_ranks * 7 + len(kind), num_ranks * tokens, experts, top_k, kind)
+  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=HIDDEN, top_k=top_k,
+                                      dtype=jnp.bfloat16,
+                                      fused_rows=num_ranks * tokens * top_k)
+
+  def layer(x, ids, w, wgu, wd):
+    stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+    y = virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws)
+    return y.reshape(num_ranks * tokens, -1)
+
+  first = _check(layer, args)
+  second = _value_and_grads(layer, *args)
+  np.testing.assert_array_equal(np.asarray(first[0], np.float32),
+                                np.asarray(second[0], np.float32))
+  ws.close()
+
+
+def test_virtual_capacity_overflow_raises():
+  num_ranks, tokens, top_k = 2, 256, 4
+  x, ids, w, wgu, wd, _ = _inputs(5, num_ranks * tokens, 8, top_k, "one_expert")
+  ids = ids.at[:, 1:].set(jnp.array([1, 2, 3], jnp.int32))  # everything on rank 0's experts
+  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=HIDDEN, top_k=top_k,
+                                      dtype=jnp.bfloat16, fused_rows=num_ranks * tokens * top_k)
+  stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+  with pytest.raises(Exception, match="overflow.*capacity is 128 rows"):
+    jax.block_until_ready(jax.jit(lambda *a: virtual_ranks.fused_moe(
+        *a, wgu, wd, workspace=ws, capacity_factor=0.05))(stack(x), stack(ids), stack(w)))
+  ws.close()
+
+
+def test_virtual_absent_rank_times_out_and_poisons():
+  num_ranks, tokens, top_k = 3, 64, 4
+  x, ids, w, wgu, wd, _ = _inputs(9, num_ranks * tokens, 24, top_k)
+  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=HIDDEN, top_k=top_k,
+                                      dtype=jnp.bfloat16, fused_rows=num_ranks * tokens * top_k,
+                                      timeout_s=0.5)
+  stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+  virtual_ranks.set_absent_rank(ws, 2)
+  y = np.asarray(virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws),
+                 np.float32)
+  assert np.all(np.isnan(y[:2])), "a rank that timed out returned finite values"
+  with pytest.raises(RuntimeError, match=r"timed out after .*fused forward"):
+    ws.check()
+  ws.close()
