@@ -38,7 +38,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                        ffi::Result<ffi::Buffer<ffi::S32>> chunk_counts,
                        ffi::Result<ffi::Buffer<ffi::S32>> slot_rows,
                        ffi::Result<ffi::Buffer<ffi::S32>> slot_dest,
-                       ffi::Result<ffi::Buffer<ffi::S32>> stats, int64_t workspace_id,
+                       ffi::Result<ffi::Buffer<ffi::S32>> stats,
+                       ffi::Result<ffi::Buffer<ffi::S32>> phases, int64_t workspace_id,
                        int64_t num_experts, int64_t n_cap, int64_t max_ctas) {
   LocalRanks ranks;
   if (auto e = ep::ResolveRanks(workspace_id, ordinal, &ranks); e.failure()) return e;
@@ -48,7 +49,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                              {h->element_type(), "h"}}) {
     if (auto e = RequireBf16(dtype, name); e.failure()) return e;
   }
-  RankOperand ox, oids, ow, ogu, odn, oy, oh, occ, orows, odest, ost;
+  RankOperand ox, oids, ow, ogu, odn, oy, oh, occ, orows, odest, ost, oph;
   if (auto e = FirstFailure({SplitRanks(x, ranks, 2, "x", &ox),
                             SplitRanks(ids, ranks, 2, "topk_ids", &oids),
                             SplitRanks(weights, ranks, 2, "topk_weights", &ow),
@@ -59,7 +60,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             SplitRanks(*chunk_counts, ranks, 1, "chunk_counts", &occ),
                             SplitRanks(*slot_rows, ranks, 2, "slot_rows", &orows),
                             SplitRanks(*slot_dest, ranks, 2, "slot_dest", &odest),
-                            SplitRanks(*stats, ranks, 1, "stats", &ost)});
+                            SplitRanks(*stats, ranks, 1, "stats", &ost),
+                            SplitRanks(*phases, ranks, 1, "phases", &oph)});
       e.failure()) {
     return e;
   }
@@ -82,6 +84,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   if (orows.dims[0] != T || orows.dims[1] != K || odest.dims[0] != T || odest.dims[1] != K)
     return Fail("slot_rows and slot_dest must be [T, k] per rank");
   if (ost.dims[0] != 4) return Fail("stats must be [4] per rank");
+  if (oph.dims[0] != kFusedPhases) return Fail("phases must be [8] per rank");
   const FusedForwardProblem problem{static_cast<int>(T), static_cast<int>(H),
                                     static_cast<int>(F), static_cast<int>(K),
                                     static_cast<int>(num_experts), static_cast<int>(n_cap),
@@ -92,7 +95,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   for (int r = 0; r < ranks.count; ++r) {
     ops.push_back({ranks.views[r], ox.at(r), oids.at<int32_t>(r), ow.at<float>(r), ogu.at(r),
                    odn.at(r), oy.at(r), oh.at(r), occ.at<int32_t>(r), orows.at<int32_t>(r),
-                   odest.at<int32_t>(r), ost.at<int32_t>(r)});
+                   odest.at<int32_t>(r), ost.at<int32_t>(r),
+                   oph.at<int32_t>(r)});
   }
   if (std::string err = LaunchFusedForward(ops.data(), static_cast<int>(ops.size()),
                                            ranks.absent, problem, stream);
@@ -118,6 +122,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeFusedMoeFwd, megamoe::fused::FusedMoeFwd,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()

@@ -26,7 +26,13 @@ struct FusedRankOperands {
   int32_t* slot_rows;      // [T, k] scratch: each slot's row in this rank's comb (-1: none)
   int32_t* slot_dest;      // [T, k] scratch: each slot's row in its expert rank's pool (-1)
   int32_t* stats;          // [4]: rows routed here, n_cap, overflow (0/1), repeated expert ids
+  int32_t* phases;         // [kFusedPhases]: ns from the start to each phase's end (CTA 0)
 };
+
+// The phases whose end the kernel stamps (the breakdown of benchmarks/fused_phases.py): start,
+// route, counts exchanged, slot positions, rows copied (CTA 0's share), every GEMM tile of the
+// rank done, every expert rank's results here, CTA 0's combine done.
+constexpr int kFusedPhases = 8;
 
 struct FusedForwardProblem {
   int num_tokens;   // T per rank

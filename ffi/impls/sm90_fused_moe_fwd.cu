@@ -60,6 +60,7 @@ constexpr int kThreads = Engine::kThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 32;        // tokens of a routing chunk: one per lane
 constexpr int kCopyUnroll = 4;    // 16-byte vectors in flight per lane when copying rows
+constexpr int kPhases = kFusedPhases;
 
 // ------------------------------------------------------------------------ shared memory
 
@@ -129,6 +130,7 @@ struct alignas(128) RankParams {
   int32_t* slot_rows;
   int32_t* slot_dest;
   int32_t* stats;
+  int32_t* phases;  // [kPhases] ns from the start on CTA 0's clock at each phase's end
 };
 
 struct KernelParams {
@@ -257,6 +259,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int gthread = cta * kThreads + threadIdx.x, nthreads = G * kThreads;
   const int n_chunks = (T + kChunk - 1) / kChunk;
 
+  // CTA 0's clock at each phase's end (fused_moe.h: kFusedPhases), for the breakdown benchmark.
+  const unsigned long long t0 = ep::GlobalTimerNs();
+  auto mark = [&](int phase) {
+    if (cta == 0 && threadIdx.x == 0) {
+      A.phases[phase] = static_cast<int32_t>(ep::GlobalTimerNs() - t0);
+    }
+  };
+  mark(0);
   if (threadIdx.x == 0) S.epoch = *reinterpret_cast<volatile unsigned long long*>(&sig->uses);
   __syncthreads();
   const unsigned long long epoch = S.epoch;
@@ -280,6 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   ep::RankBarrier(v, G);
+  mark(1);
 
   // ---- 2 counts: per expert the scan over chunks (in place) and the total, to every rank.
   for (int e = gwarp; e < E; e += nwarps) {
@@ -318,6 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
+  mark(2);
 
   // ---- 3 layout, from counts[s][e] (every source's totals).
   for (int e = threadIdx.x; e < E; e += kThreads) {
@@ -438,6 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (repeated_here) atomicAdd(A.stats + 3, repeated_here);
   if (dropped_here) atomicOr(A.stats + 2, 1);
   ep::RankBarrier(v, G);
+  mark(3);
 
   // (b) each token's row, read once, written to the pool row of each of its slots; then the
   // arrival of those rows counted on their M-blocks (release after the warp's stores).
@@ -477,6 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();  // the stage ring is the engine's from here
+  mark(4);
 
   // ---- 5 GEMMs on the tile engine.
   if (threadIdx.x == 0) Engine::init(S.engine);
@@ -509,6 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- 6 results: every result of this rank's tiles is stored; tell the sources, wait for ours.
   ep::RankBarrier(v, G);
+  mark(5);
   if (cta == 0 && threadIdx.x == 0) {
     __threadfence_system();
     for (int q = 0; q < R; ++q) {
@@ -523,6 +538,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   const bool failed = ep::BlockRankFailed(v);
+  mark(6);
 
   // ---- 7 combine: y[t] = sum over slots j (in order) of w[t, j] * comb[slot row] in fp32.
   const __nv_bfloat16* comb = reinterpret_cast<const __nv_bfloat16*>(v.base[me] + L.fcomb);
@@ -566,6 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  mark(7);
   if (cta == 0 && threadIdx.x == 0) {
     A.stats[0] = S.total_rows;
     A.stats[1] = n_cap;
@@ -650,6 +667,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     rp.slot_rows = o.slot_rows;
     rp.slot_dest = o.slot_dest;
     rp.stats = o.stats;
+    rp.phases = o.phases;
     EngineParams& ep_ = rp.engine;
     sm90::GemmOperands& l1 = ep_.op[sm90::kL1GateUp];
     sm90::GemmOperands& l2 = ep_.op[sm90::kL2Down];

@@ -102,8 +102,12 @@ class FusedConfig:
     return self.workspace.virtual
 
 
-def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
-  """The custom call: y, and the dispatch stats [.., 4]."""
+PHASES = ("start", "route", "counts exchanged", "slot positions", "rows copied",
+          "GEMM tiles done", "results here", "combine done")  # fused_moe.h: kFusedPhases
+
+
+def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, with_phases: bool = False):
+  """The custom call: y, the dispatch stats [.., 4] (and the phase clock [.., 8])."""
   lead = (cfg.workspace.num_ranks,) if cfg.stacked else ()
   tokens, hidden = x.shape[-2:]
   top_k = ids.shape[-1]
@@ -117,12 +121,13 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
       jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),
       jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),
       jax.ShapeDtypeStruct((*lead, 4), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, len(PHASES)), jnp.int32),
   )
-  y, _, _, _, _, stats = jax.ffi.ffi_call(TARGET, out_types)(
+  y, _, _, _, _, stats, phases = jax.ffi.ffi_call(TARGET, out_types)(
       x, ids, w, w_gate_up, w_down, workspace_id=np.int64(cfg.workspace.id),
       num_experts=np.int64(cfg.num_experts), n_cap=np.int64(n_cap),
       max_ctas=np.int64(cfg.max_ctas))
-  return y, stats
+  return (y, stats, phases) if with_phases else (y, stats)
 
 
 def _cuda_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
@@ -162,6 +167,22 @@ def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
   or the R ranks of a virtual group, operands stacked), differentiable."""
   x, w_gate_up, w_down = varying.align_varying(x, w_gate_up, w_down)
   return _fused_layer(x, ids.astype(jnp.int32), w.astype(jnp.float32), w_gate_up, w_down, cfg)
+
+
+def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
+  """One device, no mesh (for the breakdown benchmark): (y, phase clock [8] int32: ns from the
+  kernel's start to the end of each of PHASES, on its CTA 0). Forward only."""
+  from jax_megamoe.validation import check_layer_args
+  shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down)
+  reason = layer_unavailable_reason(shape) or unavailable_reason()
+  if reason is not None:
+    raise ValueError(f"the fused kernel cannot take this layer: {reason}")
+  plan = cuda_ep.LayerPlan.of(shape, cuda_bf16.grouped_mlp)
+  cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
+                    max_ctas(False), local=True)
+  y, _, phases = _fused_call(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32),
+                             w_gate_up, w_down, cfg, with_phases=True)
+  return y, phases
 
 
 def _local_workspace(shape: LayerShape, n_cap: int) -> symmetric.SymmetricWorkspace:
