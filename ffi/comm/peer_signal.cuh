@@ -172,5 +172,4 @@ static __global__ void ReleaseKernel(PeerView v, int region) {
   *reinterpret_cast<volatile unsigned long long*>(uses) = *uses + 1;
 }
 
-
 }  // namespace megamoe::ep

@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "ffi/common/checks.h"
-#include "ffi/layout/fp8_blocks.h"
-#include "ffi/handlers/fp8_ops.h"
 #include "ffi/common/host_numerics.h"
+#include "ffi/handlers/fp8_ops.h"
+#include "ffi/layout/fp8_blocks.h"
 #include "ffi/registry.h"
 
 namespace megamoe::grouped {

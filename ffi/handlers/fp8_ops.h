@@ -243,51 +243,51 @@ auto BindQuantizeWeights(Binding&& b) {  // w -> (q, scale)
 
 template <class Binding>
 auto BindSwigluQuantize(Binding&& b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // gate_up
-      .template Arg<ffi::AnyBuffer>()      // group_sizes
-      .template Ret<ffi::AnyBuffer>()      // h
-      .template Ret<ffi::AnyBuffer>()      // h_q
-      .template Ret<ffi::AnyBuffer>()      // h_scale
-      .template Ret<ffi::AnyBuffer>()      // workspace
+  return std::move(b).template Arg<ffi::AnyBuffer>()    // gate_up
+      .template Arg<ffi::AnyBuffer>()                   // group_sizes
+      .template Ret<ffi::AnyBuffer>()                   // h
+      .template Ret<ffi::AnyBuffer>()                   // h_q
+      .template Ret<ffi::AnyBuffer>()                   // h_scale
+      .template Ret<ffi::AnyBuffer>()                   // workspace
       .template Attr<int64_t>("pow2");
 }
 
 template <class Binding>
 auto BindQuantizeWgradOperand(Binding&& b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // x
-      .template Arg<ffi::AnyBuffer>()      // group_sizes
-      .template Ret<ffi::AnyBuffer>()      // q
-      .template Ret<ffi::AnyBuffer>()      // scale
-      .template Ret<ffi::AnyBuffer>()      // q_rows
-      .template Ret<ffi::AnyBuffer>()      // scale_rows
-      .template Ret<ffi::AnyBuffer>()      // workspace
+  return std::move(b).template Arg<ffi::AnyBuffer>()    // x
+      .template Arg<ffi::AnyBuffer>()                   // group_sizes
+      .template Ret<ffi::AnyBuffer>()                   // q
+      .template Ret<ffi::AnyBuffer>()                   // scale
+      .template Ret<ffi::AnyBuffer>()                   // q_rows
+      .template Ret<ffi::AnyBuffer>()                   // scale_rows
+      .template Ret<ffi::AnyBuffer>()                   // workspace
       .template Attr<int64_t>("pow2")
       .template Attr<int64_t>("rows");
 }
 
 template <class Binding>
 auto BindSwigluBackwardQuantize(Binding&& b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // dh
-      .template Arg<ffi::AnyBuffer>()      // gate_up
-      .template Arg<ffi::AnyBuffer>()      // group_sizes
-      .template Ret<ffi::AnyBuffer>()      // q_rows
-      .template Ret<ffi::AnyBuffer>()      // scale_rows
-      .template Ret<ffi::AnyBuffer>()      // q
-      .template Ret<ffi::AnyBuffer>()      // scale
-      .template Ret<ffi::AnyBuffer>()      // workspace
+  return std::move(b).template Arg<ffi::AnyBuffer>()    // dh
+      .template Arg<ffi::AnyBuffer>()                   // gate_up
+      .template Arg<ffi::AnyBuffer>()                   // group_sizes
+      .template Ret<ffi::AnyBuffer>()                   // q_rows
+      .template Ret<ffi::AnyBuffer>()                   // scale_rows
+      .template Ret<ffi::AnyBuffer>()                   // q
+      .template Ret<ffi::AnyBuffer>()                   // scale
+      .template Ret<ffi::AnyBuffer>()                   // workspace
       .template Attr<int64_t>("pow2");
 }
 
 // Both GEMMs (grouped_gemm_fp8, grouped_wgrad_fp8).
 template <class Binding>
 auto BindGroupedGemmFp8(Binding&& b) {
-  return std::move(b).template Arg<ffi::AnyBuffer>()  // a_q
-      .template Arg<ffi::AnyBuffer>()      // a_scale
-      .template Arg<ffi::AnyBuffer>()      // group_sizes
-      .template Arg<ffi::AnyBuffer>()      // b_q
-      .template Arg<ffi::AnyBuffer>()      // b_scale
-      .template Ret<ffi::AnyBuffer>()      // d
-      .template Ret<ffi::AnyBuffer>();     // workspace
+  return std::move(b).template Arg<ffi::AnyBuffer>()    // a_q
+      .template Arg<ffi::AnyBuffer>()                   // a_scale
+      .template Arg<ffi::AnyBuffer>()                   // group_sizes
+      .template Arg<ffi::AnyBuffer>()                   // b_q
+      .template Arg<ffi::AnyBuffer>()                   // b_scale
+      .template Ret<ffi::AnyBuffer>()                   // d
+      .template Ret<ffi::AnyBuffer>();                  // workspace
 }
 
 }  // namespace megamoe::grouped

@@ -17,9 +17,9 @@
 
 #include "ffi/common/checks.h"
 #include "ffi/common/device_info.h"
+#include "ffi/gemm/grouped_gemm_fp8.h"
 #include "ffi/handlers/fp8_ops.h"
 #include "ffi/handlers/scratch.h"
-#include "ffi/gemm/grouped_gemm_fp8.h"
 #include "ffi/impls/grouped_zero_fill.h"
 #include "ffi/registry.h"
 #include "ffi/scheduler/group_offsets.h"

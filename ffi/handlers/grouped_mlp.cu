@@ -5,9 +5,9 @@
 
 #include "ffi/common/checks.h"
 #include "ffi/common/device_info.h"
+#include "ffi/gemm/grouped_gemm.h"
 #include "ffi/handlers/grouped_mlp_op.h"
 #include "ffi/handlers/scratch.h"
-#include "ffi/gemm/grouped_gemm.h"
 #include "ffi/impls/grouped_swiglu.h"
 #include "ffi/impls/grouped_zero_fill.h"
 #include "ffi/registry.h"

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "ffi/common/checks.h"
-#include "ffi/handlers/grouped_mlp_op.h"
 #include "ffi/common/host_numerics.h"
+#include "ffi/handlers/grouped_mlp_op.h"
 #include "ffi/registry.h"
 
 namespace megamoe::grouped {
