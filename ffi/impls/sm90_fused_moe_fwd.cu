@@ -60,7 +60,6 @@ constexpr int kThreads = Engine::kThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 32;        // tokens of a routing chunk: one per lane
 constexpr int kCopyUnroll = 4;    // 16-byte vectors in flight per lane when copying rows
-constexpr int kPhases = kFusedPhases;
 
 // ------------------------------------------------------------------------ shared memory
 
