@@ -23,6 +23,9 @@ def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: j
     x: [T, H] tokens, float32 / bfloat16 / float16.
     topk_ids: [T, k] integer expert ids in [0, E); -1 masks a slot (it contributes nothing).
       Other out-of-range ids raise when the values are concrete, and are masked under tracing.
+      A token's ids must be distinct (route() gives them so): a repeated id raises when the
+      values are concrete; under tracing the EP kernels count it once (and report it in their
+      stats), the reference once per slot.
     topk_weights: [T, k] routing weights (computed in float32).
     w_gate_up: [E, H, 2F] in x's dtype; gate = [..., :F], up = [..., F:].
     w_down: [E, F, H] in x's dtype.
@@ -46,6 +49,6 @@ def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: j
   if mesh is not None and eager.is_eager(x, topk_ids, topk_weights, w_gate_up, w_down):
     return eager.call(moe, x, topk_ids, topk_weights, w_gate_up, w_down, mesh=mesh,
                       expert_axis=expert_axis, backend=backend, recipe=recipe)
-  impl = backends.resolve(backend, recipe)
+  impl = backends.resolve(backend, recipe, shape=shape, mesh=mesh, expert_axis=expert_axis)
   return impl.moe(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up,
                   w_down, mesh=mesh, expert_axis=expert_axis, recipe=recipe, shape=shape)

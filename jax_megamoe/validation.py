@@ -103,3 +103,10 @@ def _check_ids_if_concrete(topk_ids, num_experts):
   if bad.any():
     raise ValueError(f"topk_ids must be in [0, {num_experts}) or -1 (masked), got "
                      f"{ids[bad].ravel()[:5].tolist()}")
+  if ids.shape[1] > 1:
+    ordered = np.sort(ids, axis=1)
+    repeats = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if repeats.any():
+      token = int(np.nonzero(repeats.any(axis=1))[0][0])
+      raise ValueError(f"topk_ids must hold distinct experts per token (-1 may repeat); token "
+                       f"{token} has {ids[token].tolist()}")

@@ -35,7 +35,8 @@ def traces(monkeypatch):
 def _problem(tokens, seed=0):
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
   x = jax.random.normal(keys[0], (tokens, H))
-  ids = jax.random.randint(keys[1], (tokens, K), 0, E)
+  # Distinct experts per token (as route gives them).
+  ids = jnp.argsort(jax.random.uniform(keys[1], (tokens, E)), axis=1)[:, :K].astype(jnp.int32)
   w = jax.random.uniform(keys[2], (tokens, K))
   gu = 0.3 * jax.random.normal(keys[3], (E, H, 2 * F))
   dn = 0.3 * jax.random.normal(keys[3], (E, F, H))

@@ -101,7 +101,8 @@ def test_validation_messages():
     cuda_ep.expert_parallel_moe(x[:63], ids[:63], w[:63], wgu, wd, mesh=mesh, workspace=small,
                                 mlp=ep_helpers.dense_grouped_mlp)
   with pytest.raises(ValueError, match="experts 7 must divide evenly"):
-    cuda_ep.expert_parallel_moe(x, ids % 7, w, wgu[:7], wd[:7], mesh=mesh, workspace=small,
+    distinct = jnp.tile(jnp.arange(ids.shape[1], dtype=jnp.int32), (ids.shape[0], 1))
+    cuda_ep.expert_parallel_moe(x, distinct, w, wgu[:7], wd[:7], mesh=mesh, workspace=small,
                                 mlp=ep_helpers.dense_grouped_mlp)
   wrong = _fake_workspace(mesh, device_ids=(1, 0))
   with pytest.raises(ValueError, match="created for devices"):

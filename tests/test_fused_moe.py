@@ -20,6 +20,7 @@ from jax.sharding import AxisType
 import jax_megamoe as jm
 from jax_megamoe import virtual_ranks
 from jax_megamoe.backends import fused
+from jax_megamoe.validation import check_layer_args
 import ep_helpers
 
 pytestmark = pytest.mark.gpu
@@ -87,6 +88,11 @@ def _check(layer, args, forward_only=False):
 def test_available_and_picked_by_auto():
   assert fused.unavailable_reason() is None, fused.unavailable_reason()
   assert jm.backends.resolve("auto").NAME == "fused"
+  # A layer the kernel does not take: "auto" picks backend cuda for it.
+  x, ids, w, wgu, wd, _ = _inputs(1, 8, 8, 2)
+  f32 = lambda a: a.astype(jnp.float32)
+  shape = check_layer_args(f32(x), ids, w, f32(wgu), f32(wd))
+  assert jm.backends.resolve("auto", shape=shape).NAME == "cuda"
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, kind", [
@@ -95,6 +101,7 @@ def test_available_and_picked_by_auto():
     (1, 16, 4, "uniform"),       # one token: four 1-row experts, twelve empty
     (513, 16, 4, "one_expert"),  # 513 rows on expert 0, the rest spread
     (200, 16, 2, "sparse"),      # empty experts, one expert with a single row
+    (2500, 40, 4, "masked"),     # 79 chunks and 40 experts: every scan loops more than once
 ])
 def test_one_gpu_matches_reference(tokens, experts, top_k, kind):
   args = _inputs(tokens + experts, tokens, experts, top_k, kind)
@@ -145,6 +152,24 @@ def test_virtual_ranks_match_reference(num_ranks, kind):
   second = _value_and_grads(layer, *args)
   np.testing.assert_array_equal(np.asarray(first[0], np.float32),
                                 np.asarray(second[0], np.float32))
+  ws.close()
+
+
+@pytest.mark.parametrize("num_ranks", [2, 8])
+def test_virtual_consecutive_calls_reuse_both_count_parities(num_ranks):
+  """Three calls in a row with fresh inputs (the routing counts alternate between two buffers
+  across ranks: the third call reuses the first's), each against the reference."""
+  tokens, experts, top_k = 96, 24, 4
+  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=HIDDEN, top_k=top_k,
+                                      dtype=jnp.bfloat16, fused_rows=num_ranks * tokens * top_k)
+  stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+  fwd = jax.jit(lambda x, ids, w, wgu, wd: virtual_ranks.fused_moe(
+      stack(x), stack(ids), stack(w), wgu, wd, workspace=ws).reshape(num_ranks * tokens, -1))
+  for seed in range(3):
+    x, ids, w, wgu, wd, _ = _inputs(900 + seed, num_ranks * tokens, experts, top_k, "masked")
+    err = ep_helpers.rel_err(np.asarray(fwd(x, ids, w, wgu, wd), np.float32),
+                             np.asarray(_reference(x, ids, w, wgu, wd), np.float32))
+    assert err < 1e-2, (seed, err)
   ws.close()
 
 

@@ -17,7 +17,7 @@ def cpu_mesh(shape, axes):
 
 
 def good_args(**overrides):
-  args = dict(x=jnp.ones((T, H)), topk_ids=jnp.zeros((T, K), jnp.int32),
+  args = dict(x=jnp.ones((T, H)), topk_ids=jnp.tile(jnp.arange(K, dtype=jnp.int32), (T, 1)),
               topk_weights=jnp.ones((T, K)), w_gate_up=jnp.ones((E, H, 2 * F)),
               w_down=jnp.ones((E, F, H)))
   args.update(overrides)
@@ -68,7 +68,8 @@ def test_experts_not_divisible_by_expert_axis():
 def test_tokens_not_divisible_by_devices():
   mesh = cpu_mesh((2, 4), ("data", "expert"))
   with pytest.raises(ValueError, match="tokens 12 must divide evenly over the mesh's 8"):
-    jm.moe(**good_args(x=jnp.ones((12, H)), topk_ids=jnp.zeros((12, K), jnp.int32),
+    jm.moe(**good_args(x=jnp.ones((12, H)),
+                       topk_ids=jnp.tile(jnp.arange(K, dtype=jnp.int32), (12, 1)),
                        topk_weights=jnp.ones((12, K))), mesh=mesh)
 
 
@@ -84,6 +85,14 @@ def test_unavailable_backend_says_why(name):
 
 def test_auto_picks_an_available_backend():
   assert backends.unavailable_reason(backends.resolve("auto").NAME) is None
+
+
+def test_repeated_expert_ids_are_named():
+  ids = jnp.tile(jnp.arange(K, dtype=jnp.int32), (T, 1)).at[3, 1].set(0)
+  with pytest.raises(ValueError, match="distinct experts per token .* token 3 has"):
+    jm.moe(**good_args(topk_ids=ids))
+  # -1 (masked) may repeat.
+  jm.moe(**good_args(topk_ids=jnp.full((T, K), -1, jnp.int32).at[:, 0].set(1)))
 
 
 def test_out_of_range_ids_under_jit_are_masked():

@@ -30,6 +30,20 @@ __device__ __forceinline__ void AddReleaseSys(unsigned long long* p, unsigned lo
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+__device__ __forceinline__ void StoreReleaseSys(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned int LoadAcquireGpu(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreReleaseGpu(unsigned int* p, unsigned int v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ unsigned long long GlobalTimerNs() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -41,12 +55,14 @@ __device__ __forceinline__ unsigned long long GlobalTimerNs() {
 // kernel parameter's address would copy the whole view to local memory in every kernel.
 __device__ __forceinline__ bool RecordTimeout(ErrorRecord* e, unsigned int* claim, int rank,
                                               int stage, int peer, unsigned long long value,
-                                              unsigned long long expected, long long waited_ns) {
+                                              unsigned long long expected, long long waited_ns,
+                                              int index = -1) {
   if (atomicCAS(claim, 0u, 1u) != 0u) return false;
   if (e != nullptr) {
     e->rank = rank;
     e->stage = stage;
     e->peer = peer;
+    e->index = index;
     e->value = value;
     e->expected = expected;
     e->waited_ns = waited_ns;
@@ -72,9 +88,11 @@ static __device__ __noinline__ void ReportTimeout(ErrorRecord* e, unsigned int* 
 // Spins until *addr >= expected (acquire, system scope). False on timeout or when this rank has
 // already recorded an error (the caller then skips its work; the handler reports the error).
 // kPrint = false: the timeout is recorded without a printf (for kernels with wgmma).
+// `index` names which counter of the stage (reported; -1 when the stage has one per peer).
 template <bool kPrint = true>
 __device__ __forceinline__ bool WaitAtLeast(const PeerView& v, const unsigned long long* addr,
-                                            unsigned long long expected, int stage, int peer) {
+                                            unsigned long long expected, int stage, int peer,
+                                            int index = -1) {
   unsigned long long cur = LoadAcquireSys(addr);
   if (cur >= expected) return true;
   const unsigned long long start = GlobalTimerNs();
@@ -89,7 +107,7 @@ __device__ __forceinline__ bool WaitAtLeast(const PeerView& v, const unsigned lo
                         expected, waited);
         } else {
           RecordTimeout(v.error, &v.signals(v.rank)->error_claim, v.rank, stage, peer, cur,
-                        expected, waited);
+                        expected, waited, index);
         }
         return false;
       }

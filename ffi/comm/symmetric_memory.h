@@ -132,6 +132,8 @@ struct ErrorRecord {
   unsigned long long value;     // counter value seen last
   unsigned long long expected;  // value waited for
   long long waited_ns;
+  int index;  // which counter of the stage (the fused kernel's pool M-block), -1 when one
+  int pad;
 };
 
 // Everything a kernel needs to reach its group's workspaces. Passed by value.
@@ -151,6 +153,14 @@ struct PeerView {
 #endif
   SignalArea* signals(int r) const {
     return reinterpret_cast<SignalArea*>(base[r] + layout.signals);
+  }
+
+  // Rank r's fused-kernel signals (a workspace with fused regions).
+#ifdef __CUDACC__
+  __host__ __device__
+#endif
+  FusedSignals* fused_signals(int r) const {
+    return reinterpret_cast<FusedSignals*>(base[r] + layout.fsig);
   }
 };
 

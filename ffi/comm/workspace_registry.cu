@@ -141,14 +141,20 @@ std::string DescribeError(const PeerView& view) {
   if (e == nullptr) return "";
   const int code = *reinterpret_cast<const volatile int*>(&e->code);
   if (code == 0) return "";
-  char buf[640];
+  // What it waited on: one peer, or a counter of a pool block (StageName says which).
+  char whom[64];
+  if (e->peer >= 0) {
+    std::snprintf(whom, sizeof(whom), "peer rank %d", e->peer);
+  } else {
+    std::snprintf(whom, sizeof(whom), "pool block %d", e->index);
+  }
+  char buf[700];
   std::snprintf(buf, sizeof(buf),
-                "jax_megamoe EP: rank %d timed out after %.3f s in %s, on peer rank %d: "
-                "counter %llu, expected >= %llu. The EP group is out of step (a peer crashed, "
-                "ran a different program, or the timeout is too short: MEGAMOE_EP_TIMEOUT_S); "
-                "this workspace cannot be used again: recreate it.",
-                e->rank, e->waited_ns * 1e-9, StageName(e->stage), e->peer, e->value,
-                e->expected);
+                "jax_megamoe EP: rank %d timed out after %.3f s in %s, on %s: counter %llu, "
+                "expected >= %llu. The EP group is out of step (a peer crashed, ran a different "
+                "program, or the timeout is too short: MEGAMOE_EP_TIMEOUT_S); this workspace "
+                "cannot be used again: recreate it.",
+                e->rank, e->waited_ns * 1e-9, StageName(e->stage), whom, e->value, e->expected);
   return buf;
 }
 

@@ -55,7 +55,9 @@
 // Synchronisation (mbarriers + two named barriers):
 //   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps)
 //   job_full/job_empty     the job ring, producer -> 8 math warps + signaller
-//   stored[2]              a tile's stores issued, 256 math threads -> signaller
+//   stored[kJobSlots]      a tile's stores issued, 256 math threads -> signaller, one per job
+//                          slot: the signaller frees the slot (job_empty) only after the tile's
+//                          tile_done, so the math warps can never lap a stored barrier
 //   named barrier 1 (256)  both warpgroups done reading the tile's stages (before staging)
 //   named barrier 2, 3     per warpgroup: staging written (before the row reads)
 // The ring's counters run on across tiles, so the producer loads tile i+1 while the consumers
@@ -270,7 +272,7 @@ struct Sm90MoeTileEngine {
     int32_t row_src[kBlockM];  // kCpAsyncRows: source row of each tile row (producer only)
     __nv_bfloat16* row_dst[kBlockM];  // destination of each tile row (consumers; null = skip)
     uint64_t full[kStages], empty[kStages];
-    uint64_t stored[2];
+    uint64_t stored[kJobSlots];
     uint64_t job_full[kJobSlots], job_empty[kJobSlots];
   };
 
@@ -282,7 +284,7 @@ struct Sm90MoeTileEngine {
       Barrier::init(&ss.full[s], 32);  // one arrival per producer lane (+ TMA bytes)
       Barrier::init(&ss.empty[s], kMathThreads / 32);
     }
-    for (int b = 0; b < 2; ++b) Barrier::init(&ss.stored[b], kMathThreads);
+    for (int j = 0; j < kJobSlots; ++j) Barrier::init(&ss.stored[j], kMathThreads);
     for (int j = 0; j < kJobSlots; ++j) {
       Barrier::init(&ss.job_full[j], 1);
       Barrier::init(&ss.job_empty[j], kMathThreads / 32 + 1);
@@ -400,7 +402,7 @@ struct Sm90MoeTileEngine {
     const int warp_in_wg = t >> 5;
     const int lane = t & 31;
     float acc[128];
-    uint32_t it = 0, jn = 0, tn = 0;
+    uint32_t it = 0, jn = 0;
     // Fragment writes: rows warp_in_wg * 16 + lane / 4 (+ 8), row % 8 = lane / 4.
     const uint32_t frag_off = uint32_t(warp_in_wg * 16 + (lane >> 2)) * kSlotRowBytes +
                               uint32_t(lane & 3) * 4;
@@ -608,8 +610,7 @@ struct Sm90MoeTileEngine {
         __syncwarp();
         if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);
       }
-      Barrier::arrive(&ss.stored[tn & 1]);
-      ++tn;
+      Barrier::arrive(&ss.stored[slot]);
     }
   }
 
@@ -617,22 +618,25 @@ struct Sm90MoeTileEngine {
   template <class Params, class Hooks>
   __device__ static void signaller(SharedStorage& ss, const Params& p, const Hooks& hooks) {
     const int lane = threadIdx.x & 31;
-    uint32_t jn = 0, tn = 0;
+    uint32_t jn = 0;
     while (true) {
       const int slot = jn % kJobSlots;
-      Barrier::wait(&ss.job_full[slot], (jn / kJobSlots) & 1);
+      const uint32_t phase = (jn / kJobSlots) & 1;
+      Barrier::wait(&ss.job_full[slot], phase);
       const ExpertTile job = ss.jobs[slot];
       __syncwarp();
-      if (lane == 0) Barrier::arrive(&ss.job_empty[slot]);
       ++jn;
-      if (job.kind < 0) break;
-      Barrier::wait(&ss.stored[tn & 1], (tn >> 1) & 1);
-      ++tn;
-      if (lane == 0) {
-        detail::store_fence<Hooks::kStoreFence>();
-        hooks.tile_done(job);
+      if (job.kind >= 0) {
+        Barrier::wait(&ss.stored[slot], phase);
+        if (lane == 0) {
+          detail::store_fence<Hooks::kStoreFence>();
+          hooks.tile_done(job);
+        }
+        __syncwarp();
       }
-      __syncwarp();
+      // The slot is free once its tile is signalled (see stored[] above).
+      if (lane == 0) Barrier::arrive(&ss.job_empty[slot]);
+      if (job.kind < 0) break;
     }
   }
 

@@ -84,7 +84,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   if (orows.dims[0] != T || orows.dims[1] != K || odest.dims[0] != T || odest.dims[1] != K)
     return Fail("slot_rows and slot_dest must be [T, k] per rank");
   if (ost.dims[0] != 4) return Fail("stats must be [4] per rank");
-  if (oph.dims[0] != kFusedPhases) return Fail("phases must be [8] per rank");
+  if (oph.dims[0] != kFusedPhases)
+    return Fail("phases must be [" + n(kFusedPhases) + "] per rank");
   const FusedForwardProblem problem{static_cast<int>(T), static_cast<int>(H),
                                     static_cast<int>(F), static_cast<int>(K),
                                     static_cast<int>(num_experts), static_cast<int>(n_cap),
@@ -112,23 +113,20 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
 namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeFusedMoeFwd, megamoe::fused::FusedMoeFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("workspace_id")
-                                  .Attr<int64_t>("num_experts")
+                              megamoe::ep::EpAttributes(
+                                  megamoe::ep::EpContext()
+                                      .Arg<ffi::AnyBuffer>()  // x
+                                      .Arg<ffi::Buffer<ffi::S32>>()  // topk_ids
+                                      .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights
+                                      .Arg<ffi::AnyBuffer>()  // w_gate_up
+                                      .Arg<ffi::AnyBuffer>()  // w_down
+                                      .Ret<ffi::AnyBuffer>()  // y
+                                      .Ret<ffi::AnyBuffer>()  // h (scratch)
+                                      .Ret<ffi::Buffer<ffi::S32>>()  // chunk_counts (scratch)
+                                      .Ret<ffi::Buffer<ffi::S32>>()  // slot_rows (scratch)
+                                      .Ret<ffi::Buffer<ffi::S32>>()  // slot_dest (scratch)
+                                      .Ret<ffi::Buffer<ffi::S32>>()  // stats
+                                      .Ret<ffi::Buffer<ffi::S32>>())  // phases
                                   .Attr<int64_t>("n_cap")
                                   .Attr<int64_t>("max_ctas"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -29,7 +29,9 @@ __global__ void __launch_bounds__(kSendThreads)
   const int region = kRegionDispatch;
   const WorkspaceLayout& L = v.layout;
   const unsigned long long uses = LoadUses(v, region);
-  if (!BlockWaitConsumed(v, region, op, uses)) return;
+  // A rank whose wait failed (now or earlier) sends nothing: its peers then time out and poison
+  // their outputs instead of reading stale slots as if they were this call's.
+  if (!BlockWaitConsumed(v, region, op, uses) || BlockRankFailed(v)) return;
 
   const int lane = threadIdx.x & 31;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;

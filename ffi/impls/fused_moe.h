@@ -51,7 +51,8 @@ std::string FusedForwardUnsupported(const FusedForwardProblem& p, const ep::Work
 int64_t FusedChunkCountInts(int64_t num_tokens, int64_t num_experts);
 
 // Launches the kernel for `count` local ranks (rank `absent` of a virtual group is left out:
-// tests of the timeout path). "" on success, else what failed.
+// tests of the timeout path), for a problem FusedForwardUnsupported accepts (the handler checks
+// it). "" on success, else what failed.
 std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int absent,
                                const FusedForwardProblem& problem, cudaStream_t stream);
 

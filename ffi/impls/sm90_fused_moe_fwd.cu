@@ -176,11 +176,13 @@ struct TileHooks {
 
   __device__ __forceinline__ void wait_rows_ready(const ExpertTile& t) const {
     if (t.kind == sm90::kL1GateUp) {
-      ep::WaitAtLeast<false>(*view, rows_arrived + t.mb_global, static_cast<unsigned long long>(t.rows),
-                      ep::kStageFusedRows, -1);
+      ep::WaitAtLeast<false>(*view, rows_arrived + t.mb_global,
+                             static_cast<unsigned long long>(t.rows), ep::kStageFusedRows, -1,
+                             t.mb_global);
     } else {
-      ep::WaitAtLeast<false>(*view, l1_done + t.mb_global, static_cast<unsigned long long>(l1_blocks_n),
-                      ep::kStageFusedL1, -1);
+      ep::WaitAtLeast<false>(*view, l1_done + t.mb_global,
+                             static_cast<unsigned long long>(l1_blocks_n), ep::kStageFusedL1, -1,
+                             t.mb_global);
     }
   }
   __device__ __forceinline__ void tile_done(const ExpertTile& t) const {
@@ -224,10 +226,6 @@ __device__ __forceinline__ unsigned ChunkMasks(const int32_t* __restrict__ ids, 
   return repeated;
 }
 
-__device__ __forceinline__ void FenceProxyAsyncGlobal() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
 // ------------------------------------------------------------------------ the kernel
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -240,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const ep::WorkspaceLayout& L = v.layout;
   FusedSmem& S = Smem();
   RoutingScratch& RS = *reinterpret_cast<RoutingScratch*>(&S.engine.a[0][0]);
-  ep::FusedSignals* sig = ep::FusedSignalsOf(v, v.rank);
+  ep::FusedSignals* sig = v.fused_signals(v.rank);
 
   const int G = P.ctas_per_rank, T = P.num_tokens, K = P.top_k, E = P.num_experts;
   const int H = P.hidden, F = P.ffn, n_cap = P.n_cap;
@@ -303,8 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   ep::RankBarrier(v, G);
   if (cta == 0 && threadIdx.x == 0) {
     __threadfence_system();
-    for (int q = 0; q < R; ++q) ep::StoreReleaseSys(&ep::FusedSignalsOf(v, q)->counts_ready[me],
-                                                    epoch + 1);
+    for (int q = 0; q < R; ++q) ep::StoreReleaseSys(&v.fused_signals(q)->counts_ready[me], epoch + 1);
   }
   if (threadIdx.x == 0) {
     for (int s = 0; s < R; ++s) {
@@ -314,7 +311,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  __syncthreads();
+  // A rank whose wait failed (here or in an earlier call) sends nothing and computes no tile:
+  // its peers' waits on it then time out and poison their outputs too. (Decided per CTA; the
+  // barriers below stay matched whatever each CTA decides.)
+  const bool routed = !ep::BlockRankFailed(v);
   mark(2);
 
   // ---- 3 layout, from counts[s][e] (every source's totals).
@@ -387,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   // ---- 4 dispatch. (a) every slot's pool row at its expert rank and row in this rank's comb.
-  int repeated_here = 0, dropped_here = 0;
+  int repeated_here = 0;
   for (int chunk = gwarp; chunk < n_chunks; chunk += nwarps) {
     const unsigned repeated = ChunkMasks(A.ids, chunk, T, K, E, mask, lane);
     const int t = chunk * kChunk + lane;
@@ -404,11 +404,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int within = __ldcg(A.chunk_counts + static_cast<size_t>(e) * n_chunks + chunk) +
                                __popc(mask[e] & lower);
             const int p = RS.dst_base[e] + within;
-            if (p < n_cap) {
+            if (p < n_cap) {  // else dropped: the expert rank reports its overflow (stats)
               dest = p;
               comb = RS.my_prefix[e] + within;
-            } else {
-              ++dropped_here;
             }
           }
         }
@@ -419,48 +417,41 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
   }
   if (repeated_here) atomicAdd(A.stats + 3, repeated_here);
-  if (dropped_here) atomicOr(A.stats + 2, 1);
   ep::RankBarrier(v, G);
   mark(3);
 
   // (b) each token's row, read once, written to the pool row of each of its slots; then the
   // arrival of those rows counted on their M-blocks (release after the warp's stores).
   const int nvec = H * static_cast<int>(sizeof(__nv_bfloat16)) / 16;
-  for (int t = gwarp; t < T; t += nwarps) {
+  for (int t = routed ? gwarp : T; t < T; t += nwarps) {
     const size_t s0 = static_cast<size_t>(t) * K;
     const int p_j = lane < K ? __ldcg(A.slot_dest + s0 + lane) : -1;
     const int e_j = lane < K ? __ldg(A.ids + s0 + lane) : -1;
     const unsigned valid = __ballot_sync(0xffffffffu, p_j >= 0);
     if (valid == 0u) continue;
     const uint4* src = reinterpret_cast<const uint4*>(A.x + static_cast<size_t>(t) * H);
-    for (int c0 = 0; c0 < nvec; c0 += 32 * kCopyUnroll) {
-      uint4 buf[kCopyUnroll];
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
-        const int c = c0 + u * 32 + lane;
-        if (c < nvec) buf[u] = __ldg(src + c);
-      }
-      for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
-        const int j = __ffs(bits) - 1;
-        const int p = __shfl_sync(0xffffffffu, p_j, j);
-        const int q = __shfl_sync(0xffffffffu, e_j, j) / El;
-        uint4* dst = reinterpret_cast<uint4*>(v.base[q] + L.fpool) + static_cast<size_t>(p) * nvec;
-#pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-          const int c = c0 + u * 32 + lane;
-          if (c < nvec) dst[c] = buf[u];
-        }
-      }
-    }
+    ep::WarpCopyRow<kCopyUnroll>(
+        nvec, [&](int c) { return __ldg(src + c); },
+        [&](auto&& store) {
+          for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
+            const int j = __ffs(bits) - 1;
+            const int p = __shfl_sync(0xffffffffu, p_j, j);
+            const int q = __shfl_sync(0xffffffffu, e_j, j) / El;
+            store(reinterpret_cast<uint4*>(v.base[q] + L.fpool) + static_cast<size_t>(p) * nvec);
+          }
+        });
     __syncwarp();
-    FenceProxyAsyncGlobal();  // the rows are read by TMA (async proxy) on the expert rank
+    sm90::detail::fence_proxy_async_global();  // the rows are read by TMA on the expert rank
     if (p_j >= 0) {
       const int q = e_j / El;
       const int mb = RS.owner_mblock[e_j] + (p_j - RS.owner_offset[e_j]) / Engine::kBlockM;
       ep::AddReleaseSys(reinterpret_cast<unsigned long long*>(v.base[q] + L.ftiles) + mb, 1ull);
     }
   }
-  __syncthreads();  // the stage ring is the engine's from here
+  // The stage ring is the engine's from here: its generic (routing) accesses are ordered before
+  // the TMA writes that refill it (async proxy).
+  cutlass::arch::fence_view_async_shared();
+  __syncthreads();
   mark(4);
 
   // ---- 5 GEMMs on the tile engine.
@@ -475,8 +466,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       sched.walk.num_experts = El;
       sched.tile = cta;
       sched.stride = G;
-      sched.l1_tiles = S.total_blocks * l1_n;
-      sched.l2_tiles = S.total_blocks * l2_n;
+      sched.l1_tiles = routed ? S.total_blocks * l1_n : 0;
+      sched.l2_tiles = routed ? S.total_blocks * l2_n : 0;
       sched.l1_blocks_n = l1_n;
       sched.l2_blocks_n = l2_n;
       const TileHooks hooks{&v, rows_arrived, l1_done, l1_n};
@@ -495,10 +486,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- 6 results: every result of this rank's tiles is stored; tell the sources, wait for ours.
   ep::RankBarrier(v, G);
   mark(5);
-  if (cta == 0 && threadIdx.x == 0) {
+  if (cta == 0 && threadIdx.x == 0 && !ep::RankFailed(v)) {
     __threadfence_system();
     for (int q = 0; q < R; ++q) {
-      ep::StoreReleaseSys(&ep::FusedSignalsOf(v, q)->results_ready[me], epoch + 1);
+      ep::StoreReleaseSys(&v.fused_signals(q)->results_ready[me], epoch + 1);
     }
   }
   if (threadIdx.x == 0) {
@@ -591,8 +582,8 @@ std::string FusedForwardUnsupported(const FusedForwardProblem& p, const ep::Work
       p.num_experts > kFusedMaxExperts)
     return "num_experts " + num(p.num_experts) + " must be a multiple of the " + num(num_ranks) +
            " ranks and at most " + num(kFusedMaxExperts);
-  if (static_cast<int64_t>(p.num_tokens) * p.top_k > (int64_t{1} << 31) - 1)
-    return "tokens * top_k overflows int32";
+  if (static_cast<int64_t>(num_ranks) * p.num_tokens * p.top_k > (int64_t{1} << 31) - 1)
+    return "ranks * tokens * top_k overflows int32 (pool positions)";
   return "";
 }
 
@@ -600,11 +591,14 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
                                const FusedForwardProblem& p, cudaStream_t stream) {
   if (count < 1 || count > kMaxRanks) return "bad number of local ranks " + std::to_string(count);
   const ep::WorkspaceLayout& L = ranks[0].view->layout;
-  if (std::string why = FusedForwardUnsupported(p, L, ranks[0].view->num_ranks); !why.empty())
-    return why;
-  int device = 0, sms = 0;
+  int device = 0, sms = 0, major = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (major != 9) {
+    return "the fused kernel is sm_90a only (wgmma, TMA); device " + std::to_string(device) +
+           " has compute capability " + std::to_string(major) + ".x";
+  }
   // max_ctas > 0: at most that many; <= 0: every SM but -max_ctas (room for other kernels).
   const int budget = p.max_ctas > 0 ? std::min(p.max_ctas, sms) : sms + p.max_ctas;
   const int per_rank = budget / count;

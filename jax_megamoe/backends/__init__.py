@@ -3,6 +3,8 @@
 A backend is a module with
   NAME: str
   unavailable_reason(recipe) -> str | None    why it cannot run here, None when it can
+  auto_reason(shape, mesh, expert_axis)       (optional) why "auto" should not pick it for this
+                                              layer although it can run (None: pick it)
   moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, recipe, shape)
                                               the layer; arguments already validated once by
                                               jax_megamoe.moe (`shape`: validation.LayerShape;
@@ -50,14 +52,21 @@ def unavailable_reason(name: str, recipe: str | None = None) -> str | None:
   return reason if module is None else module.unavailable_reason(recipe)
 
 
-def resolve(name: str, recipe: str | None = None) -> ModuleType:
-  """The backend module for `name` ("auto" picks the best available one for `recipe`)."""
+def resolve(name: str, recipe: str | None = None, *, shape=None, mesh=None,
+            expert_axis: str = "expert") -> ModuleType:
+  """The backend module for `name` ("auto" picks the best available one for `recipe` and, when
+  `shape` (validation.LayerShape) is given, for that layer on `mesh`)."""
   if name not in NAMES:
     raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
   if name == "auto":
     for candidate in _MODULES:
-      if unavailable_reason(candidate, recipe) is None:
-        return _load(candidate)[0]
+      if unavailable_reason(candidate, recipe) is not None:
+        continue
+      module = _load(candidate)[0]
+      if shape is not None and hasattr(module, "auto_reason"):
+        if module.auto_reason(shape, mesh, expert_axis) is not None:
+          continue
+      return module
     raise AssertionError("the reference backend is always available")
   reason = unavailable_reason(name, recipe)
   if reason is not None:

@@ -81,6 +81,18 @@ def layer_unavailable_reason(shape: LayerShape) -> str | None:
   return None
 
 
+def auto_reason(shape: LayerShape, mesh, expert_axis: str) -> str | None:
+  """Why backend "auto" should not pick "fused" for this layer (None: pick it): layers the kernel
+  does not take, and EP across GPUs, which has not run on two GPUs yet (backend="fused" still
+  runs it on request)."""
+  reason = layer_unavailable_reason(shape)
+  if reason is not None:
+    return reason
+  if mesh is not None and shape.ep_size > 1:
+    return "the fused kernel has not been run across GPUs yet (EP > 1); backend 'cuda' serves it"
+  return None
+
+
 def max_ctas(spans_gpus: bool) -> int:
   """The launch's CTA budget attribute: > 0 at most that many, <= 0 every SM but -value."""
   env = os.environ.get("MEGAMOE_FUSED_MAX_CTAS")
@@ -190,7 +202,9 @@ def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
 
 
 def _local_workspace(shape: LayerShape, n_cap: int) -> symmetric.SymmetricWorkspace:
-  """A one-rank workspace on every local GPU (whichever device XLA runs the call on)."""
+  """A one-rank workspace on every local GPU (whichever device XLA runs the call on: the fused
+  regions, ~1 GB at the 30B shape, are then allocated on each GPU of the process; with several
+  GPUs give a mesh, or free them with symmetric.close_all())."""
   gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
   mesh = Mesh(np.array(gpus).reshape(-1, 1), ("data", "expert"))
   return symmetric.workspace_for(mesh, "expert", max_tokens=shape.tokens, hidden=shape.hidden,
