@@ -95,15 +95,21 @@ class MoE(nnx.Module):
     if x.ndim == 0 or x.shape[-1] != self.hidden_size:
       raise ValueError(f"x's last axis must be hidden_size={self.hidden_size}, got shape "
                        f"{x.shape}")
-    lead = x.shape[:-1]
-    tokens = x.reshape(-1, self.hidden_size)
-    logits = tokens.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
-    topk_weights, topk_ids, aux = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
-    y = moe(tokens.astype(self.dtype), topk_ids, topk_weights,
-            self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),
-            mesh=self.mesh, expert_axis=self.expert_axis, backend=self.backend,
-            recipe=self.recipe)
-    y = y.reshape(*lead, self.hidden_size)
+    # Named scopes ("moe/router", "moe/experts") let step profiles attribute device time
+    # (benchmarks/profile_step.py).
+    with jax.named_scope("moe"):
+      lead = x.shape[:-1]
+      tokens = x.reshape(-1, self.hidden_size)
+      with jax.named_scope("router"):
+        logits = tokens.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        topk_weights, topk_ids, aux = route(logits, self.top_k,
+                                            norm_topk_prob=self.norm_topk_prob)
+      with jax.named_scope("experts"):
+        y = moe(tokens.astype(self.dtype), topk_ids, topk_weights,
+                self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),
+                mesh=self.mesh, expert_axis=self.expert_axis, backend=self.backend,
+                recipe=self.recipe)
+      y = y.reshape(*lead, self.hidden_size)
     return (y, aux) if return_aux else y
 
 

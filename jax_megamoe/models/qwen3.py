@@ -57,6 +57,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
 
+  @jax.named_scope("rms_norm")
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
@@ -72,6 +73,7 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float
   return jnp.cos(angles), jnp.sin(angles)
 
 
+@jax.named_scope("rope")
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """x [B, S, N, D]; cos, sin [B or 1, S, D]. Rotates the two halves of D (not interleaved)."""
   half = x.shape[-1] // 2
@@ -107,17 +109,22 @@ class Attention(nnx.Module):
     self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
     self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
 
+  @jax.named_scope("attention")
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     batch, seq, _ = x.shape
-    q = self.q_norm(self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim))
-    k = self.k_norm(self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))
-    v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+    with jax.named_scope("qkv_proj"):
+      q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim)
+      k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+      v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+    q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Handles GQA itself. "xla" materialises the [S, S] scores; "cudnn" is flash attention
     # (GPU, bf16/fp16 only).
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                       implementation=self.implementation)
-    return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+    with jax.named_scope("core"):
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                         implementation=self.implementation)
+    with jax.named_scope("out_proj"):
+      return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
 
 
 class DenseMlp(nnx.Module):
@@ -131,6 +138,7 @@ class DenseMlp(nnx.Module):
     self.up_proj = _linear(h, f, **kw)
     self.down_proj = _linear(f, h, **kw)
 
+  @jax.named_scope("dense_mlp")
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -219,9 +227,10 @@ class Qwen3Moe(nnx.Module):
     if positions is None:
       positions = jnp.arange(seq, dtype=jnp.int32)
     positions = jnp.broadcast_to(positions, (1, seq) if positions.ndim == 1 else positions.shape)
-    cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-
-    x = self._shard_batch(self.embed(input_ids))
+    with jax.named_scope("rope"):
+      cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+    with jax.named_scope("embed"):
+      x = self._shard_batch(self.embed(input_ids))
     run_layer = _run_layer
     if self.remat != "none":
       run_layer = nnx.remat(_run_layer, policy=REMAT_POLICIES[self.remat])
@@ -233,8 +242,12 @@ class Qwen3Moe(nnx.Module):
         auxes.append(aux)
 
     x = self.final_norm(x)
-    out = x if return_hidden else jnp.einsum("bsh,hv->bsv", x, self.head().astype(x.dtype),
-                                             preferred_element_type=jnp.float32)
+    if return_hidden:
+      out = x
+    else:
+      with jax.named_scope("lm_head"):
+        out = jnp.einsum("bsh,hv->bsv", x, self.head().astype(x.dtype),
+                         preferred_element_type=jnp.float32)
     if not return_aux:
       return out
     if not auxes:  # a model without MoE layers: empty statistics, still well-typed
