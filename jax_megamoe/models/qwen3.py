@@ -83,10 +83,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _linear(in_features: int, out_features: int, *, config: Qwen3MoeConfig, dtype: Any,
-            param_dtype: Any, rngs: nnx.Rngs, **kwargs: Any) -> nnx.Linear:
+            param_dtype: Any, rngs: nnx.Rngs, std: float | None = None,
+            **kwargs: Any) -> nnx.Linear:
+  """A bias-free linear layer drawn from N(0, std^2) (default config.init_std)."""
+  std = config.init_std if std is None else std
   return nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype,
                     param_dtype=param_dtype, rngs=rngs,
-                    kernel_init=nnx.initializers.normal(config.init_std), **kwargs)
+                    kernel_init=nnx.initializers.normal(std), **kwargs)
 
 
 class Attention(nnx.Module):
@@ -105,7 +108,7 @@ class Attention(nnx.Module):
     self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, **kw)
     self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, **kw)
     self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, **kw)
-    self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, **kw)
+    self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, std=c.output_init_std, **kw)
     self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
     self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
 
@@ -136,7 +139,7 @@ class DenseMlp(nnx.Module):
     h, f = config.hidden_size, config.dense_ffn_size
     self.gate_proj = _linear(h, f, **kw)
     self.up_proj = _linear(h, f, **kw)
-    self.down_proj = _linear(f, h, **kw)
+    self.down_proj = _linear(f, h, std=config.output_init_std, **kw)
 
   @jax.named_scope("dense_mlp")
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -157,7 +160,7 @@ class DecoderLayer(nnx.Module):
     if self.is_moe:
       self.mlp = MoE(c.hidden_size, c.moe_ffn_size, c.num_experts, c.top_k, rngs=rngs,
                      norm_topk_prob=c.norm_topk_prob, dtype=dtype, param_dtype=param_dtype,
-                     **moe_kwargs)
+                     init_std=c.init_std, down_init_std=c.output_init_std, **moe_kwargs)
     else:
       self.mlp = DenseMlp(c, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -176,7 +179,9 @@ class Qwen3Moe(nnx.Module):
 
   Args:
     config: shapes (Qwen3MoeConfig; see get_config).
-    rngs: parameter initialisation (every weight N(0, config.init_std^2), norms one).
+    rngs: parameter initialisation: weights N(0, config.init_std^2), the embedding
+      N(0, config.embedding_init_std^2), the residual branches' last projections
+      N(0, config.output_init_std^2), norms one.
     dtype: compute dtype (bfloat16 for training, float32 for exact comparisons).
     param_dtype: storage dtype of the parameters (float32 master weights).
     backend, recipe: passed to every jax_megamoe.MoE layer.
@@ -201,7 +206,8 @@ class Qwen3Moe(nnx.Module):
     self.remat = remat
     c = config
     self.embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=param_dtype,
-                           embedding_init=nnx.initializers.normal(c.init_std), rngs=rngs)
+                           embedding_init=nnx.initializers.normal(c.embedding_init_std),
+                           rngs=rngs)
     moe_kwargs = dict(backend=backend, recipe=recipe, mesh=mesh, expert_axis=expert_axis)
     self.layers = nnx.List([
         DecoderLayer(c, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
