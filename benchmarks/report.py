@@ -107,8 +107,9 @@ def profile_markdown(result: dict) -> str:
                  f"{meta.get('remat')}, EP={meta.get('ep')}, data {meta.get('data')}")
   lines.append(f"- trace: {p['steps']} steps of module `{p['module']}` on "
                f"{len(p['devices'])} {p['platform']} device(s), mean over devices"
-               + ("" if p["hlo_known"] else "; no HLO text: classified by kernel names and "
-                                            "annotations only"))
+               + (f"; {p['hlo_matched_share']:.0%} of the kernel time matched to its HLO "
+                  f"instruction" if p["hlo_known"] else "; no HLO text: classified by kernel "
+                                                        "names and annotations only"))
   if meta.get("command_buffers") == "off":
     lines.append("- XLA command buffers (CUDA graphs) were off so that every kernel carries "
                  "its HLO op")

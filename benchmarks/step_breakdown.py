@@ -12,6 +12,7 @@ streams, counted in two rows). Then the mean over devices, per step:
 from __future__ import annotations
 
 import collections
+import re
 import statistics
 
 from benchmarks import step_categories
@@ -19,6 +20,7 @@ from benchmarks.hlo_ops import HloModuleInfo
 from benchmarks.trace_events import DeviceEvent, Trace
 
 TOP_KERNELS = 25
+_KERNEL_SUFFIX = re.compile(r"_(\d+)$")
 
 
 def breakdown(trace: Trace, hlo: dict[str, HloModuleInfo] | None = None, *,
@@ -26,7 +28,8 @@ def breakdown(trace: Trace, hlo: dict[str, HloModuleInfo] | None = None, *,
   """The profile of the module that ran the step (default: the one with the most device
   time) as a JSON-able dict: rows (label, category, ms per step, share of the step, kernels
   per step, GEMM ms), step_ms, idle/overlap, GEMM, attention and optimizer time, the share
-  outside them, the top kernels and what was left out (other modules)."""
+  outside them, the top kernels, what was left out (other modules) and hlo_matched_share (the
+  kernel time whose HLO instruction was found: the rest is placed by kernel name alone)."""
   hlo = hlo or {}
   if not trace.events:
     raise ValueError(f"trace {trace.path!r} has no device events (was anything run on the "
@@ -42,6 +45,8 @@ def breakdown(trace: Trace, hlo: dict[str, HloModuleInfo] | None = None, *,
                      f"{sorted(m for m in by_module if m)}")
   events = [e for e in trace.events if e.hlo_module == module]
   info = hlo.get(module) if module else None
+  if info is None and len(hlo) == 1:  # events without module names, one module's HLO given
+    info = next(iter(hlo.values()))
   steps = steps or _count_steps(events)
   if steps < 1:
     raise ValueError(f"steps must be >= 1, got {steps}")
@@ -52,6 +57,7 @@ def breakdown(trace: Trace, hlo: dict[str, HloModuleInfo] | None = None, *,
   window = statistics.fmean(t["window_ns"] for t in per_device) / steps
   busy = statistics.fmean(t["busy_ns"] for t in per_device) / steps
   kernel = sum(r["ns"] for r in rows)
+  matched = statistics.fmean(t["matched_ns"] for t in per_device) / steps
   gemm = sum(r["gemm_ns"] for r in rows)
   attention = sum(r["ns"] - r["gemm_ns"] for r in rows if r["category"] == "attention")
   optimizer = sum(r["ns"] - r["gemm_ns"] for r in rows if r["category"] == "optimizer")
@@ -69,7 +75,9 @@ def breakdown(trace: Trace, hlo: dict[str, HloModuleInfo] | None = None, *,
   other_modules = {m or "(no module)": ms(t) for m, t in by_module.items() if m != module}
   return dict(
       platform=trace.platform, trace=trace.path, module=module, steps=steps,
-      devices=devices, hlo_known=info is not None, step_ms=ms(window), busy_ms=ms(busy),
+      devices=devices, hlo_known=info is not None,
+      hlo_matched_share=matched / kernel if kernel else 0.0, step_ms=ms(window),
+      busy_ms=ms(busy),
       kernel_ms=ms(kernel), gemm_ms=ms(gemm), attention_ms=ms(attention),
       optimizer_ms=ms(optimizer), outside_gemm_attention_optimizer_ms=ms(outside),
       outside_gemm_attention_optimizer_share=share(outside), rows=table,
@@ -119,13 +127,14 @@ def _busy_ns(events: list[DeviceEvent]) -> float:
 def _device_totals(events: list[DeviceEvent], info: HloModuleInfo | None) -> dict:
   totals = collections.defaultdict(lambda: dict(ns=0.0, gemm_ns=0.0, count=0))
   kernels = collections.defaultdict(lambda: dict(ns=0.0, count=0))
-  places = {}
+  places, matched_ns = {}, 0.0
   for e, own in zip(events, _self_times(events)):
     key = (e.name, e.hlo_op, e.scope)
     if key not in places:
-      op = info.ops.get(e.hlo_op) if info is not None and e.hlo_op else None
-      places[key] = step_categories.place(e.name, op, e.scope)
-    placement = places[key]
+      op = _instruction(info, e)
+      places[key] = (step_categories.place(e.name, op, e.scope), op is not None)
+    placement, matched = places[key]
+    matched_ns += own if matched else 0.0
     row = totals[(placement.category, placement.label)]
     row["ns"] += own
     row["gemm_ns"] += own if placement.gemm else 0.0
@@ -134,7 +143,19 @@ def _device_totals(events: list[DeviceEvent], info: HloModuleInfo | None) -> dic
     kernel["ns"] += own
     kernel["count"] += 1
   window = max(e.end_ns for e in events) - min(e.start_ns for e in events)
-  return dict(rows=totals, kernels=kernels, window_ns=window, busy_ns=_busy_ns(events))
+  return dict(rows=totals, kernels=kernels, window_ns=window, busy_ns=_busy_ns(events),
+              matched_ns=matched_ns)
+
+
+def _instruction(info: HloModuleInfo | None, e: DeviceEvent):
+  """The HLO instruction an event ran for: its hlo_op, else its own name (XLA:CPU thunks), else
+  the name as XLA:GPU spells a fusion's kernel ("loop_add_fusion_3" for loop_add_fusion.3)."""
+  if info is None:
+    return None
+  for name in (e.hlo_op, e.name, _KERNEL_SUFFIX.sub(r".\1", e.name)):
+    if name and name in info.ops:
+      return info.ops[name]
+  return None
 
 
 def _row_order(key) -> tuple:

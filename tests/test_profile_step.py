@@ -32,6 +32,7 @@ def test_tiny_step_profile_on_cpu(tiny_profile):
   result, out = tiny_profile
   p = result["profile"]
   assert p["platform"] == "cpu" and p["steps"] == 2 and p["hlo_known"]
+  assert p["hlo_matched_share"] == pytest.approx(1.0)
   assert p["module"] == "jit_train_step"
   rows = _rows(p)
   # Found through the model's and the train step's named scopes (not guessed from names).
@@ -182,3 +183,48 @@ def test_gpu_trace_streams_annotations_idle_and_overlap(tmp_path, monkeypatch):
   assert rows["overlap (concurrent streams, counted twice above)"]["ms"] == pytest.approx(-0.002)
   assert p["step_ms"] == pytest.approx(0.0085)
   assert sum(r["ms"] for r in p["rows"]) == pytest.approx(p["step_ms"])
+
+
+HLO_TEXT = """HloModule jit_train_step, is_scheduled=true
+
+%fused_computation.1 (param_0: f32[8,4]) -> bf16[8,4] {
+  %param_0 = f32[8,4]{1,0} parameter(0)
+  ROOT %convert.1 = bf16[8,4]{1,0} convert(%param_0), metadata={op_name="jit(train_step)/jvp(moe)/experts/convert_element_type"}
+}
+
+%fused_computation.2 (param_0.1: bf16[8,4], param_1: bf16[4,4]) -> bf16[8,4] {
+  %param_0.1 = bf16[8,4]{1,0} parameter(0)
+  %param_1 = bf16[4,4]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,4]{1,0} dot(%param_0.1, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/transpose(jvp(attention))/out_proj/dot_general"}
+}
+
+ENTRY %main.9 (p0: f32[8,4], p1: bf16[4,4]) -> (bf16[8,4], bf16[8,4]) {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %p1 = bf16[4,4]{1,0} parameter(1)
+  %loop_convert_fusion.3 = bf16[8,4]{1,0} fusion(%p0), kind=kLoop, calls=%fused_computation.1
+  %gemm_fusion.4 = bf16[8,4]{1,0} fusion(%loop_convert_fusion.3, %p1), kind=kCustom, calls=%fused_computation.2, metadata={op_name="jit(train_step)/transpose(jvp(attention))/out_proj/dot_general"}
+  %custom-call.5 = bf16[8,4]{1,0} custom-call(%gemm_fusion.4), custom_call_target="megamoe_grouped_mlp_fwd", metadata={op_name="jit(train_step)/jvp(moe)/experts/moe"}
+  ROOT %tuple = (bf16[8,4]{1,0}, bf16[8,4]{1,0}) tuple(%gemm_fusion.4, %custom-call.5)
+}
+"""
+
+
+def test_hlo_text_instructions_and_matching_gpu_kernel_names():
+  info = hlo_ops.parse_hlo_text(HLO_TEXT)
+  assert info.name == "jit_train_step" and set(info.ops) >= {"loop_convert_fusion.3",
+                                                            "gemm_fusion.4", "custom-call.5"}
+  cast, gemm, call = (info.ops[n] for n in ("loop_convert_fusion.3", "gemm_fusion.4",
+                                            "custom-call.5"))
+  assert cast.is_cast and not cast.is_gemm  # its op name comes from the fused body
+  assert cast.op_names == ("jit(train_step)/jvp(moe)/experts/convert_element_type",)
+  assert gemm.is_gemm and not gemm.is_cast and gemm.fusion_kind == "kCustom"
+  assert call.target == "megamoe_grouped_mlp_fwd"
+  events = [trace_events.DeviceEvent("gpu:0", "Stream #1", name, 1000.0 * i, 500.0)
+            for i, name in enumerate(["loop_convert_fusion_3", "gemm_fusion_4",
+                                      "cutlass::device_kernel<GemmUniversal>"])]
+  events[2].hlo_op = "custom-call.5"  # a custom call's kernels carry its annotation
+  trace = trace_events.Trace("gpu", events, "synthetic")
+  p = step_breakdown.breakdown(trace, {info.name: info}, module=None, steps=1)
+  assert p["hlo_matched_share"] == pytest.approx(1.0)  # kernel names spell the fusions
+  assert {r["label"] for r in p["rows"]} >= {"dtype casts", "attention projections (q, k, v, o)",
+                                             "MoE forward: grouped GEMM (CUTLASS)"}
