@@ -71,3 +71,21 @@ def test_init_std_fields():
   assert float(jnp.std(model.layers[0].mlp.router[...])) == pytest.approx(0.02, rel=0.02)
   with pytest.raises(ValueError, match="embed_init_std must be a positive number, got 0"):
     CONFIG.replace(embed_init_std=0)
+
+
+def test_routing_at_init_tool_runs_and_agrees_with_the_model(tmp_path):
+  """benchmarks/routing_at_init.py (the per-layer statistics of examples/README.md) at tiny
+  sizes: its experts-one-at-a-time forward routes as the model does."""
+  sys.path.append(ROOT)
+  from benchmarks import routing_at_init  # noqa: PLC0415
+  stats = routing_at_init.main(["--config", "tiny", "--layers", "2", "--seq", "64",
+                                "--vocab", "320", "--dtype", "float32", "--out",
+                                str(tmp_path / "stats.json")])
+  assert len(stats["layers"]) == 2 and (tmp_path / "stats.json").exists()
+  config = get_config("tiny", num_layers=2)
+  model = Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+  corpus = data_lib.load_tokens(None, config.vocab_size)
+  ids, _ = data_lib.BatchSampler(corpus, 1, 64, seed=0)(1)
+  load = model(jnp.asarray(ids), return_aux=True)[1].expert_load
+  want = [float(jnp.max(row)) * config.num_experts for row in load]
+  assert [r["imbalance"] for r in stats["layers"]] == pytest.approx(want, rel=1e-5)
