@@ -1,10 +1,15 @@
-"""Training-step benchmark: one AdamW step of the example Qwen3-MoE model
-(jax_megamoe.models.Qwen3Moe) per MoE backend — step time, tokens/s per GPU, MFU.
+"""Training-step benchmark: the example's training step (examples/train_qwen3_moe.py, through
+benchmarks/train_step.py) per MoE backend -- step time, tokens/s per GPU, MFU, peak memory and
+the routing imbalance of the steps it timed.
 
 The model has the published layer shapes (--config) with fewer layers (--layers) so that it fits
-the GPUs at hand; per-layer costs, and so MFU, are what the full model would see. Tokens are
-sharded over every device, experts over the "expert" mesh axis (EP over all devices by default),
-the other parameters FSDP-sharded over "data" (as the training script lays them out).
+the GPUs at hand. Default 8 layers of the 30B config: the decoder layers are then 59% of the
+active matmul parameters per token and the LM head 41% (at 4 layers the head was 58%; the full
+48-layer model has it at 10%), and the step fits one H200 (141 GB): AdamW's float32 state is 16
+bytes per parameter, ~10 GB per layer (its 128 experts hold 604M parameters) and ~10 GB for the
+embedding and head. Tokens are sharded over every device (16,384 per GPU by default, as in the
+layer benchmark), experts over the "expert" mesh axis (EP over all devices by default), the
+other parameters FSDP-sharded over "data", as the training script lays them out.
 
   python3 benchmarks/bench_step.py --out results/step.json                   GPU defaults
   python3 benchmarks/bench_step.py --smoke --out /tmp/step.json              tiny, any platform
@@ -26,7 +31,6 @@ if str(REPO) not in sys.path:  # as bench_layer.py: appended, an installed jax_m
   sys.path.append(str(REPO))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import numpy as np  # noqa: E402
 
 from benchmarks import report, timing  # noqa: E402
 from benchmarks.bench_layer import WATCHDOG_GRACE_S, git_commit, log  # noqa: E402
@@ -34,31 +38,68 @@ from benchmarks.bench_layer import WATCHDOG_GRACE_S, git_commit, log  # noqa: E4
 H200_BF16_PEAK_TFLOPS = 989.4  # dense bf16 spec; DESIGN.md §2 measured 801 for a plain matmul
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+DEFAULT_LAYERS = 8  # see the module docstring
+
+
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+  """The options of the step itself (shared with profile_step.py)."""
   p.add_argument("--config", help="tiny, qwen3-30b-a3b, qwen3-235b-a22b (default 30b; smoke tiny)")
-  p.add_argument("--layers", type=int, help="decoder layers (default 4; smoke: the config's)")
-  p.add_argument("--batch", type=int, help="sequences per GPU per step (default 2; smoke 2)")
-  p.add_argument("--seq", type=int, help="tokens per sequence (default 2048; smoke 16)")
-  p.add_argument("--backends", default="cuda,fused,reference",
-                 help="in run order: the kernels first, the slow reference last")
+  p.add_argument("--layers", type=int,
+                 help=f"decoder layers (default {DEFAULT_LAYERS}; smoke: the config's)")
+  p.add_argument("--tokens-per-gpu", type=int,
+                 help="tokens per GPU per step (default 16384 as bench_layer.py; smoke 32)")
+  p.add_argument("--seq", type=int, help="tokens per sequence (default 4096; smoke 16)")
   p.add_argument("--recipe", default="bf16", choices=("bf16", "fp8", "mxfp8"))
   p.add_argument("--remat", default="full", help="a Qwen3Moe REMAT_POLICIES name")
+  p.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"),
+                 help="auto: cuDNN flash attention where it runs, else xla (says why)")
+  p.add_argument("--ce-chunk", type=int,
+                 help="cross-entropy positions per chunk; 0: full logits; default: as the "
+                      "example (full logits up to 1 GiB per device, else chunks)")
+  p.add_argument("--data", default="corpus", choices=("corpus", "random"),
+                 help="batch of the example's default corpus, or uniform random ids")
   p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: all devices)")
+  p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
+  p.add_argument("--smoke", action="store_true")
+
+
+def finish_step_arguments(args) -> None:
+  """Fills the size defaults (smoke: tiny sizes) and checks them."""
+  args.config = args.config or ("tiny" if args.smoke else "qwen3-30b-a3b")
+  args.layers = args.layers if args.layers is not None else (0 if args.smoke else DEFAULT_LAYERS)
+  args.tokens_per_gpu = args.tokens_per_gpu or (32 if args.smoke else 16384)
+  args.seq = args.seq or (16 if args.smoke else 4096)
+  for name in ("tokens_per_gpu", "seq"):
+    if getattr(args, name) < 1:
+      raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+  if args.tokens_per_gpu % args.seq:
+    raise SystemExit(f"--tokens-per-gpu {args.tokens_per_gpu} must be a multiple of --seq "
+                     f"{args.seq} (every GPU holds whole sequences)")
+
+
+def step_options(args, backend: str):
+  from benchmarks.train_step import StepOptions  # noqa: PLC0415
+  return StepOptions(config=args.config, layers=args.layers, tokens_per_gpu=args.tokens_per_gpu,
+                     seq=args.seq, backend=backend,
+                     recipe=None if args.recipe == "bf16" else args.recipe, remat=args.remat,
+                     attention=args.attention, ce_chunk=args.ce_chunk, data=args.data,
+                     ep=args.ep)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  add_step_arguments(p)
+  p.add_argument("--backends", default="cuda,fused,reference",
+                 help="in run order: the kernels first, the slow reference last")
   p.add_argument("--reps", type=int, help="timed steps (default 10; smoke 2)")
   p.add_argument("--case-cap", type=float, default=20.0, help="max seconds timing one backend")
-  p.add_argument("--time-budget", type=float, default=120.0,
+  p.add_argument("--time-budget", type=float, default=420.0,
                  help="seconds; backends not started by then are recorded as skipped")
-  p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
   p.add_argument("--out", help="JSON (default benchmarks/results/step_<time>.json)")
   p.add_argument("--md", default=str(REPO / "benchmarks" / "RESULTS.md"))
   p.add_argument("--png", help="bar chart (default: --out with .png; '' to skip)")
-  p.add_argument("--smoke", action="store_true")
   args = p.parse_args(argv)
-  args.config = args.config or ("tiny" if args.smoke else "qwen3-30b-a3b")
-  args.layers = args.layers if args.layers is not None else (0 if args.smoke else 4)
-  args.batch = args.batch or 2
-  args.seq = args.seq or (16 if args.smoke else 2048)
+  finish_step_arguments(args)
   args.reps = args.reps or (2 if args.smoke else 10)
   args.backends = args.backends.split(",")
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
@@ -68,53 +109,16 @@ def parse_args(argv=None):
   return args
 
 
-def build(args, backend, mesh):
-  """(model, optimizer, config) for one backend, parameters laid out over the mesh."""
+def peak_memory_gib(devices) -> float | None:
+  """Largest peak of device memory in use so far (GiB), where the platform reports it."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+  peaks = [p for p in peaks if p]
+  return max(peaks) / 2**30 if peaks else None
+
+
+def bench_backend(args, backend, num_gpus, deadline) -> dict:
   import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import optax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-  from jax_megamoe import models  # noqa: PLC0415
-
-  overrides = {"num_layers": args.layers} if args.layers else {}
-  config = models.get_config(args.config, **overrides)
-  recipe = None if args.recipe == "bf16" else args.recipe
-  model = models.Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, backend=backend,
-                          recipe=recipe, mesh=mesh, remat=args.remat)
-  try:  # FSDP over "data" as the training script does; without it params stay replicated
-    from jax_megamoe.models.sharding import param_shardings  # noqa: PLC0415
-    params = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.tree.map(jax.device_put, params, param_shardings(params, mesh)))
-  except ImportError:
-    pass
-  optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-  return model, optimizer, config
-
-
-def make_train_step(aux_coef: float):
-  import jax.numpy as jnp  # noqa: PLC0415
-  import optax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  def loss_fn(model, tokens):
-    out = model(tokens[:, :-1], return_aux=True)
-    logits, aux = out if isinstance(out, tuple) else (out, None)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-    balance = jnp.mean(aux.load_balancing_loss) if aux is not None else 0.0
-    return ce + aux_coef * balance
-
-  @nnx.jit
-  def train_step(model, optimizer, tokens):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
-    optimizer.update(model, grads)
-    return loss
-
-  return train_step
-
-
-def bench_backend(args, backend, mesh, num_gpus, deadline) -> dict:
-  import jax  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  from benchmarks import train_step  # noqa: PLC0415
   from jax_megamoe import backends  # noqa: PLC0415
 
   record = {"backend": backend, "config": args.config, "layers": args.layers or "all"}
@@ -127,30 +131,41 @@ def bench_backend(args, backend, mesh, num_gpus, deadline) -> dict:
   if reason is not None:
     return dict(record, status="not available", error=reason)
   try:
-    model, optimizer, config = build(args, backend, mesh)
-    batch = args.batch * num_gpus
-    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, args.seq + 1))
-    tokens = jax.device_put(tokens.astype(np.int32),
-                            NamedSharding(mesh, P(tuple(mesh.axis_names))))
-    step = make_train_step(config.router_aux_loss_coef)
-    run = lambda: jax.block_until_ready(step(model, optimizer, tokens))  # noqa: E731
+    setup = train_step.build(step_options(args, backend))
+    for note in setup.notes:
+      log(f"[{backend}] {note}")
+    record.update(attention=setup.args.attention, ce_chunk=setup.args.ce_chunk)
+    last = {}
+
+    def run():
+      last["metrics"] = setup.run()
+      jax.block_until_ready(last["metrics"])
+
     t0 = time.perf_counter()
-    loss = float(run())
+    run()
     compile_s = time.perf_counter() - t0
+    loss = float(last["metrics"]["loss"])
+    imbalance_first = setup.imbalance(last["metrics"])
     result = timing.measure_ms(run, warmup=1, reps=args.reps, cap_s=args.case_cap, min_reps=2)
+    imbalance_last = setup.imbalance(last["metrics"])
   except Exception as e:  # noqa: BLE001  (recorded, the run goes on)
     status, message = timing.classify_error(e)
     log(f"[{backend}] {status}: {message[:300]}")
     return dict(record, status=status, error=message)
   seconds = result["ms"] / 1e3
-  step_tokens = batch * args.seq
+  step_tokens = setup.tokens_per_step
+  config = setup.config
   flops_per_gpu = config.train_flops_per_token(args.seq) * step_tokens / num_gpus
   record.update(status="ok", **result, compile_s=round(compile_s, 1), first_loss=loss,
                 tokens_per_s_per_gpu=step_tokens / seconds / num_gpus,
                 tflops_per_gpu=flops_per_gpu / seconds / 1e12,
-                mfu=flops_per_gpu / seconds / (args.peak_tflops * 1e12))
+                mfu=flops_per_gpu / seconds / (args.peak_tflops * 1e12),
+                imbalance_first=imbalance_first, imbalance_last=imbalance_last,
+                peak_gib=peak_memory_gib(jax.local_devices()))
   log(f"[{backend}] {result['ms']:.2f} ms/step, {record['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
-      f"MFU {record['mfu']:.1%} (compile+first {compile_s:.0f} s, loss {loss:.3f})")
+      f"MFU {record['mfu']:.1%}, routing imbalance {imbalance_first:.2f} (first step) -> "
+      f"{imbalance_last:.2f} (last timed; 1 = balanced, {config.num_experts / config.top_k:g} "
+      f"= one expert takes every token) (compile+first {compile_s:.0f} s, loss {loss:.3f})")
   return record
 
 
@@ -159,22 +174,23 @@ def main(argv=None) -> dict:
   deadline = timing.Deadline(args.time_budget)
   started = time.time()
   import jax  # noqa: PLC0415
-  from jax.sharding import Mesh  # noqa: PLC0415
   devices = jax.devices()
   ep = args.ep or len(devices)
-  mesh = Mesh(np.array(devices).reshape(len(devices) // ep, ep), ("data", "expert"))
   meta = {
       "kind": "step", "device": f"{len(devices)} x {devices[0].device_kind}",
       "platform": devices[0].platform, "jax_version": jax.__version__,
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
       "commit": git_commit(),
       "command": " ".join(["python3", "benchmarks/bench_step.py", *(argv or sys.argv[1:])]),
-      "config": args.config, "layers": args.layers or "all", "batch": args.batch * len(devices),
-      "seq_len": args.seq, "ep": ep, "remat": args.remat, "recipe": args.recipe,
+      "config": args.config, "layers": args.layers or "all",
+      "batch": args.tokens_per_gpu // args.seq * len(devices), "seq_len": args.seq,
+      "tokens_per_gpu": args.tokens_per_gpu, "ep": ep, "remat": args.remat,
+      "recipe": args.recipe, "attention": args.attention, "data": args.data,
       "reps": args.reps, "peak_tflops": args.peak_tflops, "smoke": args.smoke,
   }
-  log(f"bench_step: {meta['device']}, {args.config} x {meta['layers']} layers, batch "
-      f"{meta['batch']} x {args.seq}, EP={ep}, remat {args.remat}")
+  log(f"bench_step: {meta['device']}, {args.config} x {meta['layers']} layers, "
+      f"{args.tokens_per_gpu} tokens/GPU ({meta['batch']} x {args.seq} per step), EP={ep}, "
+      f"remat {args.remat}, attention {args.attention}, data {args.data}")
   records: list[dict] = []
 
   def write(partial: bool) -> dict:
@@ -199,7 +215,7 @@ def main(argv=None) -> dict:
   try:
     importlib.import_module("jax_megamoe.models")  # ImportError: not merged yet
     for backend in args.backends:
-      records.append(bench_backend(args, backend, mesh, len(devices), deadline))
+      records.append(bench_backend(args, backend, len(devices), deadline))
       write(partial=True)
   except ImportError as e:
     records += [{"backend": b, "config": args.config, "status": "not available",

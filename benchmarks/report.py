@@ -3,8 +3,8 @@ the short table the benchmarks print last.
 
   python3 benchmarks/report.py RESULT.json [...] [--md benchmarks/RESULTS.md] [--png chart.png]
 
-Understands the JSON of bench_layer.py (kind "layer" and "layer_check") and bench_step.py
-(kind "step"). Records that did not run keep their status and message, as footnotes.
+Understands the JSON of bench_layer.py (kind "layer" and "layer_check"), bench_step.py
+(kind "step") and profile_step.py (kind "step_profile"). Records that did not run keep their status and message, as footnotes.
 """
 
 from __future__ import annotations
@@ -73,18 +73,65 @@ def layer_markdown(result: dict) -> str:
 def step_markdown(result: dict) -> str:
   meta, notes = result["meta"], []
   lines = _header(meta, "Training step")
-  lines.append(f"- model: {meta.get('config')}, batch {meta.get('batch')} x seq "
-               f"{meta.get('seq_len')} per step, {meta.get('reps')} reps")
-  lines += ["", "| config | backend | step ms | tokens/s/GPU | TFLOP/s/GPU | MFU | status |",
-            "|---|---|---|---|---|---|---|"]
+  tokens = f"{meta['tokens_per_gpu']} tokens/GPU, " if meta.get("tokens_per_gpu") else ""
+  lines.append(f"- model: {meta.get('config')} x {meta.get('layers')} layers, {tokens}batch "
+               f"{meta.get('batch')} x seq {meta.get('seq_len')} per step, EP={meta.get('ep')}, "
+               f"remat {meta.get('remat')}, attention {meta.get('attention', '?')}, data "
+               f"{meta.get('data', 'random')}, {meta.get('reps')} reps")
+  lines += ["", "| config | backend | step ms | tokens/s/GPU | TFLOP/s/GPU | MFU | imbalance "
+                "(first -> last step) | peak GiB | status |",
+            "|---|---|---|---|---|---|---|---|---|"]
   for r in result["results"]:
+    imbalance = (f"{r['imbalance_first']:.2f} -> {r['imbalance_last']:.2f}"
+                 if r.get("imbalance_first") is not None else "")
     lines.append(f"| {r.get('config')} | {r['backend']} | {_num(r.get('ms'))} | "
                  f"{_num(r.get('tokens_per_s_per_gpu'), '{:.0f}')} | "
                  f"{_num(r.get('tflops_per_gpu'), '{:.0f}')} | {_num(r.get('mfu'), '{:.1%}')} | "
+                 f"{imbalance} | {_num(r.get('peak_gib'), '{:.1f}')} | "
                  f"{_status_cell(r, notes)} |")
   lines += ["", f"MFU: model FLOPs (6 x active params per token + attention) over "
-                f"{meta.get('peak_tflops', '?')} TFLOP/s per GPU."]
+                f"{meta.get('peak_tflops', '?')} TFLOP/s per GPU. Imbalance: the largest "
+                f"expert's share of the routed slots over 1/E, worst layer (1 = balanced)."]
   return "\n".join(lines + _footnotes(notes)) + "\n"
+
+
+def profile_markdown(result: dict) -> str:
+  """The step profile of profile_step.py: time per category, then the top kernels."""
+  meta, p = result["meta"], result["profile"]
+  lines = _header(meta, "Training step profile")
+  if meta.get("config"):
+    lines.append(f"- step: {meta['config']} x {meta.get('layers')} layers, "
+                 f"{meta.get('tokens_per_gpu')} tokens/GPU (seq {meta.get('seq_len')}), backend "
+                 f"{meta.get('backend')}, recipe {meta.get('recipe')}, attention "
+                 f"{meta.get('attention')}, cross-entropy chunk {meta.get('ce_chunk')}, remat "
+                 f"{meta.get('remat')}, EP={meta.get('ep')}, data {meta.get('data')}")
+  lines.append(f"- trace: {p['steps']} steps of module `{p['module']}` on "
+               f"{len(p['devices'])} {p['platform']} device(s), mean over devices"
+               + (f"; {p['hlo_matched_share']:.0%} of the kernel time matched to its HLO "
+                  f"instruction" if p["hlo_known"] else "; no HLO text: classified by kernel "
+                                                        "names and annotations only"))
+  if meta.get("command_buffers") == "off":
+    lines.append("- XLA command buffers (CUDA graphs) were off so that every kernel carries "
+                 "its HLO op")
+  lines += ["", "| category | ms / step | % of step | kernels / step |", "|---|---|---|---|"]
+  for r in p["rows"]:
+    kernels = f"{r['kernels']:g}" if r["kernels"] else ""
+    lines.append(f"| {r['label']} | {r['ms']:.3f} | {r['share']:.1%} | {kernels} |")
+  lines.append(f"| **step** | **{p['step_ms']:.3f}** | 100% | |")
+  lines += ["", f"GEMMs {p['gemm_ms']:.3f} ms, attention (non-GEMM) {p['attention_ms']:.3f} ms, "
+                f"optimizer {p['optimizer_ms']:.3f} ms; device time outside GEMMs, attention "
+                f"and the optimizer: {p['outside_gemm_attention_optimizer_ms']:.3f} ms = "
+                f"{p['outside_gemm_attention_optimizer_share']:.1%} of the step."]
+  if meta.get("imbalance") is not None:
+    lines.append(f"Routing imbalance of the profiled steps: {meta['imbalance']:.2f} (1 = "
+                 f"balanced).")
+  lines += ["", "| top kernels | HLO op | category | ms / step | % | per step |",
+            "|---|---|---|---|---|---|"]
+  for k in p["top_kernels"][:12]:
+    name = k["kernel"].replace("|", "/")[:70]
+    lines.append(f"| `{name}` | {k['hlo_op'] or ''} | {k['label']} | {k['ms']:.3f} | "
+                 f"{k['share']:.1%} | {k['per_step']:g} |")
+  return "\n".join(lines) + "\n"
 
 
 def _footnotes(notes):
@@ -113,6 +160,8 @@ def _layer_key(r):
 
 def to_markdown(result: dict) -> str:
   kind = result["meta"].get("kind")
+  if kind == "step_profile":
+    return profile_markdown(result)
   return step_markdown(result) if kind == "step" else layer_markdown(result)
 
 
@@ -171,12 +220,18 @@ def bar_chart(result: dict, png: pathlib.Path) -> None:
 def short_table(result: dict) -> str:
   """A few lines for the end of a run's log: ms per pass per implementation."""
   meta = result["meta"]
+  if meta.get("kind") == "step_profile":
+    p = result["profile"]
+    return "\n".join([f"{r['label'][:58]:58s} {r['ms']:10.3f} ms {r['share']:7.1%}"
+                      for r in p["rows"]] + [f"{'step':58s} {p['step_ms']:10.3f} ms"])
   if meta.get("kind") == "step":
-    lines = [f"{'backend':18s} {'step ms':>9s} {'tok/s/GPU':>10s} {'MFU':>6s}"]
+    lines = [f"{'backend':18s} {'step ms':>9s} {'tok/s/GPU':>10s} {'MFU':>6s} {'imbalance':>9s}"]
     for r in result["results"]:
       if r.get("status") == "ok":
+        imbalance = r.get("imbalance_last")
         lines.append(f"{r['backend']:18s} {r['ms']:9.2f} {r['tokens_per_s_per_gpu']:10.0f} "
-                     f"{r['mfu']:6.1%}")
+                     f"{r['mfu']:6.1%} " + (f"{imbalance:9.2f}" if imbalance is not None
+                                           else f"{'':9s}"))
       else:
         lines.append(f"{r['backend']:18s} {r['status']}: {r.get('error', '')[:60]}")
     return "\n".join(lines)

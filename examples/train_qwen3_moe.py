@@ -46,7 +46,8 @@ except ImportError:  # run from a source checkout without installing
 from jax_megamoe import BACKENDS, RECIPES  # noqa: E402
 from jax_megamoe.models import CONFIGS, REMAT_POLICIES, Qwen3Moe, get_config  # noqa: E402
 from jax_megamoe.models.hf_import import load_hf_checkpoint, read_hf_config  # noqa: E402
-from jax_megamoe.models.losses import chunked_cross_entropy  # noqa: E402
+from jax_megamoe.models.attention_impl import ATTENTION_CHOICES, resolve_attention  # noqa: E402
+from jax_megamoe.models.losses import auto_ce_chunk, chunked_cross_entropy  # noqa: E402
 from jax_megamoe.models.sharding import param_shardings  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -87,15 +88,16 @@ _FLAGS = (
     ("float", "aux_loss_coef", None,
      "load-balancing loss weight (default: the config's, 1e-3 as Qwen3)", {}),
     ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
-    ("integer", "ce_chunk", 0,
+    ("integer", "ce_chunk", None,
      "compute the cross-entropy this many positions at a time, never holding the full "
-     "[batch, seq, vocab] logits (for Qwen3's 152k vocabulary); 0: full logits",
+     "[batch, seq, vocab] logits; 0: full logits; default: full logits when one device's "
+     "float32 logits fit 1 GiB, else the largest chunk that does (Qwen3's 152k vocabulary)",
      dict(lower_bound=0)),
     ("enum", "remat", "none", "rematerialisation policy of every decoder layer",
      dict(enum_values=sorted(REMAT_POLICIES))),
-    ("enum", "attention", "xla",
-     "attention kernel: xla (any platform) or cudnn (GPU flash attention, bf16)",
-     dict(enum_values=["xla", "cudnn"])),
+    ("enum", "attention", "auto",
+     "attention kernel: auto (cuDNN flash attention where it runs: GPU, bf16; else xla, "
+     "saying why), xla (any platform) or cudnn", dict(enum_values=list(ATTENTION_CHOICES))),
     ("string", "init_from", None, "Hugging Face Qwen3-MoE checkpoint dir", {}),
     ("string", "data", None,
      "text file (byte tokens) or .npy token ids; default: the Python standard library's "
@@ -143,7 +145,8 @@ def define_flags(flag_values: flags.FlagValues) -> None:
                                    "exactly the axes data and expert)",
                            flag_values=flag_values)
   flags.register_multi_flags_validator(
-      ["ce_chunk", "seq_len"], lambda v: not v["ce_chunk"] or v["seq_len"] % v["ce_chunk"] == 0,
+      ["ce_chunk", "seq_len"],
+      lambda v: not v["ce_chunk"] or v["seq_len"] % v["ce_chunk"] == 0,
       message="--ce-chunk must be 0 or divide --seq-len", flag_values=flag_values)
 
 
@@ -250,6 +253,45 @@ def init_optimizer_state(tx, params, mesh):
   return jax.jit(tx.init, out_shardings=shardings)(params)
 
 
+def resolve_defaults(args: types.SimpleNamespace, config, mesh: Mesh
+                     ) -> tuple[types.SimpleNamespace, list[str]]:
+  """args with --attention auto and an unset --ce-chunk replaced by what this run uses, and
+  the lines that say what was picked where it was not asked for."""
+  attention, note = resolve_attention(args.attention, dtype=args.dtype,
+                                      num_heads=config.num_heads,
+                                      num_kv_heads=config.num_kv_heads,
+                                      head_dim=config.head_dim)
+  notes = [note] if note else []
+  ce_chunk = args.ce_chunk
+  if ce_chunk is None:
+    ce_chunk = auto_ce_chunk(config.vocab_size, max(1, args.batch // mesh.size), args.seq_len)
+    if ce_chunk:
+      notes.append(f"cross-entropy in chunks of {ce_chunk} positions (the full float32 logits "
+                   f"would take more than 1 GiB per device; --ce-chunk 0 keeps them)")
+  return types.SimpleNamespace(**{**vars(args), "attention": attention,
+                                  "ce_chunk": ce_chunk}), notes
+
+
+def expert_imbalance(expert_load) -> float:
+  """Routing imbalance of ModelAux.expert_load [layers, E]: the largest expert's share of the
+  routed slots over the balanced share 1/E, in the worst layer. 1 is balanced; E / top_k
+  means one expert took every token. 1.0 without MoE layers."""
+  load = np.asarray(expert_load)
+  return float(load.max(axis=-1).max() * load.shape[-1]) if load.size else 1.0
+
+
+def jit_train_step(graphdef, tx, params, opt_state, mesh: Mesh, *, aux_coef: float,
+                   z_coef: float, ce_chunk: int):
+  """(jitted make_train_step, batch sharding): the state keeps its shardings and is donated,
+  the batch is sharded over every mesh axis."""
+  state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+  batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+  train_step = jax.jit(make_train_step(graphdef, tx, aux_coef, z_coef, ce_chunk),
+                       in_shardings=(*state_shardings, batch_sharding, batch_sharding),
+                       out_shardings=(*state_shardings, None), donate_argnums=(0, 1))
+  return train_step, batch_sharding
+
+
 def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int):
   """(params, opt_state, inputs, targets) -> (params, opt_state, metrics).
 
@@ -265,21 +307,25 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
       ce = chunked_cross_entropy(hidden, model.head(), targets, chunk=ce_chunk)
     else:
       logits, aux = model(inputs, return_aux=True)
-      ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-    layers = max(1, aux.z_loss.shape[0])  # mean over MoE layers (none: zero, not NaN)
-    balance, z = jnp.sum(aux.load_balancing_loss) / layers, jnp.sum(aux.z_loss) / layers
+      with jax.named_scope("cross_entropy"):
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    with jax.named_scope("aux_losses"):
+      layers = max(1, aux.z_loss.shape[0])  # mean over MoE layers (none: zero, not NaN)
+      balance, z = jnp.sum(aux.load_balancing_loss) / layers, jnp.sum(aux.z_loss) / layers
     loss = ce + aux_coef * balance + z_coef * z
     return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load)
 
   def train_step(params, opt_state, inputs, targets):
     grads, metrics = jax.grad(loss_fn, has_aux=True)(params, inputs, targets)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    metrics["grad_norm"] = optax.global_norm(grads)
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-    keep = lambda new, old: jnp.where(finite, new, old)
-    new_params = optax.apply_updates(params, updates)
-    return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt_state, opt_state),
-            metrics)
+    # The scope names what step profiles count as the optimizer (benchmarks/profile_step.py).
+    with jax.named_scope("optimizer"):
+      updates, new_opt_state = tx.update(grads, opt_state, params)
+      metrics["grad_norm"] = optax.global_norm(grads)
+      finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+      keep = lambda new, old: jnp.where(finite, new, old)
+      new_params = optax.apply_updates(params, updates)
+      return (jax.tree.map(keep, new_params, params),
+              jax.tree.map(keep, new_opt_state, opt_state), metrics)
 
   return train_step
 
@@ -426,6 +472,9 @@ def train(args: types.SimpleNamespace) -> dict:
                    f"or choose another --out. Nothing was changed")
 
   dtype = jnp.dtype(args.dtype)
+  args, notes = resolve_defaults(args, config, mesh)
+  for note in notes:
+    log(note)
   aux_coef = config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
   tokens = data_lib.load_tokens(args.data, config.vocab_size)
   sampler = data_lib.BatchSampler(tokens, args.batch, args.seq_len, args.seed)
@@ -434,8 +483,9 @@ def train(args: types.SimpleNamespace) -> dict:
       f"{config.matmul_params_per_token() / 1e6:.2f}M active matmul params/token | "
       f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices | "
       f"backend {args.backend}, recipe {args.recipe}, {args.dtype} compute, remat {args.remat}, "
-      f"attention {args.attention}"
-      f" | data {tokens.size:,} tokens")
+      f"attention {args.attention}, cross-entropy "
+      + (f"in chunks of {args.ce_chunk} positions" if args.ce_chunk else "on full logits")
+      + f" | data {tokens.size:,} tokens")
 
   graphdef, params = build_params(args, config, mesh, dtype)
   tx, schedule = make_optimizer(args)
@@ -451,12 +501,9 @@ def train(args: types.SimpleNamespace) -> dict:
   if is_main:
     write_metrics(metrics_path, history)
 
-  state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-  batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-  train_step = jax.jit(make_train_step(graphdef, tx, aux_coef, args.z_loss_coef,
-                                       args.ce_chunk),
-                       in_shardings=(*state_shardings, batch_sharding, batch_sharding),
-                       out_shardings=(*state_shardings, None), donate_argnums=(0, 1))
+  train_step, batch_sharding = jit_train_step(graphdef, tx, params, opt_state, mesh,
+                                              aux_coef=aux_coef, z_coef=args.z_loss_coef,
+                                              ce_chunk=args.ce_chunk)
 
   def device_batch(step):
     inputs, targets = sampler(step)
@@ -493,8 +540,7 @@ def train(args: types.SimpleNamespace) -> dict:
     load = np.asarray(m["expert_load"])
     row = dict(step=step, loss=float(m["loss"]), ce=float(m["ce"]), aux=float(m["aux"]),
                z=float(m["z"]), grad_norm=float(m["grad_norm"]), lr=float(schedule(step - 1)),
-               imbalance=float(load.max(axis=-1).max() * load.shape[-1]) if load.size else 1.0,
-               step_s=dt)
+               imbalance=expert_imbalance(load), step_s=dt)
     if dt:
       row["tokens_per_s"] = args.batch * args.seq_len / dt
       row["tflops_per_device"] = flops_per_step / dt / jax.device_count() / 1e12

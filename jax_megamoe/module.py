@@ -21,7 +21,8 @@ QWEN3_INIT_STD = 0.02
 class MoE(nnx.Module):
   """Mixture-of-experts feed-forward block (Qwen3-MoE style).
 
-  Parameters (all N(0, 0.02^2) as Qwen3 initialises them, stored in `param_dtype`):
+  Parameters (N(0, init_std^2), by default 0.02 as Qwen3 initialises them; w_down
+  N(0, down_init_std^2), default init_std; stored in `param_dtype`):
     router     [H, E]       router logits = x @ router, computed in float32
     w_gate_up  [E, H, 2F]   gate = [..., :F], up = [..., F:]; sharded over `expert_axis`
     w_down     [E, F, H]    sharded over `expert_axis`
@@ -39,7 +40,12 @@ class MoE(nnx.Module):
                rngs: nnx.Rngs, norm_topk_prob: bool = True, dtype: Any = jnp.bfloat16,
                param_dtype: Any = jnp.float32, backend: str = "auto",
                recipe: str | None = None, mesh: Mesh | None = None,
-               expert_axis: str = "expert"):
+               expert_axis: str = "expert", init_std: float = QWEN3_INIT_STD,
+               down_init_std: float | None = None):
+    down_init_std = init_std if down_init_std is None else down_init_std
+    for name, value in (("init_std", init_std), ("down_init_std", down_init_std)):
+      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
     for name, value in (("hidden_size", hidden_size), ("ffn_size", ffn_size),
                         ("num_experts", num_experts)):
       if not _is_int(value) or value < 1:
@@ -72,7 +78,7 @@ class MoE(nnx.Module):
     self.backend, self.recipe = backend, recipe
     self.mesh, self.expert_axis = mesh, expert_axis
 
-    init = nnx.initializers.normal(QWEN3_INIT_STD)
+    init = nnx.initializers.normal(init_std)
     self.router = self._param(init(rngs.params(), (hidden_size, num_experts), param_dtype),
                               (None, None))
     expert_sharding = (expert_axis, None, None)
@@ -80,7 +86,8 @@ class MoE(nnx.Module):
         init(rngs.params(), (num_experts, hidden_size, 2 * ffn_size), param_dtype),
         expert_sharding)
     self.w_down = self._param(
-        init(rngs.params(), (num_experts, ffn_size, hidden_size), param_dtype),
+        nnx.initializers.normal(down_init_std)(
+            rngs.params(), (num_experts, ffn_size, hidden_size), param_dtype),
         expert_sharding)
 
   def _param(self, value: jax.Array, sharding: tuple) -> nnx.Param:
@@ -95,15 +102,21 @@ class MoE(nnx.Module):
     if x.ndim == 0 or x.shape[-1] != self.hidden_size:
       raise ValueError(f"x's last axis must be hidden_size={self.hidden_size}, got shape "
                        f"{x.shape}")
-    lead = x.shape[:-1]
-    tokens = x.reshape(-1, self.hidden_size)
-    logits = tokens.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
-    topk_weights, topk_ids, aux = route(logits, self.top_k, norm_topk_prob=self.norm_topk_prob)
-    y = moe(tokens.astype(self.dtype), topk_ids, topk_weights,
-            self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),
-            mesh=self.mesh, expert_axis=self.expert_axis, backend=self.backend,
-            recipe=self.recipe)
-    y = y.reshape(*lead, self.hidden_size)
+    # Named scopes ("moe/router", "moe/experts") let step profiles attribute device time
+    # (benchmarks/profile_step.py).
+    with jax.named_scope("moe"):
+      lead = x.shape[:-1]
+      tokens = x.reshape(-1, self.hidden_size)
+      with jax.named_scope("router"):
+        logits = tokens.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        topk_weights, topk_ids, aux = route(logits, self.top_k,
+                                            norm_topk_prob=self.norm_topk_prob)
+      with jax.named_scope("experts"):
+        y = moe(tokens.astype(self.dtype), topk_ids, topk_weights,
+                self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),
+                mesh=self.mesh, expert_axis=self.expert_axis, backend=self.backend,
+                recipe=self.recipe)
+      y = y.reshape(*lead, self.hidden_size)
     return (y, aux) if return_aux else y
 
 

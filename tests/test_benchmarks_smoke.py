@@ -156,7 +156,12 @@ def test_step_smoke(tmp_path):
   ref = next(r for r in result["results"] if r["backend"] == "reference")
   assert ref["status"] == "ok", ref
   assert ref["tokens_per_s_per_gpu"] > 0 and 0 < ref["mfu"] < 1
-  assert "| config | backend | step ms |" in (tmp_path / "RESULTS.md").read_text()
+  # The routing of what was timed: tiny has 8 experts, top-2 (1 = balanced, 4 = one expert).
+  assert 1 <= ref["imbalance_first"] <= 4 and 1 <= ref["imbalance_last"] <= 4
+  assert result["meta"]["tokens_per_gpu"] == 32
+  assert result["meta"]["batch"] == 4 * jax.device_count()
+  markdown = (tmp_path / "RESULTS.md").read_text()
+  assert "| config | backend | step ms |" in markdown and "imbalance" in markdown
   assert _is_png(tmp_path / "step.png")
 
 
@@ -166,13 +171,15 @@ def test_step_report_without_the_model(tmp_path):
           "command": "bench_step.py", "config": "tiny", "batch": 4, "seq_len": 8, "reps": 2,
           "peak_tflops": 989.4, "smoke": True}
   results = [{"backend": "reference", "config": "tiny", "status": "ok", "ms": 12.5,
-              "tokens_per_s_per_gpu": 1280.0, "tflops_per_gpu": 0.01, "mfu": 1e-5},
+              "tokens_per_s_per_gpu": 1280.0, "tflops_per_gpu": 0.01, "mfu": 1e-5,
+              "imbalance_first": 3.5, "imbalance_last": 1.25, "peak_gib": None},
              {"backend": "cuda", "config": "tiny", "status": "not available", "error": "why"}]
   result = {"meta": meta, "results": results}
   report.append_markdown(result, tmp_path / "RESULTS.md")
   report.bar_chart(result, tmp_path / "step.png")
   markdown = (tmp_path / "RESULTS.md").read_text()
   assert "| tiny | reference | 12.50 |" in markdown and "[1] not available: why" in markdown
+  assert "| 3.50 -> 1.25 |" in markdown
   assert _is_png(tmp_path / "step.png")
   assert "reference" in report.short_table(result)
 

@@ -26,7 +26,17 @@ class Qwen3MoeConfig:
   norm_topk_prob: renormalise the top-k router weights to sum to one.
   rope_theta, rms_norm_eps, tie_word_embeddings: as in HF.
   router_aux_loss_coef: load-balancing loss coefficient used by training (HF's default 1e-3).
-  init_std [initializer_range]: std of every weight at initialisation.
+  init_std [initializer_range]: std of the weight matrices at initialisation, N(0, init_std^2),
+    but for the two below.
+  embed_init_std: std of the token embedding at initialisation. depth_scaled_init: the last
+    projection of every residual branch (attention's o_proj, the experts' w_down, a dense
+    MLP's down_proj) starts with std init_std / sqrt(2 * num_layers) (GPT-2's and
+    Megatron-LM's scaled init). Neither is in HF's config.json: they only shape a model trained
+    from scratch (a loaded checkpoint replaces every weight). Their defaults keep the routing
+    at initialisation balanced: with the embedding at 0.02, each attention output (rms ~0.5,
+    90% of it one vector shared by every token) swamps the token and every token picks the same
+    experts (examples/README.md, "Routing at initialisation"). A tied embedding is also the LM
+    head and keeps init_std.
   """
 
   vocab_size: int
@@ -47,6 +57,8 @@ class Qwen3MoeConfig:
   tie_word_embeddings: bool = False
   router_aux_loss_coef: float = 1e-3
   init_std: float = 0.02
+  embed_init_std: float = 1.0
+  depth_scaled_init: bool = True
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -54,6 +66,10 @@ class Qwen3MoeConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"Qwen3MoeConfig.{name} must be a positive int, got {value!r}")
+    for name in ("init_std", "embed_init_std"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"Qwen3MoeConfig.{name} must be a positive number, got {value!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"Qwen3MoeConfig.num_heads ({self.num_heads}) must be a multiple of "
                        f"num_kv_heads ({self.num_kv_heads})")
@@ -73,6 +89,18 @@ class Qwen3MoeConfig:
   @property
   def num_moe_layers(self) -> int:
     return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+  @property
+  def output_init_std(self) -> float:
+    """std of the residual branches' last projections at initialisation (depth_scaled_init)."""
+    if self.depth_scaled_init:
+      return self.init_std / (2 * self.num_layers) ** 0.5
+    return self.init_std
+
+  @property
+  def embedding_init_std(self) -> float:
+    """std of the token embedding at initialisation (init_std when tied to the LM head)."""
+    return self.init_std if self.tie_word_embeddings else self.embed_init_std
 
   def replace(self, **changes: Any) -> "Qwen3MoeConfig":
     return dataclasses.replace(self, **changes)

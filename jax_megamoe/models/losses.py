@@ -7,6 +7,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# The float32 logits one device may hold at once before the cross-entropy is chunked: 1 GiB
+# (the 30B config's 151,936-token vocabulary at 16,384 tokens would take 10 GB, and as much
+# again for their gradient).
+LOGITS_BUDGET_BYTES = 1 << 30
+
+
+def auto_ce_chunk(vocab_size: int, batch_per_device: int, seq_len: int, *,
+                  budget_bytes: int = LOGITS_BUDGET_BYTES) -> int:
+  """The default `chunk` of chunked_cross_entropy: 0 (full logits) when one device's float32
+  logits [batch_per_device, seq_len, vocab_size] fit `budget_bytes`, else the largest divisor
+  of seq_len whose chunk fits (at least 1). A large vocabulary is what makes logits big: the
+  tiny config's 320 tokens never chunk, the published configs' 151,936 do at any useful batch.
+  """
+  for name, value in (("vocab_size", vocab_size), ("batch_per_device", batch_per_device),
+                      ("seq_len", seq_len), ("budget_bytes", budget_bytes)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  per_position = 4 * vocab_size * batch_per_device
+  if per_position * seq_len <= budget_bytes:
+    return 0
+  fits = [c for c in range(1, seq_len + 1)
+          if seq_len % c == 0 and c * per_position <= budget_bytes]
+  return max(fits, default=1)
+
 
 def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, *,
                           chunk: int) -> jax.Array:
@@ -34,13 +58,15 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
 
   @jax.checkpoint
   def chunk_loss_sum(h, t):
-    logits = jnp.einsum("bch,hv->bcv", h, head.astype(h.dtype),
-                        preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):
+      logits = jnp.einsum("bch,hv->bcv", h, head.astype(h.dtype),
+                          preferred_element_type=jnp.float32)
     target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
     return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - target_logit)
 
   def body(total, xs):
     return total + chunk_loss_sum(*xs), None
 
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden_chunks, target_chunks))
+  with jax.named_scope("cross_entropy"):  # the scan's own work too, for step profiles
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden_chunks, target_chunks))
   return total / (batch * seq)

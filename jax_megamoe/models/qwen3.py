@@ -57,6 +57,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
 
+  @jax.named_scope("rms_norm")
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
@@ -72,6 +73,7 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float
   return jnp.cos(angles), jnp.sin(angles)
 
 
+@jax.named_scope("rope")
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """x [B, S, N, D]; cos, sin [B or 1, S, D]. Rotates the two halves of D (not interleaved)."""
   half = x.shape[-1] // 2
@@ -81,10 +83,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _linear(in_features: int, out_features: int, *, config: Qwen3MoeConfig, dtype: Any,
-            param_dtype: Any, rngs: nnx.Rngs, **kwargs: Any) -> nnx.Linear:
+            param_dtype: Any, rngs: nnx.Rngs, std: float | None = None,
+            **kwargs: Any) -> nnx.Linear:
+  """A bias-free linear layer drawn from N(0, std^2) (default config.init_std)."""
+  std = config.init_std if std is None else std
   return nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype,
                     param_dtype=param_dtype, rngs=rngs,
-                    kernel_init=nnx.initializers.normal(config.init_std), **kwargs)
+                    kernel_init=nnx.initializers.normal(std), **kwargs)
 
 
 class Attention(nnx.Module):
@@ -103,21 +108,26 @@ class Attention(nnx.Module):
     self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, **kw)
     self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, **kw)
     self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, **kw)
-    self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, **kw)
+    self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, std=c.output_init_std, **kw)
     self.q_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
     self.k_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
 
+  @jax.named_scope("attention")
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     batch, seq, _ = x.shape
-    q = self.q_norm(self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim))
-    k = self.k_norm(self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))
-    v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+    with jax.named_scope("qkv_proj"):
+      q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim)
+      k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+      v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+    q, k = self.q_norm(q), self.k_norm(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Handles GQA itself. "xla" materialises the [S, S] scores; "cudnn" is flash attention
     # (GPU, bf16/fp16 only).
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                       implementation=self.implementation)
-    return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+    with jax.named_scope("core"):
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                         implementation=self.implementation)
+    with jax.named_scope("out_proj"):
+      return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
 
 
 class DenseMlp(nnx.Module):
@@ -129,8 +139,9 @@ class DenseMlp(nnx.Module):
     h, f = config.hidden_size, config.dense_ffn_size
     self.gate_proj = _linear(h, f, **kw)
     self.up_proj = _linear(h, f, **kw)
-    self.down_proj = _linear(f, h, **kw)
+    self.down_proj = _linear(f, h, std=config.output_init_std, **kw)
 
+  @jax.named_scope("dense_mlp")
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -149,7 +160,7 @@ class DecoderLayer(nnx.Module):
     if self.is_moe:
       self.mlp = MoE(c.hidden_size, c.moe_ffn_size, c.num_experts, c.top_k, rngs=rngs,
                      norm_topk_prob=c.norm_topk_prob, dtype=dtype, param_dtype=param_dtype,
-                     **moe_kwargs)
+                     init_std=c.init_std, down_init_std=c.output_init_std, **moe_kwargs)
     else:
       self.mlp = DenseMlp(c, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -168,7 +179,9 @@ class Qwen3Moe(nnx.Module):
 
   Args:
     config: shapes (Qwen3MoeConfig; see get_config).
-    rngs: parameter initialisation (every weight N(0, config.init_std^2), norms one).
+    rngs: parameter initialisation: weights N(0, config.init_std^2), the embedding
+      N(0, config.embedding_init_std^2), the residual branches' last projections
+      N(0, config.output_init_std^2), norms one.
     dtype: compute dtype (bfloat16 for training, float32 for exact comparisons).
     param_dtype: storage dtype of the parameters (float32 master weights).
     backend, recipe: passed to every jax_megamoe.MoE layer.
@@ -193,7 +206,8 @@ class Qwen3Moe(nnx.Module):
     self.remat = remat
     c = config
     self.embed = nnx.Embed(c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=param_dtype,
-                           embedding_init=nnx.initializers.normal(c.init_std), rngs=rngs)
+                           embedding_init=nnx.initializers.normal(c.embedding_init_std),
+                           rngs=rngs)
     moe_kwargs = dict(backend=backend, recipe=recipe, mesh=mesh, expert_axis=expert_axis)
     self.layers = nnx.List([
         DecoderLayer(c, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
@@ -219,9 +233,10 @@ class Qwen3Moe(nnx.Module):
     if positions is None:
       positions = jnp.arange(seq, dtype=jnp.int32)
     positions = jnp.broadcast_to(positions, (1, seq) if positions.ndim == 1 else positions.shape)
-    cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-
-    x = self._shard_batch(self.embed(input_ids))
+    with jax.named_scope("rope"):
+      cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+    with jax.named_scope("embed"):
+      x = self._shard_batch(self.embed(input_ids))
     run_layer = _run_layer
     if self.remat != "none":
       run_layer = nnx.remat(_run_layer, policy=REMAT_POLICIES[self.remat])
@@ -233,8 +248,12 @@ class Qwen3Moe(nnx.Module):
         auxes.append(aux)
 
     x = self.final_norm(x)
-    out = x if return_hidden else jnp.einsum("bsh,hv->bsv", x, self.head().astype(x.dtype),
-                                             preferred_element_type=jnp.float32)
+    if return_hidden:
+      out = x
+    else:
+      with jax.named_scope("lm_head"):
+        out = jnp.einsum("bsh,hv->bsv", x, self.head().astype(x.dtype),
+                         preferred_element_type=jnp.float32)
     if not return_aux:
       return out
     if not auxes:  # a model without MoE layers: empty statistics, still well-typed
