@@ -29,8 +29,8 @@ LR = 3e-4
 class StepOptions:
   """config: a models.CONFIGS name; layers: decoder layers (0: the config's);
   tokens_per_gpu, seq: tokens per device per step and per sequence (seq must divide it);
-  attention, ce_chunk: as the example's flags (auto / None pick as it does); data: "corpus"
-  (the example's default corpus) or "random" (uniform ids); ep: expert-parallel size (0: all
+  attention, ce_chunk: as the example's flags (auto / None pick as it does); data: "random"
+  (uniform ids) or "corpus" (the example's default corpus); ep: expert-parallel size (0: all
   devices)."""
 
   config: str = "qwen3-30b-a3b"
@@ -42,7 +42,7 @@ class StepOptions:
   remat: str = "full"
   attention: str = "auto"
   ce_chunk: int | None = None
-  data: str = "corpus"
+  data: str = "random"
   ep: int = 0
   seed: int = 0
 
