@@ -139,3 +139,28 @@ def test_data_and_expert_axes_trace():
 def test_unavailable_reason_on_cpu():
   mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
   assert cuda_ep.unavailable_reason(mesh) is not None
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3])
+def test_virtual_group_fp8_rows_trace(num_ranks):
+  """A virtual group's recipe-"fp8" layer slices each rank's FP8 rows (a QuantizedRows pytree)
+  leaf by leaf: forward and gradients trace to the EP custom calls and the FP8 GEMMs (tracing
+  indexed the tuple once, which the GPU tests caught)."""
+  from jax_megamoe import virtual_ranks
+  from jax_megamoe.backends import cuda
+  ws = _fake_workspace(Mesh(np.array(jax.devices()[:1]), ("expert",)), num_ranks=num_ranks,
+                       max_tokens=32, hidden=128, elem_bytes=2, virtual=True)
+  tokens, experts = 32, 6
+  x, ids, w, wgu, wd = _problem(tokens * num_ranks, hidden=128, ffn=128, experts=experts,
+                                dtype=jnp.bfloat16)
+  stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+  mlp = cuda.expert_mlp("fp8", jnp.bfloat16, 128, 128)
+
+  def loss(x, w, wgu, wd):
+    y = virtual_ranks.expert_parallel_moe(stack(x), stack(ids), stack(w), wgu, wd,
+                                          workspace=ws, mlp=mlp, fp8_dispatch=True)
+    return jnp.sum(y.astype(jnp.float32))
+
+  text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd))
+  assert "megamoe_ep_dispatch_fwd" in text and "megamoe_ep_dispatch_bwd" in text
+  assert "float8_e4m3fn" in text

@@ -42,7 +42,7 @@ from jax_megamoe.backends import cuda_fp8
 from jax_megamoe.validation import LayerShape, check_layer_args
 
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-MAX_TOP_K = 32  # slots of a token handled by one warp (ffi/kernels/ep_transfer.cuh)
+MAX_TOP_K = 32  # a token's slots are handled by one warp (ffi/impls/ep_send.cuh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,8 @@ class EpConfig:
     """fn applied to each rank's slice of `args` (stacked), or to `args` as they are."""
     if not self.stacked:
       return fn(*args)
-    outs = [fn(*(a[r] for a in args)) for r in range(self.num_ranks)]
+    # Operands may be pytrees (cuda_fp8.QuantizedRows): slice every leaf, not the tuple.
+    outs = [fn(*jax.tree.map(lambda a: a[r], args)) for r in range(self.num_ranks)]
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outs)
 
   def attrs(self) -> dict[str, Any]:
