@@ -302,13 +302,10 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
 
   def loss_fn(params, inputs, targets):
     model = nnx.merge(graphdef, params)
-    if ce_chunk:
-      hidden, aux = model(inputs, return_aux=True, return_hidden=True)
-      ce = chunked_cross_entropy(hidden, model.head(), targets, chunk=ce_chunk)
-    else:
-      logits, aux = model(inputs, return_aux=True)
-      with jax.named_scope("cross_entropy"):
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    hidden, aux = model(inputs, return_aux=True, return_hidden=True)
+    # ce_chunk 0 (full logits) is one chunk: the same loss, and its backward's GEMMs in bf16.
+    ce = chunked_cross_entropy(hidden, model.head(), targets,
+                               chunk=ce_chunk or targets.shape[1])
     with jax.named_scope("aux_losses"):
       layers = max(1, aux.z_loss.shape[0])  # mean over MoE layers (none: zero, not NaN)
       balance, z = jnp.sum(aux.load_balancing_loss) / layers, jnp.sum(aux.z_loss) / layers
