@@ -45,16 +45,17 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
       chunk; its gradient is summed over the chunks in float32).
     targets: [B, S] int target ids.
     chunk: positions per chunk; must divide S. Each chunk's logits [B, chunk, V] (float32
-      out of a GEMM in hidden's dtype) are made, reduced and dropped, and made again in the
-      backward pass, so peak memory is one chunk's logits. The batch axis keeps its sharding:
-      chunks run over S.
+      out of a GEMM in hidden's dtype) are made, reduced and dropped, so peak memory is one
+      chunk's logits. The batch axis keeps its sharding: chunks run over S.
 
   Returns:
     Scalar float32, equal to the mean of softmax cross-entropy over all B * S positions.
 
-  The backward is written out (a custom VJP) so that both of its GEMMs run in hidden's dtype:
-  d logits = softmax - one_hot is rounded to it, as autodiff of the float32 logits would not do
-  (it ran them as float32 (TF32) GEMMs, 3x slower: benchmarks/RESULTS.md, step profile).
+  Differentiated, it computes the gradients in the same pass over each chunk (a custom VJP: the
+  backward only scales them), so the logits are made once, not again for the backward, and
+  both gradient GEMMs run in hidden's dtype (d logits = softmax - one_hot rounded to it; d head
+  summed over the chunks in float32). Autodiff of the float32 logits made them twice and ran the
+  gradient GEMMs in float32 (TF32): a third of an 8-layer 30B step (benchmarks/RESULTS.md).
   """
   batch, seq, _ = hidden.shape
   if targets.shape != (batch, seq):
@@ -86,46 +87,49 @@ def _logits(h: jax.Array, head: jax.Array) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _chunked_ce(hidden, head, targets, chunk):
-  return _chunked_ce_fwd(hidden, head, targets, chunk)[0]
-
-
-def _chunked_ce_fwd(hidden, head, targets, chunk):
   head_c = head.astype(hidden.dtype)
 
   def body(total, xs):
     h, t = xs
     logits = _logits(h, head_c)
+    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    return total + jnp.sum(jax.nn.logsumexp(logits, axis=-1) - target_logit), None
+
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                          (_by_chunk(hidden, chunk), _by_chunk(targets, chunk)))
+  return total / targets.size
+
+
+def _chunked_ce_fwd(hidden, head, targets, chunk):
+  """The loss and, in the same pass over each chunk's logits, its gradients (the loss is a
+  scalar, so they are known up to the cotangent's factor): the backward does not make the
+  logits again (3 GEMMs per chunk, not 4)."""
+  head_c = head.astype(hidden.dtype)
+
+  def body(carry, xs):
+    total, d_head = carry
+    h, t = xs
+    logits = _logits(h, head_c)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    return total + jnp.sum(lse - target_logit), lse
-
-  total, lse = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                            (_by_chunk(hidden, chunk), _by_chunk(targets, chunk)))
-  # lse [S / chunk, B, chunk] is kept: the backward needs it and it is tiny beside the logits.
-  return total / targets.size, (hidden, head, targets, lse)
-
-
-def _chunked_ce_bwd(chunk, res, g):
-  hidden, head, targets, lse = res
-  head_c = head.astype(hidden.dtype)
-  vocab = head.shape[1]
-  scale = g / targets.size
-
-  def body(d_head, xs):
-    h, t, lse_c = xs
-    logits = _logits(h, head_c)
     one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t[..., None]
-    d_logits = ((jnp.exp(logits - lse_c[..., None]) - one_hot) * scale).astype(hidden.dtype)
+    d_logits = ((jnp.exp(logits - lse[..., None]) - one_hot) / targets.size).astype(h.dtype)
     with jax.named_scope("lm_head"):
       d_h = jnp.einsum("bcv,hv->bch", d_logits, head_c, preferred_element_type=jnp.float32)
       d_head = d_head + jnp.einsum("bch,bcv->hv", h, d_logits,
                                    preferred_element_type=jnp.float32)
-    return d_head, d_h.astype(hidden.dtype)
+    return (total + jnp.sum(lse - target_logit), d_head), d_h.astype(h.dtype)
 
-  d_head, d_hidden = jax.lax.scan(
-      body, jnp.zeros((head.shape[0], vocab), jnp.float32),
-      (_by_chunk(hidden, chunk), _by_chunk(targets, chunk), lse))
-  return _from_chunks(d_hidden), d_head.astype(head.dtype), None
+  (total, d_head), d_hidden = jax.lax.scan(
+      body, (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32)),
+      (_by_chunk(hidden, chunk), _by_chunk(targets, chunk)))
+  return total / targets.size, (_from_chunks(d_hidden), d_head.astype(head.dtype))
+
+
+def _chunked_ce_bwd(chunk, res, g):
+  del chunk
+  d_hidden, d_head = res
+  return (g * d_hidden).astype(d_hidden.dtype), (g * d_head).astype(d_head.dtype), None
 
 
 _chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
