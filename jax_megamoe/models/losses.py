@@ -56,6 +56,8 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
   both gradient GEMMs run in hidden's dtype (d logits = softmax - one_hot rounded to it; d head
   summed over the chunks in float32). Autodiff of the float32 logits made them twice and ran the
   gradient GEMMs in float32 (TF32): a third of an 8-layer 30B step (benchmarks/RESULTS.md).
+  The price: d head (float32 [H, V], 1.2 GB at Qwen3's 2048 x 151,936) and d hidden are held from
+  the forward until the backward reaches them.
   """
   batch, seq, _ = hidden.shape
   if targets.shape != (batch, seq):
