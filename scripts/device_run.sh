@@ -2,13 +2,17 @@
 # Builds the extension on a GPU machine and runs the GPU tests and benchmarks in one call,
 # writing logs and results under $OUT (default: ./device_out).
 #
-#   scripts/device_run.sh [STEP ...]     steps: build tests bench   (default: build tests bench)
+#   scripts/device_run.sh [STEP ...]     steps: build keep tests bench   (default: build tests bench)
 #
 # Needs: python3 with jax[cuda], nanobind, cmake, ninja, nvcc (the device image has them).
 # CUTLASS headers: a nvidia-cutlass wheel under .whl/ (carried; see scripts/fetch_device_deps.sh)
 # or JAX_MEGAMOE_CUTLASS_INCLUDE pointing at an include dir.
 # Extra pytest args: PYTEST_ARGS (split on spaces); test paths: PYTEST_PATHS (default tests);
 # a -k expression with spaces: PYTEST_K; benchmark commands: BENCH_CMDS (one per line).
+# PYTEST_JOBS=N (default 1) runs the test files in N pytest processes sharing the GPU (the suite
+# is bound by XLA compilation on the host), each logging to $OUT/tests_jK.log with timestamps.
+# Step "keep" copies the built extension to $OUT/so: carry it back next call
+# (jax_megamoe/_megamoe.cpython-*.so) and skip "build".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
@@ -48,6 +52,8 @@ build() {
 }
 
 tests() {
+  local jobs=${PYTEST_JOBS:-1}
+  if [ "$jobs" -gt 1 ]; then tests_parallel "$jobs"; return; fi
   log "tests"
   python3 -m pytest -q -rs -m "gpu or multigpu" ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} \
     ${PYTEST_PATHS:-tests} \
@@ -55,6 +61,36 @@ tests() {
   local rc=${PIPESTATUS[0]}
   tail -1 "$OUT/tests.log" | tee -a "$OUT/summary.txt"
   return $rc
+}
+
+# The test files dealt round-robin to $1 pytest processes; fails if any of them fails.
+tests_parallel() {
+  local jobs=$1 files=() k
+  for path in ${PYTEST_PATHS:-tests}; do
+    if [ -d "$path" ]; then files+=("$path"/test_*.py); else files+=("$path"); fi
+  done
+  log "tests in $jobs processes: ${#files[@]} files"
+  local pids=()
+  for ((k = 0; k < jobs; k++)); do
+    local mine=()
+    for ((i = k; i < ${#files[@]}; i += jobs)); do mine+=("${files[$i]}"); done
+    [ ${#mine[@]} -eq 0 ] && continue
+    ( python3 -m pytest -v -rs -p no:cacheprovider -m "gpu or multigpu" \
+        ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} "${mine[@]}" 2>&1 \
+        | while IFS= read -r line; do echo "$(date -u +%H:%M:%S) $line"; done \
+        > "$OUT/tests_j$k.log"; exit "${PIPESTATUS[0]}" ) &
+    pids+=($!)
+  done
+  local rc=0
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  for ((k = 0; k < jobs; k++)); do
+    [ -f "$OUT/tests_j$k.log" ] && tail -1 "$OUT/tests_j$k.log" | tee -a "$OUT/summary.txt"
+  done
+  return $rc
+}
+
+keep() {
+  mkdir -p "$OUT/so" && cp jax_megamoe/_megamoe*.so "$OUT/so/" && log "kept $(ls "$OUT/so")"
 }
 
 bench() {
