@@ -124,7 +124,10 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
     wgrad_op = jax.jit(fp8k.quantize_wgrad_operand)
     x_c, dgu_c, hid_c, dy_c = (wgrad_op(a, gs) for a in (x, dgu, hid, dy))
     fp8_wgrad = jax.jit(fp8k.grouped_wgrad_quantized)
-    fp8_bwd = jax.jit(fp8k.mlp_backward, static_argnums=7)
+    fp8_bwd = jax.jit(fp8k.mlp_backward, static_argnums=4)
+    # The backward's weights are the forward's blocks (MlpResiduals), read transposed.
+    fp8_res = fp8k.MlpResiduals(gate_up, hidden, wgu_q, wd_q)
+    dgrad_operand = jax.jit(fp8k.dgrad_operand)
     cases["fp8 L2 dgrad GEMM"] = (lambda: fp8_gemm(dy_q, gs, wd_dq), 2 * n * h * f)
     cases["fp8 L1 dgrad GEMM"] = (lambda: fp8_gemm(dgu_q, gs, wgu_dq), 2 * n * 2 * f * h)
     cases["fp8 L2 wgrad GEMM"] = (lambda: fp8_wgrad(hid_c, gs, dy_c), 2 * n * f * h)
@@ -139,8 +142,10 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
         lambda: swiglu_bwd(hid, gate_up, gs), 2 * n * f + 4 * n * f + 4 * n * f)
     cases["fp8 quantize w_gate_up dgrad (TB/s)"] = (lambda: quant_w_dgrad(wgu),
                                                     move(e * h * 2 * f))
-    cases["fp8 MLP bwd"] = (lambda: fp8_bwd(dy, x, gs, wgu, wd, gate_up, hidden, False),
-                            12 * n * h * f)
+    # The same operand as the forward's blocks transposed: 1 byte read + 1 written per element.
+    cases["fp8 dgrad operand w_gate_up from its blocks (TB/s)"] = (
+        lambda: dgrad_operand(wgu_q), 2 * e * h * 2 * f)
+    cases["fp8 MLP bwd"] = (lambda: fp8_bwd(dy, x, gs, fp8_res, False), 12 * n * h * f)
   only = os.environ.get("MEGAMOE_BENCH_ONLY", "")
   for name, (fn, flops) in cases.items():
     if only and not name.startswith(only):

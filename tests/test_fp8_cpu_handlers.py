@@ -157,6 +157,29 @@ def test_quantize_weights_dgrad_is_the_same_blocks_untransposed(pow2):
   np.testing.assert_array_equal(deq, np.asarray(fp8.quantize_weight(w, _spec(pow2))))
   np.testing.assert_array_equal(_bytes(dgrad.q), np.swapaxes(_bytes(fwd.q), 1, 2))
   np.testing.assert_array_equal(np.asarray(dgrad.scale), np.swapaxes(np.asarray(fwd.scale), 1, 2))
+  # What the FP8 MLP's backward uses instead of quantising w again: the same bits.
+  moved = cuda_fp8.dgrad_operand(fwd)
+  np.testing.assert_array_equal(_bytes(moved.q), _bytes(dgrad.q))
+  np.testing.assert_array_equal(np.asarray(moved.scale), np.asarray(dgrad.scale))
+
+
+def test_fp8_mlp_step_quantises_each_weight_once():
+  """Forward and backward of the FP8 MLP quantise each weight once (the backward's dgrad GEMMs
+  read the forward's blocks transposed) and keep no bf16 weight for the backward."""
+  n, hdim, f, e = 40, 128, 128, 2
+  gs = jnp.asarray([25, 15], jnp.int32)
+  args = (jnp.zeros((n, hdim), jnp.bfloat16), jnp.zeros((e, hdim, 2 * f), jnp.bfloat16),
+          jnp.zeros((e, f, hdim), jnp.bfloat16))
+
+  def loss(x, wgu, wd):
+    return jnp.sum(cuda_fp8.grouped_mlp(x, gs, wgu, wd).astype(jnp.float32))
+
+  text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
+  assert text.count(cuda_fp8.QUANTIZE_WEIGHTS_TARGET) == 2, text.count(
+      cuda_fp8.QUANTIZE_WEIGHTS_TARGET)
+  residuals = jax.tree.leaves(cuda_fp8._grouped_mlp_fwd(args[0], gs, args[1], args[2], False)[1])
+  assert not any(r.shape in (args[1].shape, args[2].shape) and r.dtype == jnp.bfloat16
+                 for r in residuals)
 
 
 @pytest.mark.parametrize("pow2", [False, True])

@@ -214,18 +214,18 @@ def _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, mlp):
   quantize = lambda x: cuda_fp8.pack_rows(cuda_fp8.quantize_rows(x, pow2=mlp.pow2))
   d = _dispatch_call(cfg.per_rank(quantize, x), ids, w, cfg, n_cap)
   x_rows = cfg.per_rank(lambda rows: cuda_fp8.unpack_rows(rows, hidden_size), d.x_sorted)
-  y, gate_up, hidden = cfg.per_rank(mlp.forward, x_rows, d.group_sizes, w_gate_up, w_down)
+  y, mlp_res = cfg.per_rank(mlp.forward, x_rows, d.group_sizes, w_gate_up, w_down)
   out = (y, d.group_sizes, d.slot_pos, d.recv_w, d.stats)
-  return out, (x_rows, d.group_sizes, d.slot_pos, ids, w_gate_up, w_down, gate_up, hidden)
+  return out, (x_rows, d.group_sizes, d.slot_pos, ids, mlp_res)
 
 
 def _dispatch_mlp_fp8_bwd(cfg, n_cap, mlp, res, cts):
   del n_cap
-  x_rows, group_sizes, slot_pos, ids, w_gate_up, w_down, gate_up, hidden = res
+  x_rows, group_sizes, slot_pos, ids, mlp_res = res
   dy_sorted, _, _, d_recv_w, _ = cts
   x_sorted = cfg.per_rank(lambda rows: cuda_fp8.dequantize_rows(rows, jnp.bfloat16), x_rows)
   dx_sorted, dw_gate_up, dw_down = cfg.per_rank(mlp.backward, dy_sorted, x_sorted, group_sizes,
-                                                w_gate_up, w_down, gate_up, hidden)
+                                                mlp_res)
   dx, dw = _dispatch_bwd_call(dx_sorted, d_recv_w.astype(jnp.float32), slot_pos, ids, cfg)
   return dx, None, dw, dw_gate_up, dw_down
 

@@ -4,13 +4,15 @@ quantised operands, and the expert MLP built from them, forward and backward
 
 Quantising is separate from the GEMMs so that each operand is quantised once where it is
 produced: token rows before they are dispatched (they travel in FP8, backends.cuda_ep), weights
-once per pass, the SwiGLU output (and its gradient) fused with the SwiGLU kernels.
+once per forward (the backward reads the same blocks transposed), the SwiGLU output (and its gradient) fused with the SwiGLU kernels.
 
   quantize_rows(x)            x [N, K] bf16 -> QuantizedRows(q [N, K] e4m3, scale [N, K/128] f32)
   quantize_weights(w)         w [E, K, P] bf16 -> QuantizedWeights(q [E, P, K] e4m3 (transposed,
                               K-major as FP8 wgmma needs), scale [E, K/128, P/128] f32): the
                               operand of x @ w; with dgrad=True the operand of dy @ w^T
                               (q [E, K, P] as w, scale [E, P/128, K/128]), same block values
+  dgrad_operand(blocks)       the dgrad operand from the forward's blocks: a transpose, not a
+                              second quantisation (square 128x128 blocks, one scale each)
   quantize_wgrad_operand(x, group_sizes) -> WgradOperand: rows in 128 x 1 blocks inside each
                               group, stored transposed and group-padded (the K-grouped wgrad's
                               K-major operand); with_rows: also x's 1x128 rows, same read
@@ -125,6 +127,23 @@ def quantize_weights(w: jax.Array, *, pow2: bool = False, dgrad: bool = False
   return varying.match_varying_each(blocks, w)
 
 
+def dgrad_operand(blocks: QuantizedWeights) -> QuantizedWeights:
+  """quantize_weights(w, dgrad=True) from quantize_weights(w): the same 128x128 blocks (each
+  block's scale is its own amax's, whichever way it is read), transposed; bit for bit the same,
+  for a byte transpose instead of reading w again."""
+  return QuantizedWeights(jnp.swapaxes(blocks.q, 1, 2), jnp.swapaxes(blocks.scale, 1, 2))
+
+
+class MlpResiduals(NamedTuple):
+  """What the FP8 MLP's backward needs from its forward: the bf16 gate_up [N, 2F] and hidden
+  [N, F], and the weights as the forward quantised them (its dgrad GEMMs read them transposed:
+  dgrad_operand), so the backward neither holds the bf16 weights nor quantises them again."""
+  gate_up: jax.Array
+  hidden: jax.Array
+  w_gate_up: QuantizedWeights
+  w_down: QuantizedWeights
+
+
 def quantize_wgrad_operand(x: jax.Array, group_sizes: jax.Array, *, pow2: bool = False,
                            with_rows: bool = False):
   """x [N, C] bf16 (rows grouped as group_sizes) -> WgradOperand (128 x 1 blocks in groups);
@@ -234,26 +253,29 @@ def swiglu_backward_quantize(dh: jax.Array, gate_up: jax.Array, group_sizes: jax
           varying.match_varying_each(WgradOperand(q, scale), *like))
 
 
-def mlp_forward(x_rows: QuantizedRows, group_sizes, w_gate_up, w_down, pow2: bool):
-  """FP8 forward of the SwiGLU MLP from quantised rows: (y, gate_up, hidden), all bf16."""
-  gate_up = grouped_gemm_quantized(x_rows, group_sizes, quantize_weights(w_gate_up, pow2=pow2))
+def mlp_forward(x_rows: QuantizedRows, group_sizes, w_gate_up, w_down, pow2: bool
+                ) -> tuple[jax.Array, MlpResiduals]:
+  """FP8 forward of the SwiGLU MLP from quantised rows: (y bf16, MlpResiduals). Each weight is
+  quantised once per forward; the backward reuses those blocks."""
+  w_gate_up_q = quantize_weights(w_gate_up, pow2=pow2)
+  w_down_q = quantize_weights(w_down, pow2=pow2)
+  gate_up = grouped_gemm_quantized(x_rows, group_sizes, w_gate_up_q)
   hidden, hidden_rows = swiglu_quantize(gate_up, group_sizes, pow2=pow2)
-  y = grouped_gemm_quantized(hidden_rows, group_sizes, quantize_weights(w_down, pow2=pow2))
-  return y, gate_up, hidden
+  y = grouped_gemm_quantized(hidden_rows, group_sizes, w_down_q)
+  return y, MlpResiduals(gate_up, hidden, w_gate_up_q, w_down_q)
 
 
-def mlp_backward(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden, pow2: bool):
-  """FP8 backward of the SwiGLU MLP (fp8.ragged_dot's definition) from the forward's bf16
-  residuals: (dx [N, H], dw_gate_up [E, H, 2F], dw_down [E, F, H]), all bf16. Each operand is
-  quantised once, both ways where it feeds a dgrad and a wgrad GEMM (dy, dgate_up)."""
+def mlp_backward(dy, x, group_sizes, res: MlpResiduals, pow2: bool):
+  """FP8 backward of the SwiGLU MLP (fp8.ragged_dot's definition) from the forward's residuals:
+  (dx [N, H], dw_gate_up [E, H, 2F], dw_down [E, F, H]), all bf16. Each activation operand is
+  quantised once, both ways where it feeds a dgrad and a wgrad GEMM (dy, dgate_up); the weights
+  are the forward's blocks, transposed."""
   wgrad_operand = functools.partial(quantize_wgrad_operand, group_sizes=group_sizes, pow2=pow2)
   dy_rows, dy_op = wgrad_operand(dy.astype(jnp.bfloat16), with_rows=True)
-  dh = grouped_gemm_quantized(dy_rows, group_sizes,
-                              quantize_weights(w_down, pow2=pow2, dgrad=True))
-  dgate_up_rows, dgate_up_op = swiglu_backward_quantize(dh, gate_up, group_sizes, pow2=pow2)
-  dx = grouped_gemm_quantized(dgate_up_rows, group_sizes,
-                              quantize_weights(w_gate_up, pow2=pow2, dgrad=True))
-  dw_down = grouped_wgrad_quantized(wgrad_operand(hidden), group_sizes, dy_op)
+  dh = grouped_gemm_quantized(dy_rows, group_sizes, dgrad_operand(res.w_down))
+  dgate_up_rows, dgate_up_op = swiglu_backward_quantize(dh, res.gate_up, group_sizes, pow2=pow2)
+  dx = grouped_gemm_quantized(dgate_up_rows, group_sizes, dgrad_operand(res.w_gate_up))
+  dw_down = grouped_wgrad_quantized(wgrad_operand(res.hidden), group_sizes, dy_op)
   dw_gate_up = grouped_wgrad_quantized(wgrad_operand(x), group_sizes, dgate_up_op)
   return dx, dw_gate_up, dw_down
 
@@ -270,15 +292,13 @@ def _grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, pow2):
 
 
 def _grouped_mlp_fwd(x_sorted, group_sizes, w_gate_up, w_down, pow2):
-  y, gate_up, hidden = mlp_forward(quantize_rows(x_sorted, pow2=pow2), group_sizes, w_gate_up,
-                                   w_down, pow2)
-  return y, (x_sorted, group_sizes, w_gate_up, w_down, gate_up, hidden)
+  y, res = mlp_forward(quantize_rows(x_sorted, pow2=pow2), group_sizes, w_gate_up, w_down, pow2)
+  return y, (x_sorted, group_sizes, res)
 
 
 def _grouped_mlp_bwd(pow2, res, dy):
-  x, group_sizes, w_gate_up, w_down, gate_up, hidden = res
-  dx, dw_gate_up, dw_down = mlp_backward(dy, x, group_sizes, w_gate_up, w_down, gate_up, hidden,
-                                         pow2)
+  x, group_sizes, mlp_res = res
+  dx, dw_gate_up, dw_down = mlp_backward(dy, x, group_sizes, mlp_res, pow2)
   return dx, None, dw_gate_up, dw_down
 
 
@@ -295,12 +315,12 @@ class RowsMlp:
   def __call__(self, x_sorted, group_sizes, w_gate_up, w_down):
     return grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, self.pow2)
 
-  def forward(self, x_rows: QuantizedRows, group_sizes, w_gate_up, w_down):
+  def forward(self, x_rows: QuantizedRows, group_sizes, w_gate_up, w_down
+              ) -> tuple[jax.Array, MlpResiduals]:
     return mlp_forward(x_rows, group_sizes, w_gate_up, w_down, self.pow2)
 
-  def backward(self, dy, x_sorted, group_sizes, w_gate_up, w_down, gate_up, hidden):
-    return mlp_backward(dy, x_sorted, group_sizes, w_gate_up, w_down, gate_up, hidden,
-                        self.pow2)
+  def backward(self, dy, x_sorted, group_sizes, res: MlpResiduals):
+    return mlp_backward(dy, x_sorted, group_sizes, res, self.pow2)
 
 
 # --- FP8 rows as the bytes of a bf16 row (what the EP dispatch kernels move) -------------------
