@@ -4,7 +4,8 @@ quantised operands, and the expert MLP built from them, forward and backward
 
 Quantising is separate from the GEMMs so that each operand is quantised once where it is
 produced: token rows before they are dispatched (they travel in FP8, backends.cuda_ep), weights
-once per forward (the backward reads the same blocks transposed), the SwiGLU output (and its gradient) fused with the SwiGLU kernels.
+once per forward (the backward reads the same blocks transposed), the SwiGLU output (and its
+gradient) fused with the SwiGLU kernels.
 
   quantize_rows(x)            x [N, K] bf16 -> QuantizedRows(q [N, K] e4m3, scale [N, K/128] f32)
   quantize_weights(w)         w [E, K, P] bf16 -> QuantizedWeights(q [E, P, K] e4m3 (transposed,
