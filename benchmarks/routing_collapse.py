@@ -56,6 +56,9 @@ def parse_args(argv=None):
   p.add_argument("--bias-rate", type=float, default=None,
                  help="selection-bias update rate (default: the config's)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument("--backend", default="reference", help="MoE backend (cuda on a GPU)")
+  p.add_argument("--attention", default=None, choices=(None, "xla", "cudnn"))
+  p.add_argument("--ce-chunk", type=int, default=0, help="0: full logits")
   p.add_argument("--data", choices=("corpus", "random"), default="corpus")
   p.add_argument("--diag-every", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
@@ -74,7 +77,7 @@ def build(args):
     overrides["router_bias_update_rate"] = args.bias_rate
   config = get_config(args.config, **overrides)
   model = Qwen3Moe(config, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype),
-                   backend="reference")
+                   backend=args.backend, attention=args.attention)
   return config, model
 
 
@@ -175,7 +178,8 @@ def main(argv=None):
   def losses(params, inputs, targets):
     m = nnx.merge(graphdef, params)
     hidden, aux = m(inputs, return_aux=True, return_hidden=True)
-    ce = chunked_cross_entropy(hidden, m.head(), targets, chunk=targets.shape[1])
+    ce = chunked_cross_entropy(hidden, m.head(), targets,
+                               chunk=args.ce_chunk or targets.shape[1])
     return ce, jnp.mean(aux.load_balancing_loss), jnp.mean(aux.z_loss), aux.expert_load
 
   def loss_fn(params, inputs, targets):
