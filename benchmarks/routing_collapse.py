@@ -59,7 +59,8 @@ def parse_args(argv=None):
   p.add_argument("--backend", default="reference", help="MoE backend (cuda on a GPU)")
   p.add_argument("--attention", default=None, choices=(None, "xla", "cudnn"))
   p.add_argument("--ce-chunk", type=int, default=0, help="0: full logits")
-  p.add_argument("--data", choices=("corpus", "random"), default="corpus")
+  p.add_argument("--data", default="corpus",
+                 help="corpus (the example's default), random (uniform ids) or a .npy of ids")
   p.add_argument("--diag-every", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", help="JSON of the run")
@@ -171,8 +172,10 @@ def main(argv=None):
   opt_state = tx.init(params)
   if args.data == "corpus":
     tokens = data_lib.load_tokens(None, config.vocab_size)
-  else:
+  elif args.data == "random":
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 1 << 20).astype(np.int32)
+  else:
+    tokens = data_lib.load_tokens(args.data, config.vocab_size)
   sampler = data_lib.BatchSampler(tokens, args.batch, args.seq, args.seed)
 
   def losses(params, inputs, targets):
