@@ -44,7 +44,8 @@ except ImportError:  # run from a source checkout without installing
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jax_megamoe import BACKENDS, RECIPES  # noqa: E402
-from jax_megamoe.models import CONFIGS, REMAT_POLICIES, Qwen3Moe, get_config  # noqa: E402
+from jax_megamoe.models import (CONFIGS, REMAT_POLICIES, Qwen3Moe, get_config,  # noqa: E402
+                                update_selection_biases)
 from jax_megamoe.models.hf_import import load_hf_checkpoint, read_hf_config  # noqa: E402
 from jax_megamoe.models.attention_impl import ATTENTION_CHOICES, resolve_attention  # noqa: E402
 from jax_megamoe.models.losses import auto_ce_chunk, chunked_cross_entropy  # noqa: E402
@@ -86,7 +87,9 @@ _FLAGS = (
     ("float", "weight_decay", 0.1, "AdamW weight decay", {}),
     ("float", "clip_norm", 1.0, "global gradient norm clip", {}),
     ("float", "aux_loss_coef", None,
-     "load-balancing loss weight (default: the config's, 1e-3 as Qwen3)", {}),
+     "load-balancing loss weight (default: the config's: 1e-1 for the published configs "
+     "trained from scratch, which 1e-3 lets collapse onto one expert per layer; a "
+     "--init-from checkpoint's config.json value, 1e-3 for Qwen3; tiny 1e-2)", {}),
     ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
     ("integer", "ce_chunk", None,
      "compute the cross-entropy this many positions at a time, never holding the full "
@@ -312,6 +315,9 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
     loss = ce + aux_coef * balance + z_coef * z
     return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load)
 
+  def bias_rate(params):
+    return nnx.merge(graphdef, params).config.router_bias_update_rate
+
   def train_step(params, opt_state, inputs, targets):
     grads, metrics = jax.grad(loss_fn, has_aux=True)(params, inputs, targets)
     # The scope names what step profiles count as the optimizer (benchmarks/profile_step.py).
@@ -321,6 +327,10 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
       finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
       keep = lambda new, old: jnp.where(finite, new, old)
       new_params = optax.apply_updates(params, updates)
+      # Auxiliary-loss-free balancing (Qwen3MoeConfig.router_bias_update_rate > 0 only; no
+      # gradient reaches the selection biases, this moves them): a no-op without them.
+      new_params = update_selection_biases(new_params, metrics["expert_load"],
+                                           bias_rate(params))
       return (jax.tree.map(keep, new_params, params),
               jax.tree.map(keep, new_opt_state, opt_state), metrics)
 

@@ -12,10 +12,22 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_megamoe.moe import BACKENDS, COMPUTE_DTYPES, RECIPES, moe
-from jax_megamoe.router import RouterAux, route
+from jax_megamoe.router import RouterAux, route, update_selection_bias
 
 # Qwen3's initializer_range: every linear weight ~ N(0, 0.02^2).
 QWEN3_INIT_STD = 0.02
+
+
+class SelectionBias(nnx.Param):
+  """A router's per-expert selection bias [E] (MoE(selection_bias=True)): added to the logits
+  only to pick the top k (DeepSeek-V3's auxiliary-loss-free balancing), never to the weights.
+
+  It is an nnx.Param so that it lives with the parameters (nnx.split(model, nnx.Param),
+  checkpoints, shardings) but it is not trained by gradient: none reaches it (the top-k choice
+  is not differentiable), so AdamW leaves it where it is (weight decay aside: mask vectors off,
+  as examples/train_qwen3_moe.py does). It starts at zero, so a model loaded from a checkpoint
+  routes exactly as without it, and moves only through update_selection_bias, once per
+  training step, from the step's expert loads."""
 
 
 class MoE(nnx.Module):
@@ -41,7 +53,7 @@ class MoE(nnx.Module):
                param_dtype: Any = jnp.float32, backend: str = "auto",
                recipe: str | None = None, mesh: Mesh | None = None,
                expert_axis: str = "expert", init_std: float = QWEN3_INIT_STD,
-               down_init_std: float | None = None):
+               down_init_std: float | None = None, selection_bias: bool = False):
     down_init_std = init_std if down_init_std is None else down_init_std
     for name, value in (("init_std", init_std), ("down_init_std", down_init_std)):
       if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
@@ -89,11 +101,14 @@ class MoE(nnx.Module):
         nnx.initializers.normal(down_init_std)(
             rngs.params(), (num_experts, ffn_size, hidden_size), param_dtype),
         expert_sharding)
+    if selection_bias:
+      self.selection_bias = self._param(jnp.zeros((num_experts,), jnp.float32), (None,),
+                                        kind=SelectionBias)
 
-  def _param(self, value: jax.Array, sharding: tuple) -> nnx.Param:
+  def _param(self, value: jax.Array, sharding: tuple, kind: type = nnx.Param) -> nnx.Param:
     if self.mesh is None:
-      return nnx.Param(value, out_sharding=sharding, eager_sharding=False)
-    return nnx.Param(value, out_sharding=sharding, mesh=self.mesh)
+      return kind(value, out_sharding=sharding, eager_sharding=False)
+    return kind(value, out_sharding=sharding, mesh=self.mesh)
 
   def __call__(self, x: jax.Array, *, return_aux: bool = False
                ) -> jax.Array | tuple[jax.Array, RouterAux]:
@@ -109,8 +124,10 @@ class MoE(nnx.Module):
       tokens = x.reshape(-1, self.hidden_size)
       with jax.named_scope("router"):
         logits = tokens.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        bias = getattr(self, "selection_bias", None)
         topk_weights, topk_ids, aux = route(logits, self.top_k,
-                                            norm_topk_prob=self.norm_topk_prob)
+                                            norm_topk_prob=self.norm_topk_prob,
+                                            selection_bias=None if bias is None else bias[...])
       with jax.named_scope("experts"):
         y = moe(tokens.astype(self.dtype), topk_ids, topk_weights,
                 self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),

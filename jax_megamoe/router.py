@@ -24,7 +24,8 @@ class RouterAux(NamedTuple):
   expert_load: jax.Array
 
 
-def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True
+def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
+          selection_bias: jax.Array | None = None
           ) -> tuple[jax.Array, jax.Array, RouterAux]:
   """Routes tokens to experts.
 
@@ -33,6 +34,10 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True
     top_k: experts per token, an integer (Python or numpy, not bool) with 1 <= top_k <= E.
     norm_topk_prob: renormalise the k selected probabilities to sum to 1 (Qwen3's
       norm_topk_prob); otherwise they keep their softmax values.
+    selection_bias: optional [E] per-expert bias added to the logits only to choose the top k
+      (DeepSeek-V3's auxiliary-loss-free balancing; see update_selection_bias): the weights are
+      still the unbiased softmax probabilities of the chosen experts, and no gradient reaches
+      the bias. None or zeros: the same routing as without it.
 
   Returns:
     (topk_weights float32 [T, k], topk_ids int32 [T, k], RouterAux). Ties pick the lower id.
@@ -47,7 +52,15 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True
   top_k = int(top_k)
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
-  topk_weights, topk_ids = jax.lax.top_k(probs, top_k)
+  if selection_bias is None:
+    topk_weights, topk_ids = jax.lax.top_k(probs, top_k)
+  else:
+    if selection_bias.shape != (num_experts,):
+      raise ValueError(f"selection_bias must be [num_experts={num_experts}], got shape "
+                       f"{selection_bias.shape}")
+    biased = logits + jax.lax.stop_gradient(selection_bias.astype(jnp.float32))
+    _, topk_ids = jax.lax.top_k(biased, top_k)
+    topk_weights = jnp.take_along_axis(probs, topk_ids, axis=-1)
   if norm_topk_prob:
     topk_weights = topk_weights / jnp.sum(topk_weights, axis=-1, keepdims=True)
   topk_ids = topk_ids.astype(jnp.int32)
@@ -61,3 +74,14 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True
   load_balancing_loss = num_experts * jnp.sum(jax.lax.stop_gradient(expert_load) * mean_prob)
   z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
   return topk_weights, topk_ids, RouterAux(load_balancing_loss, z_loss, expert_load)
+
+
+def update_selection_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
+  """One step of DeepSeek-V3's auxiliary-loss-free load balancing (arXiv:2412.19437, sec.
+  2.1.2): every expert whose share of the routed slots is above the mean (1/E) has its
+  selection bias lowered by `rate`, every one below it raised by `rate`:
+  bias + rate * sign(1/E - expert_load). bias, expert_load: [..., E] (expert_load as
+  RouterAux.expert_load, rows summing to one). Returns float32."""
+  load = expert_load.astype(jnp.float32)
+  mean = 1.0 / load.shape[-1]
+  return bias.astype(jnp.float32) + rate * jnp.sign(mean - load)

@@ -25,7 +25,14 @@ class Qwen3MoeConfig:
     (i + 1) % decoder_sparse_step == 0 (HF's rule).
   norm_topk_prob: renormalise the top-k router weights to sum to one.
   rope_theta, rms_norm_eps, tie_word_embeddings: as in HF.
-  router_aux_loss_coef: load-balancing loss coefficient used by training (HF's default 1e-3).
+  router_aux_loss_coef: load-balancing loss coefficient used by training (HF's default 1e-3;
+    the published configs below use 1e-1 for training from scratch, see there).
+  router_bias_update_rate: auxiliary-loss-free balancing (DeepSeek-V3), off at 0 (the
+    default). When positive every MoE layer gets a per-expert selection bias (a
+    jax_megamoe.module.SelectionBias, starting at zero) added to the router logits only to
+    pick the top k, and the training step moves it by this rate against the step's load
+    (models.update_selection_biases; examples/train_qwen3_moe.py does). Not in HF's
+    config.json: a loaded checkpoint has no bias and routes exactly as in transformers.
   init_std [initializer_range]: std of the weight matrices at initialisation, N(0, init_std^2),
     but for the two below.
   embed_init_std: std of the token embedding at initialisation. depth_scaled_init: the last
@@ -56,6 +63,7 @@ class Qwen3MoeConfig:
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False
   router_aux_loss_coef: float = 1e-3
+  router_bias_update_rate: float = 0.0
   init_std: float = 0.02
   embed_init_std: float = 1.0
   depth_scaled_init: bool = True
@@ -66,6 +74,11 @@ class Qwen3MoeConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"Qwen3MoeConfig.{name} must be a positive int, got {value!r}")
+    for name in ("router_aux_loss_coef", "router_bias_update_rate"):
+      value = getattr(self, name)
+      if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
+          or not 0 <= value < float("inf")):
+        raise ValueError(f"Qwen3MoeConfig.{name} must be a finite number >= 0, got {value!r}")
     for name in ("init_std", "embed_init_std"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -257,7 +270,14 @@ class _HfFields:
     return float(value)
 
 
-# The published models (config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B).
+# The published models (config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B), but for
+# router_aux_loss_coef: 1e-1, not config.json's 1e-3, for training from scratch (a checkpoint
+# loaded with --init-from keeps its config.json's value). Trained from scratch on the example's
+# byte corpus, 1e-3 (and 1e-2) let every token's normed hidden state become nearly one shared
+# vector within 20-40 steps, whose router logits then put the same expert in every token's top
+# 8 (imbalance 16 of 16); 1e-1 holds the routing where it was at initialisation
+# (benchmarks/ROUTING_COLLAPSE_NOTES.md; CPU-sized measurements, tests/test_routing_balance.py).
+ROUTER_AUX_LOSS_COEF_FROM_SCRATCH = 1e-1
 CONFIGS: dict[str, Qwen3MoeConfig] = {
     # CPU-sized: trains visibly in a few minutes on two cores with the byte tokenizer. A
     # stronger load-balancing weight than Qwen3's 1e-3: at this size and learning rate the
@@ -268,10 +288,12 @@ CONFIGS: dict[str, Qwen3MoeConfig] = {
         rope_theta=10_000.0, router_aux_loss_coef=1e-2),
     "qwen3-30b-a3b": Qwen3MoeConfig(
         vocab_size=151_936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
-        head_dim=128, num_experts=128, top_k=8, moe_ffn_size=768, dense_ffn_size=6144),
+        head_dim=128, num_experts=128, top_k=8, moe_ffn_size=768, dense_ffn_size=6144,
+        router_aux_loss_coef=ROUTER_AUX_LOSS_COEF_FROM_SCRATCH),
     "qwen3-235b-a22b": Qwen3MoeConfig(
         vocab_size=151_936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
-        head_dim=128, num_experts=128, top_k=8, moe_ffn_size=1536, dense_ffn_size=12288),
+        head_dim=128, num_experts=128, top_k=8, moe_ffn_size=1536, dense_ffn_size=12288,
+        router_aux_loss_coef=ROUTER_AUX_LOSS_COEF_FROM_SCRATCH),
 }
 
 

@@ -23,9 +23,11 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_megamoe.module import MoE
+from jax_megamoe.router import update_selection_bias
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
 
-__all__ = ["CONFIGS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe", "Qwen3MoeConfig", "get_config"]
+__all__ = ["CONFIGS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe", "Qwen3MoeConfig", "get_config",
+           "update_selection_biases"]
 
 # --remat names -> what each decoder layer keeps for the backward pass (None: no remat).
 REMAT_POLICIES = {
@@ -160,7 +162,8 @@ class DecoderLayer(nnx.Module):
     if self.is_moe:
       self.mlp = MoE(c.hidden_size, c.moe_ffn_size, c.num_experts, c.top_k, rngs=rngs,
                      norm_topk_prob=c.norm_topk_prob, dtype=dtype, param_dtype=param_dtype,
-                     init_std=c.init_std, down_init_std=c.output_init_std, **moe_kwargs)
+                     init_std=c.init_std, down_init_std=c.output_init_std,
+                     selection_bias=c.router_bias_update_rate > 0, **moe_kwargs)
     else:
       self.mlp = DenseMlp(c, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -279,3 +282,25 @@ class Qwen3Moe(nnx.Module):
 
 def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array):
   return layer(x, cos, sin)
+
+
+def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: float
+                            ) -> nnx.State:
+  """params with every MoE layer's selection bias moved one step of auxiliary-loss-free
+  balancing (jax_megamoe.router.update_selection_bias) from that layer's row of `expert_load`
+  (ModelAux.expert_load [M, E] of the step, rows in layer order). params: the nnx.State of
+  the model's Params (nnx.split(model, nnx.Param)); a model without selection biases (rate 0)
+  is returned unchanged. Traceable: call it inside the jitted train step, after the update."""
+  flat = list(nnx.to_flat_state(params))
+  biased = sorted((path[1], i) for i, (path, _) in enumerate(flat)
+                  if path[-1] == "selection_bias")
+  if not biased:
+    return params
+  if expert_load.shape[0] != len(biased):
+    raise ValueError(f"expert_load has {expert_load.shape[0]} rows, the model "
+                     f"{len(biased)} MoE layers with a selection bias")
+  for row, (_, i) in enumerate(biased):
+    path, variable = flat[i]
+    new = update_selection_bias(variable.get_value(), expert_load[row], rate)
+    flat[i] = (path, variable.replace(new.astype(variable.get_value().dtype)))
+  return nnx.from_flat_state(flat)
