@@ -33,8 +33,9 @@ def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: j
       its devices), experts over `expert_axis` (E must divide by that axis' size). Inputs may
       arrive with any sharding.
     expert_axis: the mesh axis that shards experts.
-    backend: "auto" (best available), "reference" (pure JAX), "cuda" (FFI kernels),
-      "fused" (one overlapping kernel per direction).
+    backend: "auto" (best available: "cuda", else "reference"), "reference" (pure JAX),
+      "cuda" (FFI kernels), "fused" (the forward as one overlapping kernel; its backward runs
+      "cuda"'s kernels from the inputs, so "auto" does not pick it yet).
     recipe: None (matmuls in x's dtype, fp32 accumulation), "fp8" / "fp8_pow2" (blockwise FP8,
       Hopper) or "mxfp8" (MXFP8, Blackwell).
 

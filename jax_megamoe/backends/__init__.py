@@ -4,7 +4,8 @@ A backend is a module with
   NAME: str
   unavailable_reason(recipe) -> str | None    why it cannot run here, None when it can
   auto_reason(shape, mesh, expert_axis)       (optional) why "auto" should not pick it for this
-                                              layer although it can run (None: pick it)
+                                              layer (shape None: for any layer) although it
+                                              can run (None: pick it)
   moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, recipe, shape)
                                               the layer; arguments already validated once by
                                               jax_megamoe.moe (`shape`: validation.LayerShape;
@@ -63,7 +64,7 @@ def resolve(name: str, recipe: str | None = None, *, shape=None, mesh=None,
       if unavailable_reason(candidate, recipe) is not None:
         continue
       module = _load(candidate)[0]
-      if shape is not None and hasattr(module, "auto_reason"):
+      if hasattr(module, "auto_reason"):
         if module.auto_reason(shape, mesh, expert_axis) is not None:
           continue
       return module

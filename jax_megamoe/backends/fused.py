@@ -81,15 +81,27 @@ def layer_unavailable_reason(shape: LayerShape) -> str | None:
   return None
 
 
-def auto_reason(shape: LayerShape, mesh, expert_axis: str) -> str | None:
-  """Why backend "auto" should not pick "fused" for this layer (None: pick it): layers the kernel
-  does not take, and EP across GPUs, which has not run on two GPUs yet (backend="fused" still
-  runs it on request)."""
-  reason = layer_unavailable_reason(shape)
-  if reason is not None:
-    return reason
-  if mesh is not None and shape.ep_size > 1:
-    return "the fused kernel has not been run across GPUs yet (EP > 1); backend 'cuda' serves it"
+# Until the fused backward exists, "fused" costs a training step one more layer forward than
+# "cuda" (its backward recomputes the forward with cuda's kernels, where cuda keeps residuals),
+# for a forward ~1% faster: the example's step measured 88.9k tok/s with fused, 94.8k with cuda
+# (benchmarks/RESULTS.md, session 5). So "auto" leaves it to explicit requests.
+AUTO_PICKS_FUSED = False
+
+
+def auto_reason(shape: LayerShape | None, mesh, expert_axis: str) -> str | None:
+  """Why backend "auto" should not pick "fused" for this layer (None: pick it; shape None: any
+  layer): layers the kernel does not take, EP across GPUs (not run on two GPUs yet), and for
+  now every layer (AUTO_PICKS_FUSED). backend="fused" still runs what the kernel takes."""
+  if shape is not None:
+    reason = layer_unavailable_reason(shape)
+    if reason is not None:
+      return reason
+    if mesh is not None and shape.ep_size > 1:
+      return ("the fused kernel has not been run across GPUs yet (EP > 1); backend 'cuda' "
+              "serves it")
+  if not AUTO_PICKS_FUSED:
+    return ("without the fused backward a training step with 'fused' runs the layer forward "
+            "twice (slower than 'cuda' overall); backend 'cuda' serves it")
   return None
 
 
