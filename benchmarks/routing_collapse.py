@@ -254,7 +254,7 @@ def main(argv=None):
     load = np.asarray(m["expert_load"])
     per_layer = (load.max(-1) * load.shape[-1]).tolist()
     row = dict(step=s, ce=float(m["ce"]), aux=float(m["aux"]), z=float(m["z"]),
-               grad_norm=float(m["grad_norm"]), imbalance=max(per_layer),
+               grad_norm=float(m["grad_norm"]), imbalance=example.expert_imbalance(load),
                imbalance_per_layer=per_layer, top_expert=load.argmax(-1).tolist())
     history.append(row)
     if s in (1, 2, 5) or s % 5 == 0:

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_megamoe.moe import BACKENDS, COMPUTE_DTYPES, RECIPES, moe
-from jax_megamoe.router import RouterAux, route, update_selection_bias
+from jax_megamoe.router import RouterAux, route
 
 # Qwen3's initializer_range: every linear weight ~ N(0, 0.02^2).
 QWEN3_INIT_STD = 0.02
@@ -26,7 +26,7 @@ class SelectionBias(nnx.Param):
   checkpoints, shardings) but it is not trained by gradient: none reaches it (the top-k choice
   is not differentiable), so AdamW leaves it where it is (weight decay aside: mask vectors off,
   as examples/train_qwen3_moe.py does). It starts at zero, so a model loaded from a checkpoint
-  routes exactly as without it, and moves only through update_selection_bias, once per
+  routes exactly as without it, and moves only through router.update_selection_bias, once per
   training step, from the step's expert loads."""
 
 
