@@ -6,14 +6,22 @@ calls of the layer benchmark's problem (EP=1, one GPU), beside the whole call's 
 
 The phases are seen from CTA 0 (the other CTAs' work overlaps the boundaries: "rows copied" is
 CTA 0's share of the copy, "GEMM tiles done" waits for every CTA's tiles).
+
+--overhead also measures, for backends "fused" and "cuda" (the layer as bench_layer runs it,
+forward only), where a host-timed call's time goes beyond the kernels: the call timed alone
+(block_until_ready each call, as bench_layer does), the same calls queued back to back (one
+wait at the end: launch and dispatch hidden behind the GPU), and from a profiler trace of
+queued calls the GPU time of each kernel per call and the GPU's idle time between calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -22,7 +30,46 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import problem  # noqa: E402
+import jax_megamoe  # noqa: E402
+from benchmarks import trace_events  # noqa: E402
 from jax_megamoe.backends import fused  # noqa: E402
+
+
+def call_overhead(fn, args, reps: int) -> dict:
+  """Per call of fn(*args): alone_ms (median, waiting for each call), queued_ms (reps calls
+  queued, one wait), and from a trace of queued calls: gpu_busy_ms (union of kernel time per
+  call), gpu_idle_ms (window minus busy, per call) and kernels_ms (GPU time per call by kernel
+  name, largest first)."""
+  jax.block_until_ready(fn(*args))
+  alone = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    alone.append((time.perf_counter() - t) * 1e3)
+  t = time.perf_counter()
+  outs = [fn(*args) for _ in range(reps)]
+  jax.block_until_ready(outs)
+  queued = (time.perf_counter() - t) * 1e3 / reps
+  del outs
+  trace_dir = tempfile.mkdtemp(prefix="fused_overhead_")
+  with jax.profiler.trace(trace_dir):
+    jax.block_until_ready([fn(*args) for _ in range(reps)])
+  platform = jax.devices()[0].platform
+  events = [e for e in trace_events.read_trace(trace_dir).events
+            if e.device.startswith(platform)]
+  kernels = collections.defaultdict(float)
+  for e in events:
+    kernels[e.name] += e.duration_ns / reps * 1e-6
+  spans = sorted((e.start_ns, e.end_ns) for e in events)
+  busy, end = 0.0, float("-inf")
+  for s0, s1 in spans:
+    if s1 > end:
+      busy += s1 - max(s0, end)
+      end = s1
+  window = spans[-1][1] - spans[0][0] if spans else 0.0
+  return {"alone_ms": statistics.median(alone), "queued_ms": queued,
+          "gpu_busy_ms": busy / reps * 1e-6, "gpu_idle_ms": (window - busy) / reps * 1e-6,
+          "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
 def main(argv=None) -> dict:
@@ -33,8 +80,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--top-k", type=int, default=8)
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--out", default="")
+  ap.add_argument("--overhead", action="store_true",
+                  help="also measure host/launch overhead of fused and cuda (see the doc)")
   args = ap.parse_args(argv)
-  results = []
+  results, overhead = [], []
   for shape in args.shapes.split(","):
     hidden, ffn = problem.SHAPES[shape]
     ids_np, w_np = problem.make_routing(args.tokens, args.experts, args.top_k)
@@ -51,7 +100,7 @@ def main(argv=None) -> dict:
       _, ph = jax.block_until_ready(fn(x, ids, w, wgu, wd))
       walls.append((time.perf_counter() - t) * 1e3)
       phases.append(np.asarray(ph, np.int64))
-    phases = np.stack(phases)  # [reps, 8] ns from the start
+    phases = np.stack(phases)  # [reps, len(PHASES)] ns from the start
     steps = np.diff(phases, axis=1)
     row = {"shape": shape, "tokens": args.tokens, "wall_ms": statistics.median(walls),
            "kernel_ms": float(np.median(phases[:, -1])) * 1e-6,
@@ -61,7 +110,20 @@ def main(argv=None) -> dict:
     print(f"{shape}: kernel {row['kernel_ms']:.3f} ms (call {row['wall_ms']:.3f} ms host-timed)")
     for name, ms in row["phases_ms"].items():
       print(f"    {name:18s} {ms:7.3f} ms")
-  out = {"device": str(jax.devices()[0].device_kind), "results": results}
+    if args.overhead:
+      for backend in ("fused", "cuda"):
+        layer = jax.jit(lambda x, ids, w, wgu, wd, b=backend: jax_megamoe.moe(
+            x, ids, w, wgu, wd, backend=b))
+        o = {"shape": shape, "backend": backend,
+             **call_overhead(layer, (x, ids, w, wgu, wd), args.reps)}
+        overhead.append(o)
+        print(f"  {backend:5s}: alone {o['alone_ms']:.3f} ms, queued {o['queued_ms']:.3f} ms, "
+              f"GPU busy {o['gpu_busy_ms']:.3f} ms, GPU idle between calls "
+              f"{o['gpu_idle_ms']:.3f} ms per call")
+        for name, ms in o["kernels_ms"].items():
+          print(f"      {ms:7.3f} ms  {name[:90]}")
+  out = {"device": str(jax.devices()[0].device_kind), "results": results,
+         "overhead": overhead}
   if args.out:
     with open(args.out, "w") as f:
       json.dump(out, f, indent=1)
