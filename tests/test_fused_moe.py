@@ -111,6 +111,42 @@ def test_one_gpu_matches_reference(tokens, experts, top_k, kind):
   _check(lambda *a: jm.moe(*a, backend="fused"), args)
 
 
+def test_one_rank_backward_reads_the_residuals():
+  """At one rank the kernel keeps what cuda's backward reads (fused.FusedResiduals): the gradient
+  program runs the fused kernel once and no forward of backend cuda, and its gradients are
+  bitwise the same run to run (their accuracy: test_one_gpu_matches_reference)."""
+  x, ids, w, wgu, wd, dy = _inputs(3, 700, 16, 4, "masked")
+  layer = lambda *a: jm.moe(*a, backend="fused")
+  def loss(x, w, wgu, wd):
+    return jnp.sum(layer(x, ids, w, wgu, wd).astype(jnp.float32) * dy)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
+  assert hlo.count(fused.TARGET) == 1, hlo.count(fused.TARGET)
+  for forward in ("megamoe_grouped_mlp_fwd", "megamoe_ep_dispatch_fwd", "megamoe_ep_combine_fwd"):
+    assert forward not in hlo, f"the backward recomputes the forward ({forward})"
+  assert "megamoe_grouped_mlp_bwd" in hlo
+  first = _value_and_grads(layer, x, ids, w, wgu, wd, dy)
+  _poison()
+  second = _value_and_grads(layer, x, ids, w, wgu, wd, dy)
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_virtual_ranks_backward_recomputes_the_forward():
+  """Several ranks keep no residuals yet (the expert rank's slot tables are not built by the
+  kernel): the backward runs backend cuda's forward again (documented in backends.fused)."""
+  num_ranks, tokens = 2, 64
+  x, ids, w, wgu, wd, dy = _inputs(4, num_ranks * tokens, 8, 2)
+  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=HIDDEN, top_k=2,
+                                      dtype=jnp.bfloat16, fused_rows=num_ranks * tokens * 2)
+  stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+  def loss(x, w, wgu, wd):
+    y = virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws)
+    return jnp.sum(y.reshape(num_ranks * tokens, -1).astype(jnp.float32) * dy)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
+  assert "megamoe_ep_dispatch_fwd" in hlo and "megamoe_grouped_mlp_fwd" in hlo
+  ws.close()
+
+
 def test_published_hidden_sizes():
   """H=2048, F=768 (the 30B layer's widths) at a small token count."""
   args = _inputs(3, 512, 16, 8, hidden=2048, ffn=768)

@@ -2,7 +2,9 @@
 // kernel is ffi/impls/sm90_fused_moe_fwd.cu. Attributes: workspace_id (int64, a workspace with
 // fused regions), num_experts (global E), n_cap (pool rows per rank), max_ctas (CTAs of the
 // launch: > 0 at most that many, <= 0 every SM but -max_ctas). On a virtual-rank workspace
-// every operand carries a leading axis of one entry per rank.
+// every operand carries a leading axis of one entry per rank. The residual outputs (x_sorted,
+// gate_up, y_sorted) are either all [0] (none kept) or all full-sized, which only a workspace of
+// one rank takes.
 #include <cuda_bf16.h>
 
 #include <string>
@@ -38,18 +40,23 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                        ffi::Result<ffi::Buffer<ffi::S32>> chunk_counts,
                        ffi::Result<ffi::Buffer<ffi::S32>> slot_rows,
                        ffi::Result<ffi::Buffer<ffi::S32>> slot_dest,
+                       ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                        ffi::Result<ffi::Buffer<ffi::S32>> stats,
-                       ffi::Result<ffi::Buffer<ffi::S32>> phases, int64_t workspace_id,
+                       ffi::Result<ffi::Buffer<ffi::S32>> phases,
+                       ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::AnyBuffer> gate_up,
+                       ffi::Result<ffi::AnyBuffer> y_sorted, int64_t workspace_id,
                        int64_t num_experts, int64_t n_cap, int64_t max_ctas) {
   LocalRanks ranks;
   if (auto e = ep::ResolveRanks(workspace_id, ordinal, &ranks); e.failure()) return e;
   for (auto [dtype, name] : {std::pair{x.element_type(), "x"},
                              {w_gate_up.element_type(), "w_gate_up"},
                              {w_down.element_type(), "w_down"}, {y->element_type(), "y"},
-                             {h->element_type(), "h"}}) {
+                             {h->element_type(), "h"}, {x_sorted->element_type(), "x_sorted"},
+                             {gate_up->element_type(), "gate_up"},
+                             {y_sorted->element_type(), "y_sorted"}}) {
     if (auto e = RequireBf16(dtype, name); e.failure()) return e;
   }
-  RankOperand ox, oids, ow, ogu, odn, oy, oh, occ, orows, odest, ost, oph;
+  RankOperand ox, oids, ow, ogu, odn, oy, oh, occ, orows, odest, ogs, ost, oph;
   if (auto e = FirstFailure({SplitRanks(x, ranks, 2, "x", &ox),
                             SplitRanks(ids, ranks, 2, "topk_ids", &oids),
                             SplitRanks(weights, ranks, 2, "topk_weights", &ow),
@@ -60,6 +67,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             SplitRanks(*chunk_counts, ranks, 1, "chunk_counts", &occ),
                             SplitRanks(*slot_rows, ranks, 2, "slot_rows", &orows),
                             SplitRanks(*slot_dest, ranks, 2, "slot_dest", &odest),
+                            SplitRanks(*group_sizes, ranks, 1, "group_sizes", &ogs),
                             SplitRanks(*stats, ranks, 1, "stats", &ost),
                             SplitRanks(*phases, ranks, 1, "phases", &oph)});
       e.failure()) {
@@ -83,6 +91,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
     return Fail("chunk_counts must hold " + n(FusedChunkCountInts(T, num_experts)) + " ints");
   if (orows.dims[0] != T || orows.dims[1] != K || odest.dims[0] != T || odest.dims[1] != K)
     return Fail("slot_rows and slot_dest must be [T, k] per rank");
+  if (ogs.dims[0] != El) return Fail("group_sizes must be [E/R=" + n(El) + "] per rank");
   if (ost.dims[0] != 4) return Fail("stats must be [4] per rank");
   if (oph.dims[0] != kFusedPhases)
     return Fail("phases must be [" + n(kFusedPhases) + "] per rank");
@@ -92,11 +101,33 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                     static_cast<int>(max_ctas)};
   if (std::string why = FusedForwardUnsupported(problem, v0.layout, v0.num_ranks); !why.empty())
     return Fail(why);
+  // Residuals: [0] each (none), or x_sorted / y_sorted [n_cap, H] and gate_up [n_cap, 2F] of a
+  // rank alone.
+  const bool residuals = x_sorted->element_count() > 0;
+  if (residuals) {
+    if (ranks.count != 1 || v0.num_ranks != 1)
+      return Fail("residuals (x_sorted, gate_up, y_sorted) are kept by a workspace of one rank "
+                  "only, this one has " + n(v0.num_ranks));
+    const auto dims = [](const ffi::AnyBuffer& b) {
+      auto d = b.dimensions();
+      return std::vector<int64_t>(d.begin(), d.end());
+    };
+    if (dims(*x_sorted) != std::vector<int64_t>{n_cap, H} ||
+        dims(*y_sorted) != std::vector<int64_t>{n_cap, H} ||
+        dims(*gate_up) != std::vector<int64_t>{n_cap, 2 * F})
+      return Fail("x_sorted and y_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) +
+                  "] and gate_up [n_cap, 2F=" + n(2 * F) + "]");
+  } else if (y_sorted->element_count() != 0 || gate_up->element_count() != 0) {
+    return Fail("x_sorted, gate_up and y_sorted must be all kept or all [0]");
+  }
   std::vector<FusedRankOperands> ops;
   for (int r = 0; r < ranks.count; ++r) {
     ops.push_back({ranks.views[r], ox.at(r), oids.at<int32_t>(r), ow.at<float>(r), ogu.at(r),
                    odn.at(r), oy.at(r), oh.at(r), occ.at<int32_t>(r), orows.at<int32_t>(r),
-                   odest.at<int32_t>(r), ost.at<int32_t>(r),
+                   odest.at<int32_t>(r), ogs.at<int32_t>(r),
+                   residuals ? x_sorted->untyped_data() : nullptr,
+                   residuals ? gate_up->untyped_data() : nullptr,
+                   residuals ? y_sorted->untyped_data() : nullptr, ost.at<int32_t>(r),
                    oph.at<int32_t>(r)});
   }
   if (std::string err = LaunchFusedForward(ops.data(), static_cast<int>(ops.size()),
@@ -124,9 +155,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeFusedMoeFwd, megamoe::fused::FusedMoeFwd,
                                       .Ret<ffi::AnyBuffer>()  // h (scratch)
                                       .Ret<ffi::Buffer<ffi::S32>>()  // chunk_counts (scratch)
                                       .Ret<ffi::Buffer<ffi::S32>>()  // slot_rows (scratch)
-                                      .Ret<ffi::Buffer<ffi::S32>>()  // slot_dest (scratch)
+                                      .Ret<ffi::Buffer<ffi::S32>>()  // slot_dest
+                                      .Ret<ffi::Buffer<ffi::S32>>()  // group_sizes
                                       .Ret<ffi::Buffer<ffi::S32>>()  // stats
-                                      .Ret<ffi::Buffer<ffi::S32>>())  // phases
+                                      .Ret<ffi::Buffer<ffi::S32>>()  // phases
+                                      .Ret<ffi::AnyBuffer>()  // x_sorted (residual or [0])
+                                      .Ret<ffi::AnyBuffer>()  // gate_up (residual or [0])
+                                      .Ret<ffi::AnyBuffer>())  // y_sorted (residual or [0])
                                   .Attr<int64_t>("n_cap")
                                   .Attr<int64_t>("max_ctas"),
                               {ffi::Traits::kCmdBufferCompatible});

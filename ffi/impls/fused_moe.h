@@ -25,6 +25,13 @@ struct FusedRankOperands {
   int32_t* chunk_counts;   // [E, ceil(T / 32)] scratch: slots per expert per 32-token chunk
   int32_t* slot_rows;      // [T, k] scratch: each slot's row in this rank's comb (-1: none)
   int32_t* slot_dest;      // [T, k] scratch: each slot's row in its expert rank's pool (-1)
+  int32_t* group_sizes;    // [E/R]: pool rows of each local expert (after capacity)
+  // Residuals for the backward, one rank alone (nullptr: none; else all three): the pool rows
+  // in expert order, L1's output before SwiGLU, and L2's output rows (slot (t, j)'s row is
+  // slot_dest[t, j] in all of them).
+  void* x_sorted;          // [n_cap, H] bf16
+  void* gate_up;           // [n_cap, 2F] bf16
+  void* y_sorted;          // [n_cap, H] bf16
   int32_t* stats;          // [4]: rows routed here, n_cap, overflow (0/1), repeated expert ids
   int32_t* phases;         // [kFusedPhases]: ns from the start to each phase's end (CTA 0)
 };

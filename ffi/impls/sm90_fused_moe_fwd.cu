@@ -25,6 +25,10 @@
 //   6 results    results_ready[me] = epoch + 1 on every source; wait for every expert rank's
 //   7 combine    y[t] = sum over slots j, in order, of w[t, j] * comb[slot row], fp32
 //
+// Residuals (one rank alone, for the backward; FusedRankOperands): the pool is x_sorted and the
+// comb buffer y_sorted, XLA buffers instead of the workspace's regions (at one rank a slot's
+// comb row is its pool row), and L1 also stores its gate_up.
+//
 // Safety: the launch is cooperative (every CTA co-resident before any waits); every wait is
 // bounded and reports rank, stage and counters; a rank that timed out writes NaN into y.
 // Capacity: a row whose pool position is past n_cap is dropped (stats[2] = 1, raised by
@@ -100,8 +104,8 @@ __device__ __forceinline__ FusedSmem& Smem() {
 
 // An L2 result row -> its source rank's comb row (the source's expert-sorted slot order).
 struct CombRowDest {
-  char* base[kMaxRanks];  // every rank's workspace as mapped here
-  int64_t comb_offset;    // layout.fcomb
+  char* base[kMaxRanks];  // every rank's comb buffer as mapped here (+ comb_offset)
+  int64_t comb_offset;    // layout.fcomb (0 when base is y_sorted)
   int32_t num_ranks;
   int32_t hidden;
 
@@ -121,6 +125,9 @@ using EngineParams = sm90::EngineParams<CombRowDest>;
 struct alignas(128) RankParams {
   EngineParams engine;
   PeerView view;
+  char* pool[kMaxRanks];        // every rank's pool as mapped here (the dispatch's targets)
+  const __nv_bfloat16* comb;    // this rank's comb buffer (the combine's source)
+  int32_t* group_sizes;         // [E/R]: pool rows per local expert (after capacity)
   const __nv_bfloat16* x;
   const int32_t* ids;
   const float* weights;
@@ -385,6 +392,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     S.walk.mb_prefix[El] = S.total_blocks;
   }
   __syncthreads();
+  if (cta == 0) {
+    for (int el = threadIdx.x; el < El; el += kThreads) {
+      A.group_sizes[el] = S.walk.offsets[el + 1] - S.walk.offsets[el];
+    }
+  }
 
   // ---- 4 dispatch. (a) every slot's pool row at its expert rank and row in this rank's comb.
   int repeated_here = 0;
@@ -437,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int j = __ffs(bits) - 1;
             const int p = __shfl_sync(0xffffffffu, p_j, j);
             const int q = __shfl_sync(0xffffffffu, e_j, j) / El;
-            store(reinterpret_cast<uint4*>(v.base[q] + L.fpool) + static_cast<size_t>(p) * nvec);
+            store(reinterpret_cast<uint4*>(A.pool[q]) + static_cast<size_t>(p) * nvec);
           }
         });
     __syncwarp();
@@ -503,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   mark(6);
 
   // ---- 7 combine: y[t] = sum over slots j (in order) of w[t, j] * comb[slot row] in fp32.
-  const __nv_bfloat16* comb = reinterpret_cast<const __nv_bfloat16*>(v.base[me] + L.fcomb);
+  const __nv_bfloat16* comb = A.comb;
   for (int t = gwarp; t < T; t += nwarps) {
     uint4* dst = reinterpret_cast<uint4*>(A.y + static_cast<size_t>(t) * H);
     if (failed) {
@@ -631,15 +643,22 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     rp.chunk_counts = o.chunk_counts;
     rp.slot_rows = o.slot_rows;
     rp.slot_dest = o.slot_dest;
+    rp.group_sizes = o.group_sizes;
+    const bool residuals = o.x_sorted != nullptr;  // one rank alone (the handler checks it)
+    for (int q = 0; q < R; ++q) rp.pool[q] = o.view->base[q] + L.fpool;
+    if (residuals) rp.pool[0] = static_cast<char*>(o.x_sorted);
+    rp.comb = residuals ? static_cast<const __nv_bfloat16*>(o.y_sorted)
+                        : reinterpret_cast<const __nv_bfloat16*>(o.view->base[o.view->rank] +
+                                                                 L.fcomb);
     rp.stats = o.stats;
     rp.phases = o.phases;
     EngineParams& ep_ = rp.engine;
     sm90::GemmOperands& l1 = ep_.op[sm90::kL1GateUp];
     sm90::GemmOperands& l2 = ep_.op[sm90::kL2Down];
-    char* pool = o.view->base[o.view->rank] + L.fpool;
     std::string err;
     // Pool rows are packed with this call's H (the region holds fused_rows x layout.hidden).
-    if (!(err = MakeRowMajorTensorMap(&l1.a_map, pool, L.fused_rows, H, H, 64, 128))
+    if (!(err = MakeRowMajorTensorMap(&l1.a_map, rp.pool[o.view->rank],
+                                      residuals ? p.n_cap : L.fused_rows, H, H, 64, 128))
              .empty() ||
         !(err = MakeRowMajorTensorMap(&l1.b_map, o.w_gate_up, El * H, 2 * F, 2 * F, 64, 64))
              .empty() ||
@@ -652,10 +671,14 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     l2.k = static_cast<int32_t>(F);
     l2.a_load = static_cast<int32_t>(sm90::ALoad::kTmaBlock);
     ep_.h = static_cast<__nv_bfloat16*>(o.h);
-    ep_.gate_up = nullptr;
+    ep_.gate_up = static_cast<__nv_bfloat16*>(o.gate_up);  // nullptr: not stored
     ep_.f = static_cast<int32_t>(F);
     for (int q = 0; q < kMaxRanks; ++q) ep_.l2_dest.base[q] = o.view->base[q];
     ep_.l2_dest.comb_offset = L.fcomb;
+    if (residuals) {
+      ep_.l2_dest.base[0] = static_cast<char*>(o.y_sorted);
+      ep_.l2_dest.comb_offset = 0;
+    }
     ep_.l2_dest.num_ranks = R;
     ep_.l2_dest.hidden = static_cast<int32_t>(H);
     if (cudaError_t e = cudaMemsetAsync(o.stats, 0, 4 * sizeof(int32_t), stream); e != cudaSuccess)

@@ -150,6 +150,19 @@ def _combine_bwd_call(d_out, y_sorted, slot_pos, recv_w, ids, group_sizes, cfg: 
       d_out, y_sorted, slot_pos, recv_w, ids, group_sizes, **cfg.attrs())
 
 
+def combine_backward(d_out, y_sorted, slot_pos, recv_w, ids, group_sizes, cfg: EpConfig):
+  """Combine's VJP on the kernels (per device): (dy_sorted = w * d_out by slot, d recv_w =
+  <d_out, y_sorted> by slot), for rows laid out as dispatch lays them out (slot_pos)."""
+  return _combine_bwd_call(d_out.astype(y_sorted.dtype), y_sorted, slot_pos, recv_w, ids,
+                           group_sizes, cfg)
+
+
+def dispatch_backward(dx_sorted, d_recv_w, slot_pos, ids, cfg: EpConfig):
+  """Dispatch's VJP on the kernels (per device): (dx summed over each token's slots, d topk
+  weights)."""
+  return _dispatch_bwd_call(dx_sorted, d_recv_w.astype(jnp.float32), slot_pos, ids, cfg)
+
+
 # --- differentiable per-device ops ------------------------------------------------------------
 
 
@@ -166,7 +179,7 @@ def _dispatch_fwd(x, ids, w, cfg, n_cap):
 def _dispatch_bwd(cfg, n_cap, res, cts):
   slot_pos, ids = res
   dx_sorted, _, _, d_recv_w, _ = cts
-  dx, dw = _dispatch_bwd_call(dx_sorted, d_recv_w.astype(jnp.float32), slot_pos, ids, cfg)
+  dx, dw = dispatch_backward(dx_sorted, d_recv_w, slot_pos, ids, cfg)
   return dx, None, dw
 
 
@@ -185,8 +198,8 @@ def _combine_fwd(y_sorted, slot_pos, recv_w, ids, group_sizes, cfg):
 
 def _combine_bwd(cfg, res, d_out):
   y_sorted, slot_pos, recv_w, ids, group_sizes = res
-  dy_sorted, d_recv_w = _combine_bwd_call(d_out.astype(y_sorted.dtype), y_sorted, slot_pos,
-                                          recv_w, ids, group_sizes, cfg)
+  dy_sorted, d_recv_w = combine_backward(d_out, y_sorted, slot_pos, recv_w, ids, group_sizes,
+                                         cfg)
   return dy_sorted, None, d_recv_w, None, None
 
 
@@ -226,7 +239,7 @@ def _dispatch_mlp_fp8_bwd(cfg, n_cap, mlp, res, cts):
   x_sorted = cfg.per_rank(lambda rows: cuda_fp8.dequantize_rows(rows, jnp.bfloat16), x_rows)
   dx_sorted, dw_gate_up, dw_down = cfg.per_rank(mlp.backward, dy_sorted, x_sorted, group_sizes,
                                                 mlp_res)
-  dx, dw = _dispatch_bwd_call(dx_sorted, d_recv_w.astype(jnp.float32), slot_pos, ids, cfg)
+  dx, dw = dispatch_backward(dx_sorted, d_recv_w, slot_pos, ids, cfg)
   return dx, None, dw, dw_gate_up, dw_down
 
 

@@ -10,12 +10,17 @@ cooperative launch (every CTA co-resident; at most MEGAMOE_FUSED_MAX_CTAS CTAs, 
 SM on one GPU and all but 8 SMs when EP spans GPUs, so that a collective XLA runs beside it on
 another stream keeps room).
 
-Backward (until the fused backward exists): the custom_vjp's residuals are the layer's inputs
-alone (x, topk_ids, topk_weights, w_gate_up, w_down: no activation is kept, 0 bytes beyond the
-inputs; the fused backward is planned to recompute x @ W_gate_up, as Prime Intellect's does),
-and the backward runs backend "cuda"'s kernels on them: its dispatch and grouped MLP forward
-again, then its backward. So "fused" trains from day one; its backward costs a cuda forward
-more than backend "cuda"'s.
+Backward (until the fused backward exists) runs backend "cuda"'s kernels, from residuals:
+- one rank (no mesh, or an expert axis of size 1): the kernel keeps what cuda's backward reads
+  (FusedResiduals; per layer at 16,384 tokens, k = 8, n_cap = T * k = 131,072 rows, 30B shape
+  H = 2048, F = 768: x_sorted n_cap x H x 2 B = 512 MiB, gate_up n_cap x 2F x 2 B = 384 MiB,
+  h n_cap x F x 2 B = 192 MiB, y_sorted 512 MiB, slot_dest T x k x 4 B = 0.5 MiB, group_sizes
+  4 B per expert: 1.6 GiB, what backend "cuda" keeps), and the backward is cuda's EP backward
+  on one rank: combine's VJP (dy_sorted = w * dy by slot, d topk_weights = <dy, y_sorted>), the
+  grouped MLP backward, dispatch's VJP (dx summed over slots). No forward is recomputed.
+- several ranks (EP across GPUs, virtual ranks): the residuals are the layer's inputs alone (0
+  bytes beyond them: the expert rank's per-slot tables that cuda's backward reads are not built
+  by the kernel yet), and the backward runs cuda's forward again, then its backward.
 
 What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, no
 recipe. Other layers (and meshes the NVLink kernels cannot serve) run on backend "cuda", the
@@ -30,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -129,33 +135,61 @@ class FusedConfig:
   def stacked(self) -> bool:
     return self.workspace.virtual
 
+  @property
+  def keeps_residuals(self) -> bool:
+    """The forward keeps FusedResiduals (one rank alone); else the backward recomputes it."""
+    return self.workspace.num_ranks == 1 and not self.stacked
+
+  def ep_config(self) -> cuda_ep.EpConfig:
+    """The cuda EP kernels' configuration on this workspace (the backward's exchange)."""
+    return cuda_ep.EpConfig(self.workspace.id, self.workspace.num_ranks, self.num_experts,
+                            self.stacked)
+
+
+class FusedResiduals(NamedTuple):
+  """What the forward keeps for the backward on one rank (rows in the pool's expert order;
+  slot (t, j) of the token-major input is row slot_dest[t, j], -1 for none)."""
+  x_sorted: jax.Array     # [n_cap, H] the dispatched rows
+  gate_up: jax.Array      # [n_cap, 2F] L1's output before SwiGLU
+  h: jax.Array            # [n_cap, F] SwiGLU's output, L2's input
+  y_sorted: jax.Array     # [n_cap, H] L2's output rows
+  slot_dest: jax.Array    # [T, k] int32
+  group_sizes: jax.Array  # [E] int32 pool rows per expert
+
 
 PHASES = ("start", "route", "counts exchanged", "slot positions", "rows copied",
           "GEMM tiles done", "results here", "combine done")  # fused_moe.h: kFusedPhases
 
 
-def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, with_phases: bool = False):
-  """The custom call: y, the dispatch stats [.., 4] (and the phase clock [.., 8])."""
+def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bool = False):
+  """The custom call: (y, stats [.., 4], phase clock [.., len(PHASES)], FusedResiduals or
+  None)."""
   lead = (cfg.workspace.num_ranks,) if cfg.stacked else ()
   tokens, hidden = x.shape[-2:]
   top_k = ids.shape[-1]
   ffn = w_down.shape[-2]
   n_cap = cfg.plan.n_cap
   n_chunks = -(-tokens // CHUNK)
+  kept = lambda *shape: jax.ShapeDtypeStruct((*lead, *shape) if residuals else (0,), x.dtype)
   out_types = (
       jax.ShapeDtypeStruct((*lead, tokens, hidden), x.dtype),
-      jax.ShapeDtypeStruct((*lead, n_cap, ffn), x.dtype),  # h (scratch)
-      jax.ShapeDtypeStruct((*lead, cfg.num_experts * n_chunks), jnp.int32),
-      jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),
-      jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, n_cap, ffn), x.dtype),  # h
+      jax.ShapeDtypeStruct((*lead, cfg.num_experts * n_chunks), jnp.int32),  # scratch
+      jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),  # slot_rows (scratch)
+      jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),  # slot_dest
+      jax.ShapeDtypeStruct((*lead, w_gate_up.shape[-3]), jnp.int32),  # group_sizes
       jax.ShapeDtypeStruct((*lead, 4), jnp.int32),
       jax.ShapeDtypeStruct((*lead, len(PHASES)), jnp.int32),
+      kept(n_cap, hidden), kept(n_cap, 2 * ffn), kept(n_cap, hidden),
   )
-  y, _, _, _, _, stats, phases = jax.ffi.ffi_call(TARGET, out_types)(
-      x, ids, w, w_gate_up, w_down, workspace_id=np.int64(cfg.workspace.id),
-      num_experts=np.int64(cfg.num_experts), n_cap=np.int64(n_cap),
-      max_ctas=np.int64(cfg.max_ctas))
-  return (y, stats, phases) if with_phases else (y, stats)
+  y, h, _, _, slot_dest, group_sizes, stats, phases, x_sorted, gate_up, y_sorted = (
+      jax.ffi.ffi_call(TARGET, out_types)(
+          x, ids, w, w_gate_up, w_down, workspace_id=np.int64(cfg.workspace.id),
+          num_experts=np.int64(cfg.num_experts), n_cap=np.int64(n_cap),
+          max_ctas=np.int64(cfg.max_ctas)))
+  kept_res = (FusedResiduals(x_sorted, gate_up, h, y_sorted, slot_dest, group_sizes)
+              if residuals else None)
+  return y, stats, phases, kept_res
 
 
 def _cuda_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
@@ -167,23 +201,38 @@ def _cuda_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
                                       plan=cfg.plan)
 
 
+def _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals: bool):
+  y, stats, _, kept = _fused_call(x, ids, w, w_gate_up, w_down, cfg, residuals=residuals)
+  if cfg.plan.check_capacity:
+    jax.debug.callback(cuda_ep.raise_on_bad_stats, stats)
+  return y, kept
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _fused_layer(x, ids, w, w_gate_up, w_down, cfg):
-  return _fused_layer_fwd(x, ids, w, w_gate_up, w_down, cfg)[0]
+  return _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals=False)[0]  # not differentiated
 
 
 def _fused_layer_fwd(x, ids, w, w_gate_up, w_down, cfg):
-  y, stats = _fused_call(x, ids, w, w_gate_up, w_down, cfg)
-  if cfg.plan.check_capacity:
-    jax.debug.callback(cuda_ep.raise_on_bad_stats, stats)
-  return y, (x, ids, w, w_gate_up, w_down)
+  y, kept = _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals=cfg.keeps_residuals)
+  return y, (x, ids, w, w_gate_up, w_down, kept)
 
 
 def _fused_layer_bwd(cfg, residuals, dy):
-  x, ids, w, w_gate_up, w_down = residuals
-  layer = lambda x, w, wgu, wd: _cuda_layer(x, ids, w, wgu, wd, cfg)
-  _, vjp = jax.vjp(layer, x, w, w_gate_up, w_down)
-  dx, dw, dwgu, dwd = vjp(dy.astype(x.dtype))
+  x, ids, w, w_gate_up, w_down, kept = residuals
+  dy = dy.astype(x.dtype)
+  if kept is None:  # several ranks: cuda's forward again, then its backward
+    layer = lambda x, w, wgu, wd: _cuda_layer(x, ids, w, wgu, wd, cfg)
+    _, vjp = jax.vjp(layer, x, w, w_gate_up, w_down)
+    dx, dw, dwgu, dwd = vjp(dy)
+    return dx, None, dw, dwgu, dwd
+  # One rank: cuda's EP backward from the kept rows (slot_dest is dispatch's slot_pos there).
+  ep = cfg.ep_config()
+  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, kept.slot_dest, w, ids,
+                                                  kept.group_sizes, ep)
+  dx_sorted, dwgu, dwd = cuda_bf16.backward(dy_sorted, kept.x_sorted, kept.group_sizes,
+                                            w_gate_up, w_down, kept.gate_up, kept.h)
+  dx, dw = cuda_ep.dispatch_backward(dx_sorted, d_w_slots, kept.slot_dest, ids, ep)
   return dx, None, dw, dwgu, dwd
 
 
@@ -208,8 +257,8 @@ def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
   plan = cuda_ep.LayerPlan.of(shape, cuda_bf16.grouped_mlp)
   cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
                     max_ctas(False), local=True)
-  y, _, phases = _fused_call(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32),
-                             w_gate_up, w_down, cfg, with_phases=True)
+  y, _, phases, _ = _fused_call(x, topk_ids.astype(jnp.int32),
+                                topk_weights.astype(jnp.float32), w_gate_up, w_down, cfg)
   return y, phases
 
 
