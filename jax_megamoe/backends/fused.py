@@ -87,10 +87,11 @@ def layer_unavailable_reason(shape: LayerShape) -> str | None:
   return None
 
 
-# Until the fused backward exists, "fused" costs a training step one more layer forward than
-# "cuda" (its backward recomputes the forward with cuda's kernels, where cuda keeps residuals),
-# for a forward ~1% faster: the example's step measured 88.9k tok/s with fused, 94.8k with cuda
-# (benchmarks/RESULTS.md, session 5). So "auto" leaves it to explicit requests.
+# What "auto" gains from fused is measured per training step, not per forward: with its backward
+# recomputing the forward (session 5) the example's step ran 88.9k tok/s with fused vs 94.8k with
+# cuda; with the one-rank residuals (session 6) 102.8k vs 104.8k, within run-to-run spread (its
+# forward saves ~0.15 ms of GPU time per layer). So "auto" leaves it to explicit requests until a
+# step measures faster (benchmarks/RESULTS.md).
 AUTO_PICKS_FUSED = False
 
 
@@ -106,8 +107,8 @@ def auto_reason(shape: LayerShape | None, mesh, expert_axis: str) -> str | None:
       return ("the fused kernel has not been run across GPUs yet (EP > 1); backend 'cuda' "
               "serves it")
   if not AUTO_PICKS_FUSED:
-    return ("without the fused backward a training step with 'fused' runs the layer forward "
-            "twice (slower than 'cuda' overall); backend 'cuda' serves it")
+    return ("a training step with 'fused' has not measured faster than with 'cuda' (the fused "
+            "backward does not exist yet); backend 'cuda' serves it")
   return None
 
 
