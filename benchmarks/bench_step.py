@@ -64,6 +64,10 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
                       "as a trained model's) or a batch of the example's default corpus (29%% "
                       "spaces: routed by token, no router does better than imbalance ~4.7)")
   p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: all devices)")
+  p.add_argument("--compute-copy", action=argparse.BooleanOptionalAction, default=True,
+                 help="the example's bf16 compute copy of the weights (default on, as the "
+                      "example's bf16 runs; --no-compute-copy: each step casts every weight "
+                      "and gradient itself)")
   p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
   p.add_argument("--smoke", action="store_true")
 
@@ -88,7 +92,7 @@ def step_options(args, backend: str):
                      seq=args.seq, backend=backend,
                      recipe=None if args.recipe == "bf16" else args.recipe, remat=args.remat,
                      attention=args.attention, ce_chunk=args.ce_chunk, data=args.data,
-                     ep=args.ep)
+                     ep=args.ep, compute_copy=args.compute_copy)
 
 
 def parse_args(argv=None):
@@ -191,6 +195,7 @@ def main(argv=None) -> dict:
       "batch": args.tokens_per_gpu // args.seq * len(devices), "seq_len": args.seq,
       "tokens_per_gpu": args.tokens_per_gpu, "ep": ep, "remat": args.remat,
       "recipe": args.recipe, "attention": args.attention, "data": args.data,
+      "compute_copy": args.compute_copy,
       "reps": args.reps, "peak_tflops": args.peak_tflops, "smoke": args.smoke,
   }
   log(f"bench_step: {meta['device']}, {args.config} x {meta['layers']} layers, "
