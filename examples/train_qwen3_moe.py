@@ -5,10 +5,14 @@
 Runs a jit-compiled train step over a (data, expert) device mesh: batch sharded over every
 device, experts over `expert`, every other weight FSDP-sharded over `data`. AdamW on float32
 master weights with bfloat16 compute, global-norm clipping, warm-up + cosine schedule, the
-router's load-balancing and z losses. Several processes (one per host or per GPU) are joined
-through jax.distributed when the environment says so, each driving the GPUs that launch.py picks
-(JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, or SLURM / Open MPI;
-MEGAMOE_LOCAL_DEVICE_IDS; see examples/README.md).
+router's load-balancing and z losses. With --compute-copy (the default in bfloat16) the train
+state also holds the weights in their compute dtypes (TrainState.compute,
+models.compute_copy): the forward reads them, the update writes them from the new master, so
+no step casts every weight and every gradient on its own (checkpoints hold the master only).
+Several processes (one per host or per GPU) are joined through jax.distributed when the
+environment says so, each driving the GPUs that launch.py picks (JAX_COORDINATOR_ADDRESS +
+JAX_NUM_PROCESSES + JAX_PROCESS_ID, or SLURM / Open MPI; MEGAMOE_LOCAL_DEVICE_IDS; see
+examples/README.md).
 
 Writes to --out: metrics.jsonl (one line per step), losses.json (the whole curve, for
 compare_losses.py), loss_curve.png, expert_load.png and checkpoints/ (orbax, each sealed with
@@ -80,13 +84,11 @@ _FLAGS = (
     ("enum", "dtype", "bfloat16", "compute dtype (master weights are always float32)",
      dict(enum_values=["bfloat16", "float32"])),
     ("boolean", "compute_copy", None,
-     "keep a copy of the weights in the compute dtype (bf16 except the router's float32 "
-     "weights and biases), written by the optimizer's update and read by the next forward: "
-     "no per-step cast of every weight and its gradient (~12 bytes/param of memory traffic) "
-     "for 2 bytes/param more state; the loss is the same, the gradients of weights used "
-     "twice or made in float32 (the LM head's) are rounded to bf16 like every other's. "
-     "Default: on with --dtype bfloat16; float32 needs none (every weight is float32). "
-     "Checkpoints hold the float32 master weights only; the copy is remade from them",
+     "keep the weights also in the dtypes the model computes them in (bf16; the router's "
+     "float32), read by the forward and written by the update from the new float32 master: "
+     "no step casts every weight and gradient (~12 bytes/param of traffic), for 2 bytes/param "
+     "of state. Same loss; gradients the same but the LM head's, rounded once to bf16. "
+     "Checkpoints hold the master only. Default: on with --dtype bfloat16 (float32 needs none)",
      {}),
     ("integer", "steps", 150, "training steps", dict(lower_bound=1)),
     ("integer", "batch", 16, "global batch (sequences)", dict(lower_bound=1)),

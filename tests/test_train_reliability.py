@@ -232,6 +232,21 @@ def test_ep_kernel_error_stops_before_the_checkpoint(tmp_path, monkeypatch):
 
 # --- resume edge cases and metrics -----------------------------------------------------------
 
+def test_the_compute_copy_is_remade_not_saved(straight, tmp_path):
+  """Checkpoints hold the master weights and the optimizer state only: a checkpoint of a run
+  with the compute copy (the bf16 default) resumes without it too, continuing the curve within
+  the copy's rounding of the LM head's gradient. (Resumed with the copy, remade from the
+  checkpoint, a run reproduces its uninterrupted losses:
+  test_corrupt_latest_checkpoint_is_named_and_skipped.)"""
+  out = copy_run(straight[0], tmp_path)
+  shutil.rmtree(out / "checkpoints" / "12")
+  run(out, "--resume", "--nocompute-copy")
+  resumed, uninterrupted = losses(out), losses(straight[0])
+  assert resumed["args"]["compute_copy"] is False and uninterrupted["args"]["compute_copy"]
+  assert resumed["ce"][:9] == uninterrupted["ce"][:9]
+  assert resumed["ce"] == pytest.approx(uninterrupted["ce"], rel=1e-3)
+
+
 @pytest.mark.parametrize("extra", [["--resume"], ["--resume", "--stop-at", "9"],
                                    ["--resume", "--steps", "5"]])
 def test_resume_with_nothing_left_to_run(straight, tmp_path, capsys, extra):
