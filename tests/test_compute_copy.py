@@ -10,6 +10,7 @@ data=2 x expert=4 mesh over them)."""
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import sys
@@ -255,3 +256,23 @@ def test_flag_default_follows_the_dtype(argv, dtype, want, note):
   resolved, notes = example.resolve_defaults(args, config, mesh)
   assert resolved.compute_copy is want
   assert any("--compute-copy does nothing" in n for n in notes) == note
+
+
+def test_init_from_makes_the_copy_from_the_imported_weights(tmp_path):
+  from test_hf_import_errors import make_checkpoint  # a hand-written HF checkpoint, numpy only
+
+  hf = make_checkpoint(tmp_path / "hf")
+  ids = tmp_path / "ids.npy"
+  np.save(ids, np.random.default_rng(0).integers(0, 16, 4096).astype(np.int32))  # vocab 16
+  curves = {}
+  for flag in ("--compute-copy", "--nocompute-copy"):
+    out = tmp_path / flag
+    summary = example.train(example.parse_flags([
+        "train", "--init-from", str(hf), "--data", str(ids), "--steps", "2", "--batch", "8",
+        "--seq-len", "16", "--mesh", "data=2,expert=4", "--checkpoint-every", "0",
+        "--no-progress", "--out", str(out)]))
+    with open(out / "losses.json") as f:
+      curves[flag] = json.load(f)
+    assert summary["steps"] == 2
+  assert curves["--compute-copy"]["args"]["compute_copy"] is True
+  assert curves["--compute-copy"]["loss"][0] == curves["--nocompute-copy"]["loss"][0]
