@@ -342,8 +342,8 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
   """(TrainState, inputs, targets) -> (TrainState, metrics).
 
   With a compute copy (state.compute) the forward reads it, so the gradients come in its
-  dtypes; the update casts them to float32 (fused into its loops), updates the master and
-  writes the next copy from it in the same pass. Without one the forward reads the master.
+  dtypes; the update casts them to float32, updates the master and writes the next copy from
+  it, elementwise work that XLA can fuse into the update's loops. Without one the forward reads the master.
 
   A step whose loss or gradient norm is not finite changes nothing: it returns the state it
   was given (the host then stops on the step's metrics, see train), so no NaN reaches the
@@ -371,6 +371,7 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
         params if compute is None else compute, inputs, targets)
     # The scope names what step profiles count as the optimizer (benchmarks/profile_step.py).
     with jax.named_scope("optimizer"):
+      # The copy's gradients are bf16; the update is float32 (XLA can fuse the casts into it).
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
       updates, new_opt_state = tx.update(grads, opt_state, params)
       metrics["grad_norm"] = optax.global_norm(grads)

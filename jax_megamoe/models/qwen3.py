@@ -318,14 +318,16 @@ def compute_copy(params: nnx.State, dtype: Any) -> nnx.State:
   except FLOAT32_PARAMS, which keep their own dtype. The one place that decides it.
 
   A model merged from the copy computes the same function as one merged from params (its casts
-  become no-ops) and its gradients come in the copy's dtypes: a training step keeps float32
-  master weights, differentiates the copy and writes the next copy from the updated master
-  (examples/train_qwen3_moe.py, TrainState). Traceable; same tree structure as params."""
+  become no-ops; tests/test_compute_copy.py checks that the train step casts exactly these
+  parameters) and its gradients come in the copy's dtypes: the same values, but the LM head's,
+  which chunked_cross_entropy sums in float32, is rounded once to bf16. A training step keeps
+  float32 master weights, differentiates the copy and writes the next copy from the updated
+  master (examples/train_qwen3_moe.py, TrainState). Traceable; same tree structure as params."""
   dtype = jnp.dtype(dtype)
 
   def one(path, variable):
-    keep = path[-1] in FLOAT32_PARAMS
-    return variable if keep else variable.replace(variable.get_value().astype(dtype))
+    value = variable.get_value()
+    return variable.replace(value if path[-1] in FLOAT32_PARAMS else value.astype(dtype))
 
   return nnx.from_flat_state([(path, one(path, variable))
                               for path, variable in nnx.to_flat_state(params)])
