@@ -108,8 +108,10 @@ def test_the_rule_is_what_the_model_casts(tied):
   step = example.make_train_step(graphdef, tx, 1e-2, 1e-3, 8)  # chunked: a scan over the head
   inputs, targets = _batch(config)
   plain = example.train_state(params, tx.init(params))
-  paths = list(_flat(params))
-  rounded = {i for i, p in enumerate(paths) if p[-1] not in FLOAT32_PARAMS}
+  # The step's first inputs are the master weights, in the order of their paths.
+  assert [id(x) for x in jax.tree.leaves(plain)[:len(_flat(params))]] == [
+      id(x) for x in _flat(params).values()]
+  rounded = {i for i, p in enumerate(_flat(params)) if p[-1] not in FLOAT32_PARAMS}
   assert _converted_inputs(step, plain, inputs, targets) == rounded
   with_copy = example.train_state(params, tx.init(params), jnp.bfloat16)
   assert _converted_inputs(step, with_copy, inputs, targets) == set()
