@@ -5,9 +5,10 @@ the routing imbalance of the steps it timed.
 The model has the published layer shapes (--config) with fewer layers (--layers) so that it fits
 the GPUs at hand. Default 8 layers of the 30B config: the decoder layers are then 59% of the
 active matmul parameters per token and the LM head 41% (at 4 layers the head was 58%; the full
-48-layer model has it at 10%), and the step fits one H200 (141 GB): AdamW's float32 state is 16
-bytes per parameter, ~10 GB per layer (its 128 experts hold 604M parameters) and ~10 GB for the
-embedding and head. Tokens are sharded over every device (16,384 per GPU by default, as in the
+48-layer model has it at 10%), and the step fits one H200 (141 GB; measured before the compute
+copy): AdamW's float32 state is 16 bytes per parameter, the example's bf16 compute copy 2 more
+(its gradients take 2 less than float32 ones), ~11 GB per layer (its 128 experts hold 604M
+parameters) and ~11 GB for the embedding and head. Tokens are sharded over every device (16,384 per GPU by default, as in the
 layer benchmark), experts over the "expert" mesh axis (EP over all devices by default), the
 other parameters FSDP-sharded over "data", as the training script lays them out. The batch is
 uniform random ids by default: at initialisation their routing is near balanced (imbalance 1.4
@@ -64,6 +65,10 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
                       "as a trained model's) or a batch of the example's default corpus (29%% "
                       "spaces: routed by token, no router does better than imbalance ~4.7)")
   p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: all devices)")
+  p.add_argument("--compute-copy", action=argparse.BooleanOptionalAction, default=True,
+                 help="the example's bf16 compute copy of the weights (default on, as the "
+                      "example's bf16 runs; --no-compute-copy: each step casts every weight "
+                      "and gradient itself)")
   p.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
   p.add_argument("--smoke", action="store_true")
 
@@ -88,7 +93,7 @@ def step_options(args, backend: str):
                      seq=args.seq, backend=backend,
                      recipe=None if args.recipe == "bf16" else args.recipe, remat=args.remat,
                      attention=args.attention, ce_chunk=args.ce_chunk, data=args.data,
-                     ep=args.ep)
+                     ep=args.ep, compute_copy=args.compute_copy)
 
 
 def parse_args(argv=None):
@@ -191,6 +196,7 @@ def main(argv=None) -> dict:
       "batch": args.tokens_per_gpu // args.seq * len(devices), "seq_len": args.seq,
       "tokens_per_gpu": args.tokens_per_gpu, "ep": ep, "remat": args.remat,
       "recipe": args.recipe, "attention": args.attention, "data": args.data,
+      "compute_copy": args.compute_copy,
       "reps": args.reps, "peak_tflops": args.peak_tflops, "smoke": args.smoke,
   }
   log(f"bench_step: {meta['device']}, {args.config} x {meta['layers']} layers, "

@@ -107,8 +107,7 @@ def run_and_trace(args) -> tuple[dict, pathlib.Path, dict]:
   setup = train_step.build(bench_step.step_options(args, backend))
   for note in setup.notes:
     log(note)
-  compiled = setup.step.lower(setup.params, setup.opt_state, setup.inputs,
-                              setup.targets).compile()
+  compiled = setup.step.lower(setup.state, setup.inputs, setup.targets).compile()
   info = hlo_ops.parse_hlo_text(compiled.as_text())
   trace_dir = pathlib.Path(args.trace_dir)
   trace_dir.mkdir(parents=True, exist_ok=True)
@@ -124,8 +123,9 @@ def run_and_trace(args) -> tuple[dict, pathlib.Path, dict]:
   config = setup.config
   meta = dict(config=args.config, layers=config.num_layers, tokens_per_gpu=args.tokens_per_gpu,
               seq_len=args.seq, backend=backend, recipe=args.recipe, remat=args.remat,
-              attention=setup.args.attention, ce_chunk=setup.args.ce_chunk, ep=args.ep or
-              jax.device_count(), data=args.data, imbalance=setup.imbalance(metrics),
+              attention=setup.args.attention, ce_chunk=setup.args.ce_chunk,
+              compute_copy=setup.args.compute_copy, ep=args.ep or jax.device_count(),
+              data=args.data, imbalance=setup.imbalance(metrics),
               loss=float(metrics["loss"]), warmup_s=round(warm_s, 2))
   return meta, trace_dir, {info.name: info}
 

@@ -70,6 +70,13 @@ def layer_markdown(result: dict) -> str:
   return "\n".join(lines + _footnotes(notes)) + "\n"
 
 
+def _compute_copy(meta: dict) -> str:
+  """", compute copy on|off" where the record says (results from before it existed do not)."""
+  if meta.get("compute_copy") is None:
+    return ""
+  return f", compute copy {'on' if meta['compute_copy'] else 'off'}"
+
+
 def step_markdown(result: dict) -> str:
   meta, notes = result["meta"], []
   lines = _header(meta, "Training step")
@@ -77,7 +84,7 @@ def step_markdown(result: dict) -> str:
   lines.append(f"- model: {meta.get('config')} x {meta.get('layers')} layers, {tokens}batch "
                f"{meta.get('batch')} x seq {meta.get('seq_len')} per step, EP={meta.get('ep')}, "
                f"remat {meta.get('remat')}, attention {meta.get('attention', '?')}, data "
-               f"{meta.get('data', 'random')}, {meta.get('reps')} reps")
+               f"{meta.get('data', 'random')}{_compute_copy(meta)}, {meta.get('reps')} reps")
   lines += ["", "| config | backend | step ms | tokens/s/GPU | TFLOP/s/GPU | MFU | imbalance "
                 "(first -> last step) | peak GiB | status |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -104,7 +111,8 @@ def profile_markdown(result: dict) -> str:
                  f"{meta.get('tokens_per_gpu')} tokens/GPU (seq {meta.get('seq_len')}), backend "
                  f"{meta.get('backend')}, recipe {meta.get('recipe')}, attention "
                  f"{meta.get('attention')}, cross-entropy chunk {meta.get('ce_chunk')}, remat "
-                 f"{meta.get('remat')}, EP={meta.get('ep')}, data {meta.get('data')}")
+                 f"{meta.get('remat')}, EP={meta.get('ep')}, data {meta.get('data')}"
+                 f"{_compute_copy(meta)}")
   lines.append(f"- trace: {p['steps']} steps of module `{p['module']}` on "
                f"{len(p['devices'])} {p['platform']} device(s), mean over devices"
                + (f"; {p['hlo_matched_share']:.0%} of the kernel time matched to its HLO "

@@ -1,11 +1,12 @@
 """The example's training step (examples/train_qwen3_moe.py) at benchmark sizes, for
 bench_step.py and profile_step.py: what they time and profile is what a training run executes
-(its parameters and their FSDP layout, AdamW with clipping, the loss with the cross-entropy
-chunked for large vocabularies and the router's aux losses, the non-finite guard, the
-shardings and the donation), on one batch of the example's default corpus or of random ids.
+(its parameters and their FSDP layout, the bf16 compute copy of the weights, AdamW with
+clipping, the loss with the cross-entropy chunked for large vocabularies and the router's aux
+losses, the non-finite guard, the shardings and the donation), on one batch of the example's
+default corpus or of random ids.
 
   setup = build(StepOptions(config="qwen3-30b-a3b", layers=8, tokens_per_gpu=16384))
-  metrics = setup.run()          # one step; the state is updated in place
+  metrics = setup.run()          # one step; setup.state is replaced by the step's
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class StepOptions:
   tokens_per_gpu, seq: tokens per device per step and per sequence (seq must divide it);
   attention, ce_chunk: as the example's flags (auto / None pick as it does); data: "random"
   (uniform ids) or "corpus" (the example's default corpus); ep: expert-parallel size (0: all
-  devices)."""
+  devices); compute_copy: the example's --compute-copy (on, as its bf16 default; off to
+  measure the step that casts every weight and gradient itself)."""
 
   config: str = "qwen3-30b-a3b"
   layers: int = 0
@@ -45,6 +47,7 @@ class StepOptions:
   data: str = "random"
   ep: int = 0
   seed: int = 0
+  compute_copy: bool = True
 
 
 @functools.cache
@@ -58,7 +61,9 @@ def example_module() -> types.ModuleType:
 @dataclasses.dataclass
 class StepSetup:
   """A built step. `args`: the example's arguments with attention and ce_chunk resolved;
-  `notes`: what was picked for them; `step`: the jitted train step."""
+  `notes`: what was picked for them; `step`: the jitted train step; `state`: the example's
+  TrainState (master weights, optimizer state, compute copy), donated to and replaced by every
+  step."""
 
   options: StepOptions
   config: Any
@@ -66,8 +71,7 @@ class StepSetup:
   args: types.SimpleNamespace
   notes: list[str]
   step: Any
-  params: Any
-  opt_state: Any
+  state: Any
   inputs: Any
   targets: Any
 
@@ -78,8 +82,7 @@ class StepSetup:
   def run(self, step_fn=None) -> dict:
     """One training step (with `step_fn`, e.g. the compiled step, instead of the jitted one);
     returns its metrics (device arrays)."""
-    self.params, self.opt_state, metrics = (step_fn or self.step)(
-        self.params, self.opt_state, self.inputs, self.targets)
+    self.state, metrics = (step_fn or self.step)(self.state, self.inputs, self.targets)
     return metrics
 
   def imbalance(self, metrics) -> float:
@@ -110,7 +113,8 @@ def build(options: StepOptions) -> StepSetup:
   argv = ["bench", "--config", o.config, "--batch", str(batch), "--seq-len", str(o.seq),
           "--backend", o.backend, "--recipe", o.recipe or "none", "--remat", o.remat,
           "--attention", o.attention, "--mesh", f"data={devices // ep},expert={ep}",
-          "--lr", str(LR), "--warmup-steps", "0", "--steps", "1000", "--seed", str(o.seed)]
+          "--lr", str(LR), "--warmup-steps", "0", "--steps", "1000", "--seed", str(o.seed),
+          "--compute-copy" if o.compute_copy else "--nocompute-copy"]
   if o.layers:
     argv += ["--num-layers", str(o.layers)]
   if o.ce_chunk is not None:
@@ -123,9 +127,10 @@ def build(options: StepOptions) -> StepSetup:
   args, notes = example.resolve_defaults(args, config, mesh)
   graphdef, params = example.build_params(args, config, mesh, jnp.dtype(args.dtype))
   tx, _ = example.make_optimizer(args)
-  opt_state = example.init_optimizer_state(tx, params, mesh)
+  state = example.train_state(params, example.init_optimizer_state(tx, params, mesh),
+                              jnp.dtype(args.dtype) if args.compute_copy else None)
   step, batch_sharding = example.jit_train_step(
-      graphdef, tx, params, opt_state, mesh, aux_coef=config.router_aux_loss_coef,
+      graphdef, tx, state, mesh, aux_coef=config.router_aux_loss_coef,
       z_coef=args.z_loss_coef, ce_chunk=args.ce_chunk)
   if o.data == "corpus":
     tokens = example.data_lib.load_tokens(None, config.vocab_size)
@@ -134,5 +139,4 @@ def build(options: StepOptions) -> StepSetup:
     ids = np.random.default_rng(o.seed).integers(0, config.vocab_size, (batch, o.seq + 1))
     inputs, targets = ids[:, :-1].astype(np.int32), ids[:, 1:].astype(np.int32)
   put = lambda a: jax.make_array_from_callback(a.shape, batch_sharding, lambda i: a[i])  # noqa: E731
-  return StepSetup(options, config, mesh, args, notes, step, params, opt_state, put(inputs),
-                   put(targets))
+  return StepSetup(options, config, mesh, args, notes, step, state, put(inputs), put(targets))

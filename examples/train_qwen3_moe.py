@@ -5,10 +5,14 @@
 Runs a jit-compiled train step over a (data, expert) device mesh: batch sharded over every
 device, experts over `expert`, every other weight FSDP-sharded over `data`. AdamW on float32
 master weights with bfloat16 compute, global-norm clipping, warm-up + cosine schedule, the
-router's load-balancing and z losses. Several processes (one per host or per GPU) are joined
-through jax.distributed when the environment says so, each driving the GPUs that launch.py picks
-(JAX_COORDINATOR_ADDRESS + JAX_NUM_PROCESSES + JAX_PROCESS_ID, or SLURM / Open MPI;
-MEGAMOE_LOCAL_DEVICE_IDS; see examples/README.md).
+router's load-balancing and z losses. With --compute-copy (the default in bfloat16) the train
+state also holds the weights in their compute dtypes (TrainState.compute,
+models.compute_copy): the forward reads them, the update writes them from the new master, so
+no step casts every weight and every gradient on its own (checkpoints hold the master only).
+Several processes (one per host or per GPU) are joined through jax.distributed when the
+environment says so, each driving the GPUs that launch.py picks (JAX_COORDINATOR_ADDRESS +
+JAX_NUM_PROCESSES + JAX_PROCESS_ID, or SLURM / Open MPI; MEGAMOE_LOCAL_DEVICE_IDS; see
+examples/README.md).
 
 Writes to --out: metrics.jsonl (one line per step), losses.json (the whole curve, for
 compare_losses.py), loss_curve.png, expert_load.png and checkpoints/ (orbax, each sealed with
@@ -29,6 +33,7 @@ import os
 import sys
 import time
 import types
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +49,8 @@ except ImportError:  # run from a source checkout without installing
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jax_megamoe import BACKENDS, RECIPES  # noqa: E402
-from jax_megamoe.models import (CONFIGS, REMAT_POLICIES, Qwen3Moe, get_config,  # noqa: E402
-                                update_selection_biases)
+from jax_megamoe.models import (CONFIGS, REMAT_POLICIES, Qwen3Moe, compute_copy,  # noqa: E402
+                                get_config, update_selection_biases)
 from jax_megamoe.models.hf_import import load_hf_checkpoint, read_hf_config  # noqa: E402
 from jax_megamoe.models.attention_impl import ATTENTION_CHOICES, resolve_attention  # noqa: E402
 from jax_megamoe.models.losses import auto_ce_chunk, chunked_cross_entropy  # noqa: E402
@@ -78,6 +83,13 @@ _FLAGS = (
      dict(enum_values=["none", *filter(None, RECIPES)])),
     ("enum", "dtype", "bfloat16", "compute dtype (master weights are always float32)",
      dict(enum_values=["bfloat16", "float32"])),
+    ("boolean", "compute_copy", None,
+     "keep the weights also in the dtypes the model computes them in (bf16; the router's "
+     "float32), read by the forward and written by the update from the new float32 master: "
+     "no step casts every weight and gradient (~12 bytes/param of traffic), for 2 bytes/param "
+     "of state. Same loss; gradients the same but the LM head's, rounded once to bf16. "
+     "Checkpoints hold the master only. Default: on with --dtype bfloat16 (float32 needs none)",
+     {}),
     ("integer", "steps", 150, "training steps", dict(lower_bound=1)),
     ("integer", "batch", 16, "global batch (sequences)", dict(lower_bound=1)),
     ("integer", "seq_len", 128, "tokens per sequence", dict(lower_bound=1)),
@@ -256,10 +268,36 @@ def init_optimizer_state(tx, params, mesh):
   return jax.jit(tx.init, out_shardings=shardings)(params)
 
 
+class TrainState(NamedTuple):
+  """What a training step carries and returns (make_train_step).
+
+  params: the float32 master weights (the nnx.State of the model's nnx.Params).
+  opt_state: the optimizer's state of params.
+  compute: params as the model computes with them (models.compute_copy: bf16 but for the
+    router's float32 weights), which the forward reads and the update rewrites from the new
+    master; None: the forward reads params and casts them itself. Derived: checkpoints hold
+    params and opt_state, train_state remakes the copy.
+  """
+
+  params: Any
+  opt_state: Any
+  compute: Any = None
+
+
+def train_state(params, opt_state, compute_dtype=None) -> TrainState:
+  """The TrainState of params and opt_state, with the compute copy for `compute_dtype` (None:
+  without one) laid out like params."""
+  if compute_dtype is None:
+    return TrainState(params, opt_state)
+  copy = jax.jit(compute_copy, static_argnums=1,
+                 out_shardings=jax.tree.map(lambda x: x.sharding, params))
+  return TrainState(params, opt_state, copy(params, jnp.dtype(compute_dtype)))
+
+
 def resolve_defaults(args: types.SimpleNamespace, config, mesh: Mesh
                      ) -> tuple[types.SimpleNamespace, list[str]]:
-  """args with --attention auto and an unset --ce-chunk replaced by what this run uses, and
-  the lines that say what was picked where it was not asked for."""
+  """args with --attention auto and an unset --ce-chunk or --compute-copy replaced by what
+  this run uses, and the lines that say what was picked where it was not asked for."""
   attention, note = resolve_attention(args.attention, dtype=args.dtype,
                                       num_heads=config.num_heads,
                                       num_kv_heads=config.num_kv_heads,
@@ -271,8 +309,13 @@ def resolve_defaults(args: types.SimpleNamespace, config, mesh: Mesh
     if ce_chunk:
       notes.append(f"cross-entropy in chunks of {ce_chunk} positions (the full float32 logits "
                    f"would take more than 1 GiB per device; --ce-chunk 0 keeps them)")
-  return types.SimpleNamespace(**{**vars(args), "attention": attention,
-                                  "ce_chunk": ce_chunk}), notes
+  compute_copy = args.dtype != "float32" if args.compute_copy is None else args.compute_copy
+  if compute_copy and args.dtype == "float32":
+    compute_copy = False
+    notes.append("--compute-copy does nothing with --dtype float32 (the model computes with "
+                 "its float32 master weights): no copy is kept")
+  return types.SimpleNamespace(**{**vars(args), "attention": attention, "ce_chunk": ce_chunk,
+                                  "compute_copy": compute_copy}), notes
 
 
 def expert_imbalance(expert_load) -> float:
@@ -283,24 +326,28 @@ def expert_imbalance(expert_load) -> float:
   return float(load.max(axis=-1).max() * load.shape[-1]) if load.size else 1.0
 
 
-def jit_train_step(graphdef, tx, params, opt_state, mesh: Mesh, *, aux_coef: float,
+def jit_train_step(graphdef, tx, state: TrainState, mesh: Mesh, *, aux_coef: float,
                    z_coef: float, ce_chunk: int):
-  """(jitted make_train_step, batch sharding): the state keeps its shardings and is donated,
-  the batch is sharded over every mesh axis."""
-  state_shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+  """(jitted make_train_step, batch sharding): the state keeps its shardings (the compute
+  copy its master's) and is donated, the batch is sharded over every mesh axis."""
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
   batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   train_step = jax.jit(make_train_step(graphdef, tx, aux_coef, z_coef, ce_chunk),
-                       in_shardings=(*state_shardings, batch_sharding, batch_sharding),
-                       out_shardings=(*state_shardings, None), donate_argnums=(0, 1))
+                       in_shardings=(state_shardings, batch_sharding, batch_sharding),
+                       out_shardings=(state_shardings, None), donate_argnums=0)
   return train_step, batch_sharding
 
 
 def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int):
-  """(params, opt_state, inputs, targets) -> (params, opt_state, metrics).
+  """(TrainState, inputs, targets) -> (TrainState, metrics).
+
+  With a compute copy (state.compute) the forward reads it, so the gradients come in its
+  dtypes; the update casts them to float32, updates the master and writes the next copy from
+  it, elementwise work that XLA can fuse into the update's loops. Without one the forward reads the master.
 
   A step whose loss or gradient norm is not finite changes nothing: it returns the state it
   was given (the host then stops on the step's metrics, see train), so no NaN reaches the
-  parameters, the optimizer moments or a checkpoint.
+  parameters, the optimizer moments, the copy or a checkpoint.
   """
 
   def loss_fn(params, inputs, targets):
@@ -318,10 +365,14 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
   def bias_rate(params):
     return nnx.merge(graphdef, params).config.router_bias_update_rate
 
-  def train_step(params, opt_state, inputs, targets):
-    grads, metrics = jax.grad(loss_fn, has_aux=True)(params, inputs, targets)
+  def train_step(state: TrainState, inputs, targets):
+    params, opt_state, compute = state
+    grads, metrics = jax.grad(loss_fn, has_aux=True)(
+        params if compute is None else compute, inputs, targets)
     # The scope names what step profiles count as the optimizer (benchmarks/profile_step.py).
     with jax.named_scope("optimizer"):
+      # The copy's gradients are bf16; the update is float32 (XLA can fuse the casts into it).
+      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
       updates, new_opt_state = tx.update(grads, opt_state, params)
       metrics["grad_norm"] = optax.global_norm(grads)
       finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
@@ -331,8 +382,12 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
       # gradient reaches the selection biases, this moves them): a no-op without them.
       new_params = update_selection_biases(new_params, metrics["expert_load"],
                                            bias_rate(params))
-      return (jax.tree.map(keep, new_params, params),
-              jax.tree.map(keep, new_opt_state, opt_state), metrics)
+      new_params = jax.tree.map(keep, new_params, params)
+      # From the kept master, in the copy's dtypes: after a bad step, the copy it was given.
+      new_compute = None if compute is None else jax.tree.map(
+          lambda p, c: p.astype(c.dtype), new_params, compute)
+      return TrainState(new_params, jax.tree.map(keep, new_opt_state, opt_state),
+                        new_compute), metrics
 
   return train_step
 
@@ -489,7 +544,9 @@ def train(args: types.SimpleNamespace) -> dict:
       f"layers, hidden {config.hidden_size}, {config.num_experts} experts top-{config.top_k}, "
       f"{config.matmul_params_per_token() / 1e6:.2f}M active matmul params/token | "
       f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices | "
-      f"backend {args.backend}, recipe {args.recipe}, {args.dtype} compute, remat {args.remat}, "
+      f"backend {args.backend}, recipe {args.recipe}, {args.dtype} compute"
+      + (" (a compute copy of the weights)" if args.compute_copy else "")
+      + f", remat {args.remat}, "
       f"attention {args.attention}, cross-entropy "
       + (f"in chunks of {args.ce_chunk} positions" if args.ce_chunk else "on full logits")
       + f" | data {tokens.size:,} tokens")
@@ -500,16 +557,17 @@ def train(args: types.SimpleNamespace) -> dict:
   metrics_path = os.path.join(args.out, "metrics.jsonl")
   history = []
   if start:
-    state = checkpoints.restore(start, {"params": params, "opt_state": opt_state})
-    params, opt_state = state["params"], state["opt_state"]
+    restored = checkpoints.restore(start, {"params": params, "opt_state": opt_state})
+    params, opt_state = restored["params"], restored["opt_state"]
     # Process 0 alone reads and rewrites the file (another reading it meanwhile could see it cut).
     history = read_metrics(metrics_path, start, log) if is_main else []
     log(f"resumed from step {start}")
   if is_main:
     write_metrics(metrics_path, history)
+  state = train_state(params, opt_state, dtype if args.compute_copy else None)
 
-  train_step, batch_sharding = jit_train_step(graphdef, tx, params, opt_state, mesh,
-                                              aux_coef=aux_coef, z_coef=args.z_loss_coef,
+  train_step, batch_sharding = jit_train_step(graphdef, tx, state, mesh, aux_coef=aux_coef,
+                                              z_coef=args.z_loss_coef,
                                               ce_chunk=args.ce_chunk)
 
   def device_batch(step):
@@ -581,7 +639,7 @@ def train(args: types.SimpleNamespace) -> dict:
     for step in range(start + 1, stop + 1):
       inputs, targets = device_batch(step)
       try:
-        params, opt_state, metrics = train_step(params, opt_state, inputs, targets)
+        state, metrics = train_step(state, inputs, targets)
         if pending is not None:
           finish(*pending)
         pending = (step, metrics)
@@ -593,7 +651,7 @@ def train(args: types.SimpleNamespace) -> dict:
           if metrics_file:
             os.fsync(metrics_file.fileno())
           stop_unless_ep_workspaces_are_clean(step, "it was not saved")
-          checkpoints.save(step, {"params": params, "opt_state": opt_state})
+          checkpoints.save(step, {"params": state.params, "opt_state": state.opt_state})
       except jax.errors.JaxRuntimeError as e:
         raise RunError(f"step {step} (or the one before) failed on the device: "
                        f"{str(e).strip().splitlines()[0][:800]}. {newest_checkpoint()}") from e

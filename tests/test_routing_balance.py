@@ -51,14 +51,13 @@ def _imbalances(aux_coef: float | None = None, **overrides) -> list[float]:
   tx, _ = example.make_optimizer(types.SimpleNamespace(
       lr=LR, steps=SCHEDULE, warmup_steps=None, min_lr_ratio=0.1, weight_decay=0.1,
       clip_norm=1.0))
-  opt_state = tx.init(params)
+  state = example.TrainState(params, tx.init(params))
   step = jax.jit(example.make_train_step(graphdef, tx, aux_coef, 1e-3, 0))
   sampler = data_lib.BatchSampler(data_lib.load_tokens(None, config.vocab_size), 2, 256, 0)
   out = []
   for s in range(1, STEPS + 1):
     inputs, targets = sampler(s)
-    params, opt_state, metrics = step(params, opt_state, jnp.asarray(inputs),
-                                      jnp.asarray(targets))
+    state, metrics = step(state, jnp.asarray(inputs), jnp.asarray(targets))
     out.append(example.expert_imbalance(metrics["expert_load"]))
   return out
 
@@ -146,8 +145,8 @@ def test_example_train_step_moves_the_selection_biases():
       lr=1e-3, steps=10, warmup_steps=None, min_lr_ratio=0.1, weight_decay=0.1, clip_norm=1.0))
   step = jax.jit(example.make_train_step(graphdef, tx, 1e-2, 1e-3, 0))
   ids = jax.random.randint(jax.random.key(0), (2, 32), 0, config.vocab_size)
-  new_params, _, metrics = step(params, tx.init(params), ids, ids)
-  new = nnx.merge(graphdef, new_params)
+  state, metrics = step(example.TrainState(params, tx.init(params)), ids, ids)
+  new = nnx.merge(graphdef, state.params)
   for row, layer in enumerate(new.layers):
     np.testing.assert_allclose(
         layer.mlp.selection_bias[...],

@@ -188,22 +188,26 @@ def test_nonfinite_step_stops_before_its_update_and_any_save(tmp_path):
   assert metric_steps(out) == [1, 2]
 
 
-def test_nonfinite_loss_never_reaches_the_state():
-  """The jitted step itself returns its input state when the loss or gradient is NaN."""
+@pytest.mark.parametrize("dtype,copy", [("float32", False), ("bfloat16", True)])
+def test_nonfinite_loss_never_reaches_the_state(dtype, copy):
+  """The jitted step itself returns its input state (master weights, optimizer state and the
+  compute copy alike) when the loss or gradient is NaN."""
   import optax
   from flax import nnx
   from jax_megamoe.models import Qwen3Moe, get_config
 
-  model = Qwen3Moe(get_config("tiny", num_layers=1), rngs=nnx.Rngs(0), dtype=jax.numpy.float32)
+  model = Qwen3Moe(get_config("tiny", num_layers=1), rngs=nnx.Rngs(0), dtype=dtype)
   graphdef, params = nnx.split(model, nnx.Param)
   tx = optax.adam(1e-3)
-  opt_state = tx.init(params)
+  state = example.train_state(params, tx.init(params), dtype if copy else None)
+  assert (state.compute is not None) == copy
+  before = jax.tree.map(np.asarray, state)
   step = jax.jit(example.make_train_step(graphdef, tx, 0.0, float("nan"), 0))
   tokens = jax.numpy.zeros((2, 8), jax.numpy.int32)
-  new_params, new_opt_state, metrics = step(params, opt_state, tokens, tokens)
+  new_state, metrics = step(state, tokens, tokens)
   assert np.isnan(metrics["loss"])
-  for a, b in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves((new_params,
-                                                                         new_opt_state))):
+  assert jax.tree.structure(new_state) == jax.tree.structure(before)
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new_state)):
     np.testing.assert_array_equal(a, b)
 
 
@@ -227,6 +231,21 @@ def test_ep_kernel_error_stops_before_the_checkpoint(tmp_path, monkeypatch):
 
 
 # --- resume edge cases and metrics -----------------------------------------------------------
+
+def test_the_compute_copy_is_remade_not_saved(straight, tmp_path):
+  """Checkpoints hold the master weights and the optimizer state only: a checkpoint of a run
+  with the compute copy (the bf16 default) resumes without it too, continuing the curve within
+  the copy's rounding of the LM head's gradient. (Resumed with the copy, remade from the
+  checkpoint, a run reproduces its uninterrupted losses:
+  test_corrupt_latest_checkpoint_is_named_and_skipped.)"""
+  out = copy_run(straight[0], tmp_path)
+  shutil.rmtree(out / "checkpoints" / "12")
+  run(out, "--resume", "--nocompute-copy")
+  resumed, uninterrupted = losses(out), losses(straight[0])
+  assert resumed["args"]["compute_copy"] is False and uninterrupted["args"]["compute_copy"]
+  assert resumed["ce"][:9] == uninterrupted["ce"][:9]
+  assert resumed["ce"] == pytest.approx(uninterrupted["ce"], rel=1e-3)
+
 
 @pytest.mark.parametrize("extra", [["--resume"], ["--resume", "--stop-at", "9"],
                                    ["--resume", "--steps", "5"]])
@@ -276,6 +295,7 @@ HISTORICAL_DEFAULTS = {
     "--attention": "auto", "--init-from": None, "--data": None, "--mesh": None,
     "--out": "runs/qwen3_moe", "--checkpoint-every": 100, "--resume": False, "--stop-at": None,
     "--seed": 0, "--log-every": 25, "--peak-tflops": None, "--no-progress": False,
+    "--compute-copy": None,  # new (issue 15): None = on with bfloat16, off with float32
 }
 
 

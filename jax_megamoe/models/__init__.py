@@ -2,8 +2,10 @@
 (hf_import) and the FSDP + expert-parallel parameter layout used for training (sharding)."""
 
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
-from jax_megamoe.models.qwen3 import REMAT_POLICIES, ModelAux, Qwen3Moe, update_selection_biases
+from jax_megamoe.models.qwen3 import (FLOAT32_PARAMS, REMAT_POLICIES, ModelAux, Qwen3Moe,
+                                      compute_copy, update_selection_biases)
 from jax_megamoe.models.hf_import import load_hf_checkpoint
 
-__all__ = ["CONFIGS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe", "Qwen3MoeConfig", "get_config",
-           "load_hf_checkpoint", "update_selection_biases"]
+__all__ = ["CONFIGS", "FLOAT32_PARAMS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe",
+           "Qwen3MoeConfig", "compute_copy", "get_config", "load_hf_checkpoint",
+           "update_selection_biases"]

@@ -26,8 +26,8 @@ from jax_megamoe.module import MoE
 from jax_megamoe.router import update_selection_bias
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
 
-__all__ = ["CONFIGS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe", "Qwen3MoeConfig", "get_config",
-           "update_selection_biases"]
+__all__ = ["CONFIGS", "FLOAT32_PARAMS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe",
+           "Qwen3MoeConfig", "compute_copy", "get_config", "update_selection_biases"]
 
 # --remat names -> what each decoder layer keeps for the backward pass (None: no remat).
 REMAT_POLICIES = {
@@ -304,3 +304,30 @@ def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: flo
     new = update_selection_bias(variable.get_value(), expert_load[row], rate)
     flat[i] = (path, variable.replace(new.astype(variable.get_value().dtype)))
   return nnx.from_flat_state(flat)
+
+
+# Parameters the model reads in float32 whatever its compute dtype, by attribute name: the MoE
+# router (jax_megamoe.MoE computes the logits in float32 from float32 weights) and the selection
+# biases (added to those logits; moved by update_selection_biases, never by gradient).
+FLOAT32_PARAMS = ("router", "selection_bias")
+
+
+def compute_copy(params: nnx.State, dtype: Any) -> nnx.State:
+  """params as a Qwen3Moe of compute dtype `dtype` reads them: every parameter rounded to
+  `dtype` (each module casts its weights, norm scales included, to the compute dtype before use)
+  except FLOAT32_PARAMS, which keep their own dtype. The one place that decides it.
+
+  A model merged from the copy computes the same function as one merged from params (its casts
+  become no-ops; tests/test_compute_copy.py checks that the train step casts exactly these
+  parameters) and its gradients come in the copy's dtypes: the same values, but the LM head's,
+  which chunked_cross_entropy sums in float32, is rounded once to bf16. A training step keeps
+  float32 master weights, differentiates the copy and writes the next copy from the updated
+  master (examples/train_qwen3_moe.py, TrainState). Traceable; same tree structure as params."""
+  dtype = jnp.dtype(dtype)
+
+  def one(path, variable):
+    value = variable.get_value()
+    return variable.replace(value if path[-1] in FLOAT32_PARAMS else value.astype(dtype))
+
+  return nnx.from_flat_state([(path, one(path, variable))
+                              for path, variable in nnx.to_flat_state(params)])
