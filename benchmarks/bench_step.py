@@ -5,12 +5,13 @@ the routing imbalance of the steps it timed.
 The model has the published layer shapes (--config) with fewer layers (--layers) so that it fits
 the GPUs at hand. Default 8 layers of the 30B config: the decoder layers are then 59% of the
 active matmul parameters per token and the LM head 41% (at 4 layers the head was 58%; the full
-48-layer model has it at 10%), and the step fits one H200 (141 GB; measured before the compute
-copy): AdamW's float32 state is 16 bytes per parameter, the example's bf16 compute copy 2 more
-(its gradients take 2 less than float32 ones), ~11 GB per layer (its 128 experts hold 604M
-parameters) and ~11 GB for the embedding and head. Tokens are sharded over every device (16,384 per GPU by default, as in the
-layer benchmark), experts over the "expert" mesh axis (EP over all devices by default), the
-other parameters FSDP-sharded over "data", as the training script lays them out. The batch is
+48-layer model has it at 10%), and the step fits one H200 (141 GB; profile_step ran it there
+with the compute copy, benchmarks/RESULTS.md session 6): AdamW's float32 state is 16 bytes per
+parameter, the example's bf16 compute copy 2 more (its gradients take 2 less than float32
+ones), ~11 GB per layer (its 128 experts hold 604M parameters) and ~11 GB for the embedding
+and head. Tokens are sharded over every device (16,384 per GPU by default, as in the layer
+benchmark), experts over the "expert" mesh axis (EP over all devices by default), the other
+parameters FSDP-sharded over "data", as the training script lays them out. The batch is
 uniform random ids by default: at initialisation their routing is near balanced (imbalance 1.4
 at the 30B shapes), as a trained model's is; `--data corpus` takes the example's default corpus
 instead (imbalance ~6 at initialisation: 29% of its bytes are spaces).

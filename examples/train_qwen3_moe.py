@@ -343,7 +343,8 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
 
   With a compute copy (state.compute) the forward reads it, so the gradients come in its
   dtypes; the update casts them to float32, updates the master and writes the next copy from
-  it, elementwise work that XLA can fuse into the update's loops. Without one the forward reads the master.
+  it, elementwise work that XLA can fuse into the update's loops. Without one the forward
+  reads the master.
 
   A step whose loss or gradient norm is not finite changes nothing: it returns the state it
   was given (the host then stops on the step's metrics, see train), so no NaN reaches the
