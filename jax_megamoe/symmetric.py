@@ -370,10 +370,10 @@ def _connect_ipc(lib, ws_id: int, dev, peer_rank: int, peer, handle: bytes) -> N
 def _close(workspaces: list[SymmetricWorkspace], timeout_s: float | None) -> None:
   """Closes workspaces (see SymmetricWorkspace.close): all of them are unmapped and announced
   before any wait, so processes that close them in different orders do not wait on each other."""
-  lib = _library()
   todo = [ws for ws in workspaces if not ws.closed]
-  if not todo:
+  if not todo:  # nothing to close: no library needed (a CPU build may call close_all)
     return
+  lib = _library()
   if timeout_s is None:
     timeout_s = max(ws.timeout_s for ws in todo)
   deadline = time.monotonic() + timeout_s

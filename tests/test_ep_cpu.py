@@ -164,3 +164,9 @@ def test_virtual_group_fp8_rows_trace(num_ranks):
   text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd))
   assert "megamoe_ep_dispatch_fwd" in text and "megamoe_ep_dispatch_bwd" in text
   assert "float8_e4m3fn" in text
+
+
+def test_close_all_without_workspaces_needs_no_cuda():
+  """Nothing to close: a CPU build (no CUDA library) can call close_all, e.g. a worker's
+  clean-up after a run that never made a workspace."""
+  symmetric.close_all()

@@ -4,53 +4,27 @@ oracle, with the workspace created up front or while jax.jit traces, each proces
 local_device_ids (every GPU visible) or by CUDA_VISIBLE_DEVICES; and a process that dies mid-step
 makes the other fail within the EP timeout instead of hanging."""
 
-import os
 import re
-import socket
-import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
+from subprocesses import TESTS, free_port, gpu_worker_env, run_all
+
 pytestmark = pytest.mark.multigpu
 
-_TESTS = Path(__file__).resolve().parent
 EP_TIMEOUT_S = 10
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _run_workers(mode: str, visibility: str, extra_env=None, timeout=240):
-  port = _free_port()
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join([str(_TESTS), str(_TESTS.parent),
-                                       env.get("PYTHONPATH", "")])
-  env.pop("XLA_FLAGS", None)  # no virtual CPU devices in the workers
-  env.pop("CUDA_VISIBLE_DEVICES", None)
-  env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-             XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1", **(extra_env or {}))
-  procs = []
-  for i in range(2):
-    own = dict(env, CUDA_VISIBLE_DEVICES=str(i)) if visibility == "cuda_visible_devices" else env
-    procs.append(subprocess.Popen(
-        [sys.executable, "-m", "ep_two_process_worker", str(i), str(port), mode], env=own,
-        cwd=str(_TESTS.parent), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  outs = []
-  try:
-    for p in procs:
-      out, _ = p.communicate(timeout=timeout)
-      outs.append(out)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  return procs, outs
+  port = free_port()
+  env = gpu_worker_env(**(extra_env or {}))
+  envs = [dict(env, CUDA_VISIBLE_DEVICES=str(i)) if visibility == "cuda_visible_devices" else env
+          for i in range(2)]
+  commands = [[sys.executable, "-m", "ep_two_process_worker", str(i), str(port), mode]
+              for i in range(2)]
+  return run_all(commands, envs, timeout=timeout, cwd=str(TESTS.parent))
 
 
 @pytest.mark.parametrize("visibility", ["local_device_ids", "cuda_visible_devices"])

@@ -5,8 +5,6 @@ peers, and close without a collective."""
 
 import concurrent.futures
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -18,6 +16,7 @@ import pytest
 from fake_workspace_lib import (FakeDevice, FakeMesh, FakeStore, FakeWorkspaceLib, UnusableStore,
                                 fake_handle)
 from jax_megamoe import ipc_exchange, symmetric
+from subprocesses import free_port, run_all
 
 SIZES = dict(max_tokens=32, hidden=64, top_k=2, dtype="float32", comm_blocks=8, timeout_s=1.0)
 
@@ -233,27 +232,13 @@ def test_two_real_processes_exchange_inside_jit_through_jax_distributed():
   """jax.distributed on CPU (2 processes x 1 device): workspace_for called while jax.jit traces,
   the handles through jax's key-value store, data=2, expert=1 without exchange, close_all."""
   tests = os.path.dirname(os.path.abspath(__file__))
-  port = _free_port()
+  port = free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests),
                                          os.environ.get("PYTHONPATH", "")]))
   env.pop("XLA_FLAGS", None)  # one CPU device per process
-  procs = [subprocess.Popen([sys.executable, "-m", "ipc_exchange_worker", str(i), str(port)],
-                            env=env, cwd=tests, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for i in range(2)]
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=180)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+  procs, outs = run_all([[sys.executable, "-m", "ipc_exchange_worker", str(i), str(port)]
+                         for i in range(2)], [env, env], timeout=180, cwd=tests)
   for i, (p, out) in enumerate(zip(procs, outs)):
     assert p.returncode == 0 and f"IPC-EXCHANGE-OK {i}" in out, f"process {i}:\n{out[-4000:]}"
 
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]

@@ -12,23 +12,17 @@ process), and data=2, expert=1 (only data parallelism crosses processes).
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from subprocesses import free_port, run_all
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_qwen3_moe.py")
 NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                     NVSHMEM_DISABLE_NVLS="1")
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _base_env(**extra) -> dict:
@@ -50,22 +44,15 @@ def _losses(out) -> dict:
 def train(out, args, process_envs: list[dict], timeout=600) -> tuple[dict, list[str]]:
   """Runs the example as len(process_envs) processes (one: no jax.distributed); returns process
   0's losses.json and every process's output."""
-  port = _free_port()
-  procs = []
+  port = free_port()
+  envs = []
   for i, env in enumerate(process_envs):
     if len(process_envs) > 1:
       env = env | dict(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                        JAX_NUM_PROCESSES=str(len(process_envs)), JAX_PROCESS_ID=str(i))
-    procs.append(subprocess.Popen([sys.executable, SCRIPT, "--out", str(out), *args], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=timeout)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+    envs.append(env)
+  procs, outputs = run_all([[sys.executable, SCRIPT, "--out", str(out), *args]] * len(envs),
+                           envs, timeout=timeout)
   report = "\n".join(f"--- process {i} (exit {p.returncode}):\n{o[-3000:]}"
                      for i, (p, o) in enumerate(zip(procs, outputs)))
   assert all(p.returncode == 0 for p in procs), report

@@ -1,0 +1,187 @@
+"""Workers of tests/test_fused_multigpu.py: backend "fused" with its EP group across two GPUs.
+
+  python -m fused_multigpu_worker all_gather
+      one process, two GPUs: the fused layer and an all_gather of an unrelated array in one jit
+      program (XLA may run the collective on another stream while the persistent kernel holds
+      its SMs: it must leave room, issue 14 item 3), 20 calls, every result checked
+  python -m fused_multigpu_worker two_process <process_id> <port>
+      one of two processes (jax.distributed on localhost), one GPU each: forward and gradients
+      against the oracle, 20 repeated forwards bitwise equal
+Prints "FUSED-WORKER-OK <id>" when every check passed, else exits non-zero saying what failed.
+"""
+
+import sys
+
+TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 2 * 160, 256, 128, 8, 2
+TOL = 1e-2  # bf16 against the float32 oracle (DESIGN.md)
+
+
+def problem():
+  """The same inputs in every process: x, ids, w, w_gate_up, w_down, probe (numpy; x and the
+  weights rounded to bf16)."""
+  import ml_dtypes
+  import numpy as np
+
+  import ep_helpers
+  rng = np.random.default_rng(0)
+  ids, w = ep_helpers.routing(rng, TOKENS, EXPERTS, TOP_K, mask_fraction=0.1)
+  x = rng.standard_normal((TOKENS, HIDDEN)).astype(ml_dtypes.bfloat16)
+  wgu, wd = (np.asarray(a) for a in ep_helpers.weights_for(rng, EXPERTS, HIDDEN, FFN,
+                                                            ml_dtypes.bfloat16))
+  probe = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+  return x, ids, w, wgu, wd, probe
+
+
+def fused_layer(mesh):
+  """The layer on backend fused over `mesh` (experts on axis "expert"); fails if a jit of it
+  would not run the fused kernel (a fallback to backend cuda would test nothing)."""
+  import jax
+
+  import jax_megamoe as jm
+  from jax_megamoe.backends import fused
+
+  def layer(x, ids, w, wgu, wd):
+    return jm.moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert", backend="fused")
+
+  def check_lowering(*args):
+    text = jax.jit(layer).lower(*args).as_text()
+    if fused.TARGET not in text:
+      raise SystemExit(f"FUSED-WORKER-FAIL: the layer did not lower to {fused.TARGET}")
+
+  return layer, check_lowering
+
+
+def oracle(x, ids, w, wgu, wd, probe):
+  """(y, loss, grads of sum(y * probe) in x, w, wgu, wd) in float32 on one device."""
+  import jax
+  import jax.numpy as jnp
+
+  import ep_helpers
+  f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+
+  def loss(x, w, wgu, wd):
+    return jnp.sum(ep_helpers.dense_moe(x, ids, w, wgu, wd) * probe)
+
+  y = ep_helpers.dense_moe(f32(x), ids, f32(w), f32(wgu), f32(wd))
+  value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(f32(x), f32(w), f32(wgu),
+                                                                 f32(wd))
+  return y, value, grads
+
+
+def check_layer(layer, mesh, arrays, process_id: int) -> None:
+  """Forward and gradients of `layer` on the global arrays (x, ids, w, w_gate_up, w_down, probe,
+  rows over "expert") against the oracle on this process's shards, and 20 repeated forwards
+  bitwise equal; exits saying what failed."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import ep_helpers
+  gx, gids, gw, gwgu, gwd, gprobe = (jax.make_array_from_callback(
+      a.shape, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert")),
+      lambda i, a=a: a[i]) for a in arrays)
+
+  def loss(x, w, wgu, wd, ids, probe):  # ids as an argument: a global array is not concrete
+    return jnp.sum(layer(x, ids, w, wgu, wd).astype(jnp.float32) * probe)
+
+  y = jax.jit(layer)(gx, gids, gw, gwgu, gwd)
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(gx, gw, gwgu, gwd,
+                                                                         gids, gprobe)
+  for call in range(20):  # consecutive calls: no stale signal, bitwise the same
+    again = jax.jit(layer)(gx, gids, gw, gwgu, gwd)
+    for a, b in zip(again.addressable_shards, y.addressable_shards):
+      if not np.array_equal(np.asarray(a.data), np.asarray(b.data)):
+        raise SystemExit(f"FUSED-WORKER-FAIL {process_id}: forward call {call} differs")
+  with jax.default_device(jax.local_devices()[0]):
+    ref_y, ref_value, ref_grads = oracle(*arrays)
+
+  def worst(a, ref):  # the largest error over this process's shards
+    ref = np.asarray(ref, np.float32)
+    return max(ep_helpers.rel_err(np.asarray(s.data, np.float32), ref[s.index])
+               for s in a.addressable_shards)
+
+  errors = {"y": worst(y, ref_y),
+            "loss": ep_helpers.rel_err(np.asarray(value.addressable_shards[0].data), ref_value)}
+  for name, g, r in zip(("dx", "dtopk_weights", "dw_gate_up", "dw_down"), grads, ref_grads):
+    errors[name] = worst(g, r)
+  print(f"process {process_id}: rel errors {errors}", flush=True)
+  bad = {k: v for k, v in errors.items() if not v < TOL}
+  if bad:
+    raise SystemExit(f"FUSED-WORKER-FAIL {process_id}: {bad}")
+
+
+def all_gather_beside(process_id: int = 0) -> None:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  import ep_helpers
+  from jax_megamoe import parallel
+
+  if len(jax.devices()) < 2:
+    raise SystemExit(f"FUSED-WORKER-FAIL: needs 2 GPUs, has {jax.devices()}")
+  mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+  x, ids, w, wgu, wd, probe = problem()
+  rows = NamedSharding(mesh, P("expert"))
+  args = [jax.device_put(a, rows) for a in (x, ids, w, wgu, wd)]
+  # 2 x 64 MiB: a collective that lasts while the fused kernel runs, if XLA overlaps them.
+  big = np.arange(2 * (16 << 20), dtype=np.int32).reshape(2, -1) % 9973
+  gbig = jax.device_put(big, rows)
+  layer, check_lowering = fused_layer(mesh)
+  check_lowering(*args)
+  check_layer(layer, mesh, (x, ids, w, wgu, wd, probe), process_id)
+  gather = parallel.shard_map(lambda b: jax.lax.all_gather(b, "expert", tiled=True), mesh,
+                              (P("expert"),), P(), check_vma=False)
+
+  @jax.jit
+  def program(x, ids, w, wgu, wd, big):
+    return layer(x, ids, w, wgu, wd), gather(big)
+
+  ref_y = np.asarray(oracle(x, ids, w, wgu, wd, probe)[0])
+  first = None
+  for call in range(20):
+    y, full = program(*args, gbig)
+    y = np.asarray(y, np.float32)
+    if first is None:
+      first = y
+      err = ep_helpers.rel_err(y, ref_y)
+      if not err < TOL:
+        raise SystemExit(f"FUSED-WORKER-FAIL: y rel error {err} against the oracle")
+    elif not np.array_equal(y, first):
+      raise SystemExit(f"FUSED-WORKER-FAIL: call {call} gave a different y")
+    for shard in full.addressable_shards:
+      if not np.array_equal(np.asarray(shard.data), big):
+        raise SystemExit(f"FUSED-WORKER-FAIL: call {call}: all_gather on {shard.device} wrong")
+  print(f"FUSED-WORKER-OK {process_id}", flush=True)
+
+
+def two_process(process_id: int, port: int) -> None:
+  import jax
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                             process_id=process_id, local_device_ids=[process_id])
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from jax_megamoe import symmetric
+
+  assert jax.process_count() == 2 and len(jax.local_devices()) == 1, jax.devices()
+  mesh = Mesh(np.array(jax.devices()), ("expert",))
+  x, ids, w, wgu, wd, probe = problem()
+  rows = NamedSharding(mesh, P("expert"))
+  glob = lambda a: jax.make_array_from_callback(a.shape, rows, lambda i: a[i])  # noqa: E731
+  layer, check_lowering = fused_layer(mesh)
+  check_lowering(*map(glob, (x, ids, w, wgu, wd)))
+  check_layer(layer, mesh, (x, ids, w, wgu, wd, probe), process_id)
+  symmetric.close_all()
+  print(f"FUSED-WORKER-OK {process_id}", flush=True)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "all_gather":
+    all_gather_beside()
+  elif sys.argv[1] == "two_process":
+    two_process(int(sys.argv[2]), int(sys.argv[3]))
+  else:
+    raise SystemExit(f"unknown mode {sys.argv[1]!r}")
