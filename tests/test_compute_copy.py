@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import data as data_lib  # noqa: E402
 import train_qwen3_moe as example  # noqa: E402
+from jaxpr_helpers import sub_jaxprs
 
 sys.path.pop(0)
 
@@ -54,15 +55,6 @@ def _batch(config, step=1, batch=2, seq=32):
   return tuple(jnp.asarray(a) for a in sampler(step))
 
 
-def _sub_jaxprs(params):
-  for v in params.values():
-    for item in (v if isinstance(v, (list, tuple)) else (v,)):
-      if hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-        yield item.jaxpr
-      elif hasattr(item, "eqns"):
-        yield item
-
-
 def _converted_inputs(fn, *args) -> set[int]:
   """Indices of the flattened inputs of fn(*args) that it converts to another dtype anywhere
   (sub-jaxprs of scans, custom VJPs, shard_maps and remat included)."""
@@ -75,7 +67,7 @@ def _converted_inputs(fn, *args) -> set[int]:
         found.update(sources)
       elif eqn.primitive.name in _LAYOUT_OPS and sources:
         origin[eqn.outvars[0]] = next(iter(sources))
-      for sub in _sub_jaxprs(eqn.params):
+      for sub in sub_jaxprs(eqn.params):
         if len(sub.invars) == len(eqn.invars):  # operands map onto the body's inputs
           visit(sub, {s: origin[v] for s, v in zip(sub.invars, eqn.invars)
                       if isinstance(v, Var) and v in origin})

@@ -9,6 +9,7 @@ from jax.sharding import AxisType
 
 from jax_megamoe.models import CONFIGS, Qwen3Moe, Qwen3MoeConfig, get_config
 from jax_megamoe.models.sharding import param_shardings
+from jaxpr_helpers import sub_jaxprs
 
 # Tiny and cheap, with a dense layer among the MoE ones and head_dim != hidden / heads.
 SMALL = get_config("tiny", vocab_size=64, hidden_size=32, num_layers=3, num_heads=4,
@@ -196,19 +197,10 @@ def test_chunked_cross_entropy_bf16_backward_runs_bf16_gemms(chunk):
     for eqn in jp.eqns:
       if eqn.primitive.name == "dot_general":
         dots.append(tuple(v.aval.dtype for v in eqn.invars))
-      for sub in _sub_jaxprs(eqn.params):
+      for sub in sub_jaxprs(eqn.params):
         visit(sub)
 
   visit(jaxpr.jaxpr)
   assert len(dots) == 3, dots  # logits, d_hidden, d_head: the logits are made once
   assert all(a == b == jnp.bfloat16 for a, b in dots), dots
 
-
-def _sub_jaxprs(params):
-  """The jaxprs among an equation's params (scan, pjit, custom_vjp bodies)."""
-  for v in params.values():
-    for item in (v if isinstance(v, (list, tuple)) else (v,)):
-      if hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-        yield item.jaxpr
-      elif hasattr(item, "eqns"):
-        yield item
