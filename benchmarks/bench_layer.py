@@ -5,7 +5,9 @@ Expert parallelism over all visible GPUs, 16,384 tokens per GPU, 128 experts, to
 routing identical for every implementation (same seed; optional Zipf skew), no router; shapes
 30b (H=2048, F=768) and 235b (H=4096, F=1536); recipes bf16 and fp8; passes fwd, bwd and
 2f1b (2 forwards + 1 backward, the cost under full activation checkpointing). Median of
-device-synchronised timings after warm-up.
+device-synchronised timings after warm-up ("ms": every call waited for), and beside it the
+per-call time of calls queued back to back ("queued_ms", benchmarks/timing.py: the host's round
+trip per call hidden, as inside a training step).
 
 Implementations: jax_megamoe.moe with backend reference / cuda / fused (each where available),
 the JAX-native layer (benchmarks/baselines/jax_native.py: argsort + ragged_all_to_all +
@@ -305,6 +307,8 @@ def annotate(records, args, ids, num_gpus, ep):
     ceiling_recipe = "bf16" if r["recipe"] == "bf16" else "fp8"  # every FP8 flavour
     r["floor_ms"] = prob.floor_ms(r["pass"], ceiling_recipe)
     r["floor_fraction"] = r["floor_ms"] / r["ms"]
+    if r.get("queued_ms"):
+      r["queued_floor_fraction"] = r["floor_ms"] / r["queued_ms"]
     traffic = problem_lib.exchange_bytes_per_gpu(ids, prob, r["pass"])
     if traffic:
       r["nvlink_gbps"] = traffic / seconds / 1e9

@@ -91,9 +91,10 @@ def time_passes(layer, inputs, dy, passes, *, reps: int, case_cap_s: float,
       run()  # compile + first run
       compile_s = time.perf_counter() - t0
       result = timing.measure_ms(run, warmup=1, reps=reps, cap_s=case_cap_s)
+      result.update(timing.measure_queued_ms(call, jax.block_until_ready))
       out[name] = {"status": "ok", "compile_s": round(compile_s, 2), **result}
-      log(f"    {name:5s} {result['ms']:9.3f} ms  ({result['samples']} reps, "
-          f"compile+first {compile_s:.1f} s)")
+      log(f"    {name:5s} {result['ms']:9.3f} ms  queued {result['queued_ms']:9.3f} ms  "
+          f"({result['samples']} reps, compile+first {compile_s:.1f} s)")
     except Exception as e:  # noqa: BLE001  (recorded, the run goes on)
       status, message = timing.classify_error(e)
       out[name] = {"status": status, "error": message}

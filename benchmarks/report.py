@@ -4,7 +4,8 @@ the short table the benchmarks print last.
   python3 benchmarks/report.py RESULT.json [...] [--md benchmarks/RESULTS.md] [--png chart.png]
 
 Understands the JSON of bench_layer.py (kind "layer" and "layer_check"), bench_step.py
-(kind "step") and profile_step.py (kind "step_profile"). Records that did not run keep their status and message, as footnotes.
+(kind "step") and profile_step.py (kind "step_profile"). Records that did not run keep their
+status and message, as footnotes.
 """
 
 from __future__ import annotations
@@ -54,19 +55,25 @@ def layer_markdown(result: dict) -> str:
       lines.append(f"| {r['shape']} | {r['impl']} | {r['recipe']} | {errs} | "
                    f"{r.get('tolerance', '')} | {_status_cell(r, notes)} |")
   else:
-    lines += ["| shape | recipe | impl | pass | ms | TFLOP/s | NVLink GB/s | of floor | "
-              "x torch | x jax_native | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| shape | recipe | impl | pass | ms | queued ms | TFLOP/s | NVLink GB/s | "
+              "of floor | x torch | x jax_native | status |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in _collapse_unrun(sorted(result["results"], key=_layer_key)):
       lines.append(
           f"| {r['shape']} | {r['recipe']} | {r['impl']} | {r['pass']} | {_num(r.get('ms'))} | "
+          f"{_num(r.get('queued_ms'))} | "
           f"{_num(r.get('tflops'), '{:.3g}')} | {_num(r.get('nvlink_gbps'), '{:.3g}')} | "
           f"{_num(r.get('floor_fraction'), '{:.0%}')} | "
           f"{_num(r.get('speedup_vs_torch'), '{:.2f}x')} | "
           f"{_num(r.get('speedup_vs_jax_native'), '{:.2f}x')} | {_status_cell(r, notes)} |")
     lines += ["", "TFLOP/s: expert FLOPs per GPU (tokens x k x 6 x H x F per forward; backward "
               "2x) over the time. Floor: those FLOPs at 801 TFLOP/s (bf16) or 1446 (fp8), the "
-              "ceilings measured in DESIGN.md §2. NVLink GB/s: the least traffic, one bf16 H-row per "
-              "(token, remote rank) pair per one-way exchange, per GPU, over the time. Speed-ups are over the bf16 baselines."]
+              "ceilings measured in DESIGN.md §2. NVLink GB/s: the least traffic, one bf16 "
+              "H-row per (token, remote rank) pair per one-way exchange, per GPU, over the time. "
+              "Speed-ups are over the bf16 baselines. ms: each call waited for (its host round "
+              "trip included); queued ms: calls queued back to back, one wait per few "
+              "(benchmarks/timing.py), what a call costs inside a longer program where the "
+              "device is the bottleneck."]
   return "\n".join(lines + _footnotes(notes)) + "\n"
 
 

@@ -252,7 +252,24 @@ def timed(fn, device, *, warmup, reps, cap_s):
       break
   median = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
   dist.all_reduce(median, op=dist.ReduceOp.MAX)
-  return {"ms": float(median.item()), "samples": len(times)}
+  return {"ms": float(median.item()), "samples": len(times), **queued(fn, device)}
+
+
+def queued(fn, device, *, depth=5, samples=5):
+  """The slowest rank's median per-call ms with `depth` calls back to back and one synchronize
+  (as benchmarks/timing.measure_queued_ms for the JAX implementations)."""
+  per_call = []
+  for _ in range(samples):
+    dist.barrier()
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(depth):
+      fn()
+    synchronize(device)
+    per_call.append((time.perf_counter() - t0) * 1e3 / depth)
+  median = torch.tensor([statistics.median(per_call)], dtype=torch.float64, device=device)
+  dist.all_reduce(median, op=dist.ReduceOp.MAX)
+  return {"queued_ms": float(median.item()), "queue_depth": depth}
 
 
 def local_inputs(global_x, global_ids, global_w, wgu, wd, *, rank, world, ep_rank, ep, device,
