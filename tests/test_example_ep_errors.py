@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_megamoe import symmetric
+from jax_megamoe import parallel, symmetric
 from jax_megamoe.backends import cuda_ep
 import ep_helpers
 
@@ -43,8 +43,8 @@ def test_timed_out_dispatch_is_reported_by_the_example(monkeypatch):
   def per_device(x, ids, w):
     return cuda_ep.dispatch(x, ids, w, workspace=own, num_experts=EXPERTS).x_sorted
 
-  f = jax.jit(cuda_ep._shard_map(per_device, single, in_specs=(P("expert"),) * 3,
-                                 out_specs=P("expert")))
+  f = jax.jit(parallel.shard_map(per_device, single, (P("expert"),) * 3, P("expert"),
+                                 check_vma=False))
   out = np.asarray(jax.block_until_ready(f(x, jnp.asarray(ids, jnp.int32), jnp.asarray(w))))
   assert np.isnan(out).all(), "a timed-out dispatch returned rows that look valid"
   errors = example.ep_workspace_errors()
