@@ -152,7 +152,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeFusedMoeFwd, megamoe::fused::FusedMoeFwd,
                                       .Arg<ffi::AnyBuffer>()  // w_gate_up
                                       .Arg<ffi::AnyBuffer>()  // w_down
                                       .Ret<ffi::AnyBuffer>()  // y
-                                      .Ret<ffi::AnyBuffer>()  // h (scratch)
+                                      .Ret<ffi::AnyBuffer>()  // h (L1 output; a residual)
                                       .Ret<ffi::Buffer<ffi::S32>>()  // chunk_counts (scratch)
                                       .Ret<ffi::Buffer<ffi::S32>>()  // slot_rows (scratch)
                                       .Ret<ffi::Buffer<ffi::S32>>()  // slot_dest
