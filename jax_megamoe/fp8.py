@@ -54,6 +54,12 @@ RECIPES = {
 }
 
 
+# The name (jax.ad_checkpoint.checkpoint_name) of a layer's quantised expert weights: a
+# jax.checkpoint policy that saves it keeps them from the first forward, so a rematerialised
+# step quantises each weight once (backends.cuda_fp8; the models' remat "full" saves it).
+QUANTIZED_WEIGHTS_NAME = "megamoe_fp8_weights"
+
+
 def get_recipe(name: str | None) -> Recipe | None:
   if name is None:
     return None

@@ -164,9 +164,39 @@ def test_virtual_group_fp8_rows_trace(num_ranks):
   text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd))
   assert "megamoe_ep_dispatch_fwd" in text and "megamoe_ep_dispatch_bwd" in text
   assert "float8_e4m3fn" in text
+  # Rematerialised under the models' "full" policy: each rank's two weights quantised once
+  # (the recomputed forward reads the saved blocks: cuda_fp8 module doc), twice without it.
+  from jax_megamoe.backends import cuda_fp8
+  from jax_megamoe.models import REMAT_POLICIES
+  for policy, quantisations in ((REMAT_POLICIES["full"], 2 * num_ranks),
+                                (jax.checkpoint_policies.nothing_saveable, 4 * num_ranks)):
+    step = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2, 3))
+    text = str(jax.make_jaxpr(step)(x, w, wgu, wd))
+    assert text.count(cuda_fp8.QUANTIZE_WEIGHTS_TARGET) == quantisations
 
 
 def test_close_all_without_workspaces_needs_no_cuda():
   """Nothing to close: a CPU build (no CUDA library) can call close_all, e.g. a worker's
   clean-up after a run that never made a workspace."""
   symmetric.close_all()
+
+
+def test_fp8_layer_under_remat_inside_shard_map_quantises_each_weight_once():
+  """The mesh path (the weight blocks quantised inside shard_map, per device) under the models'
+  "full" remat policy: each weight quantised once per step, twice with nothing_saveable."""
+  from jax_megamoe.backends import cuda, cuda_fp8
+  from jax_megamoe.models import REMAT_POLICIES
+  mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+  ws = _fake_workspace(mesh, max_tokens=32, hidden=128, elem_bytes=2)
+  x, ids, w, wgu, wd = _problem(hidden=128, ffn=128, dtype=jnp.bfloat16)
+  mlp = cuda.expert_mlp("fp8", jnp.bfloat16, 128, 128)
+
+  def loss(x, w, wgu, wd):
+    return jnp.sum(cuda_ep.expert_parallel_moe(x, ids, w, wgu, wd, mesh=mesh, workspace=ws,
+                                               mlp=mlp).astype(jnp.float32))
+
+  for policy, quantisations in ((REMAT_POLICIES["full"], 2),
+                                (jax.checkpoint_policies.nothing_saveable, 4)):
+    step = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2, 3))
+    text = str(jax.make_jaxpr(step)(x, w, wgu, wd))
+    assert text.count(cuda_fp8.QUANTIZE_WEIGHTS_TARGET) == quantisations

@@ -177,9 +177,40 @@ def test_fp8_mlp_step_quantises_each_weight_once():
   text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
   assert text.count(cuda_fp8.QUANTIZE_WEIGHTS_TARGET) == 2, text.count(
       cuda_fp8.QUANTIZE_WEIGHTS_TARGET)
-  residuals = jax.tree.leaves(cuda_fp8._grouped_mlp_fwd(args[0], gs, args[1], args[2], False)[1])
+  blocks = cuda_fp8.quantize_expert_weights(args[1], args[2])
+  residuals = jax.tree.leaves(cuda_fp8._grouped_mlp_fwd(args[0], gs, args[1], args[2], blocks,
+                                                        False)[1])
   assert not any(r.shape in (args[1].shape, args[2].shape) and r.dtype == jnp.bfloat16
                  for r in residuals)
+
+
+@pytest.mark.parametrize("remat, quantisations", [("full", 2), ("nothing_saveable", 4)])
+def test_fp8_mlp_under_remat_quantises_each_weight_once_with_the_models_policies(
+    remat, quantisations):
+  """A rematerialised FP8 MLP under the models' remat policy ("full", which saves the named
+  weight blocks: fp8.QUANTIZED_WEIGHTS_NAME) quantises each weight once per step, where plain
+  nothing_saveable quantises it again in the recomputed forward; the gradients are the same
+  bit for bit (the same blocks), and as without remat."""
+  from jax_megamoe.models import REMAT_POLICIES
+  rng = np.random.default_rng(8)
+  n, hdim, f, e = 40, 128, 128, 2
+  gs = jnp.asarray([25, 15], jnp.int32)
+  args = (jnp.asarray(rng.standard_normal((n, hdim)), jnp.bfloat16),
+          jnp.asarray(rng.standard_normal((e, hdim, 2 * f)) / 11, jnp.bfloat16),
+          jnp.asarray(rng.standard_normal((e, f, hdim)) / 11, jnp.bfloat16))
+  policy = (REMAT_POLICIES[remat] if remat in REMAT_POLICIES
+            else getattr(jax.checkpoint_policies, remat))
+
+  def loss(x, wgu, wd):
+    return jnp.sum(cuda_fp8.grouped_mlp(jnp.sin(x), gs, wgu, wd).astype(jnp.float32) ** 2)
+
+  step = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2))
+  text = str(jax.make_jaxpr(step)(*args))
+  assert text.count(cuda_fp8.QUANTIZE_WEIGHTS_TARGET) == quantisations
+  got = jax.jit(step)(*args)
+  want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("pow2", [False, True])

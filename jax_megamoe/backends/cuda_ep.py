@@ -216,18 +216,20 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 # backward for dx.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _dispatch_mlp_fp8(x, ids, w, w_gate_up, w_down, cfg, n_cap, mlp):
-  return _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, mlp)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _dispatch_mlp_fp8(x, ids, w, w_gate_up, w_down, blocks, cfg, n_cap, mlp):
+  return _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, blocks, cfg, n_cap, mlp)[0]
 
 
-def _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, cfg, n_cap, mlp):
-  """-> (y_sorted, group_sizes, slot_pos, recv_w, stats), residuals. mlp: a cuda_fp8.RowsMlp."""
+def _dispatch_mlp_fp8_fwd(x, ids, w, w_gate_up, w_down, blocks, cfg, n_cap, mlp):
+  """-> (y_sorted, group_sizes, slot_pos, recv_w, stats), residuals. mlp: a cuda_fp8.RowsMlp;
+  blocks: its quantize_weights of w_gate_up / w_down (which take the weights' gradients)."""
+  del w_gate_up, w_down  # their values are in blocks
   hidden_size = x.shape[-1]
   quantize = lambda x: cuda_fp8.pack_rows(cuda_fp8.quantize_rows(x, pow2=mlp.pow2))
   d = _dispatch_call(cfg.per_rank(quantize, x), ids, w, cfg, n_cap)
   x_rows = cfg.per_rank(lambda rows: cuda_fp8.unpack_rows(rows, hidden_size), d.x_sorted)
-  y, mlp_res = cfg.per_rank(mlp.forward, x_rows, d.group_sizes, w_gate_up, w_down)
+  y, mlp_res = cfg.per_rank(mlp.forward, x_rows, d.group_sizes, blocks)
   out = (y, d.group_sizes, d.slot_pos, d.recv_w, d.stats)
   return out, (x_rows, d.group_sizes, d.slot_pos, ids, mlp_res)
 
@@ -240,7 +242,8 @@ def _dispatch_mlp_fp8_bwd(cfg, n_cap, mlp, res, cts):
   dx_sorted, dw_gate_up, dw_down = cfg.per_rank(mlp.backward, dy_sorted, x_sorted, group_sizes,
                                                 mlp_res)
   dx, dw = dispatch_backward(dx_sorted, d_recv_w, slot_pos, ids, cfg)
-  return dx, None, dw, dw_gate_up, dw_down
+  blocks = cuda_fp8.ExpertWeightBlocks(mlp_res.w_gate_up, mlp_res.w_down)
+  return dx, None, dw, dw_gate_up, dw_down, cuda_fp8.zero_cotangent(blocks)
 
 
 _dispatch_mlp_fp8.defvjp(_dispatch_mlp_fp8_fwd, _dispatch_mlp_fp8_bwd)
@@ -341,8 +344,10 @@ def layer_on_local_ranks(x, ids, w, w_gate_up, w_down, *, workspace, num_experts
   cfg = _config(workspace, num_experts, x, ids)
   _check_inputs(x, ids, w, cfg.lead)
   if plan.fp8_rows:
+    # The weight blocks outside the VJP, named for remat policies (cuda_fp8 module doc).
+    blocks = cfg.per_rank(mlp.quantize_weights, w_gate_up, w_down)
     y_sorted, group_sizes, slot_pos, recv_w, stats = _dispatch_mlp_fp8(
-        x, ids, w, w_gate_up, w_down, cfg, plan.n_cap, mlp)
+        x, ids, w, w_gate_up, w_down, blocks, cfg, plan.n_cap, mlp)
     d = Dispatched(None, group_sizes, slot_pos, recv_w, stats)
   else:
     d = _dispatch(x, ids, w, cfg, plan.n_cap)

@@ -7,6 +7,12 @@ produced: token rows before they are dispatched (they travel in FP8, backends.cu
 once per forward (the backward reads the same blocks transposed), the SwiGLU output (and its
 gradient) fused with the SwiGLU kernels.
 
+Weights under rematerialisation: the layer quantises them outside its custom VJPs and names the
+blocks (jax_megamoe.fp8.QUANTIZED_WEIGHTS_NAME, quantize_expert_weights), so a jax.checkpoint
+policy that saves that name (the models' remat "full" does) keeps them from the first forward:
+the recomputed forward and the backward reuse them, and a rematerialised step quantises each
+weight once, not twice.
+
   quantize_rows(x)            x [N, K] bf16 -> QuantizedRows(q [N, K] e4m3, scale [N, K/128] f32)
   quantize_weights(w)         w [E, K, P] bf16 -> QuantizedWeights(q [E, P, K] e4m3 (transposed,
                               K-major as FP8 wgmma needs), scale [E, K/128, P/128] f32): the
@@ -40,7 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_megamoe import _ffi, varying
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_megamoe import _ffi, fp8, varying
 
 GEMM_TARGET = "megamoe_grouped_gemm_fp8"
 QUANTIZE_ROWS_TARGET = "megamoe_fp8_quantize_rows"
@@ -133,6 +141,39 @@ def dgrad_operand(blocks: QuantizedWeights) -> QuantizedWeights:
   block's scale is its own amax's, whichever way it is read), transposed; bit for bit the same,
   for a byte transpose instead of reading w again."""
   return QuantizedWeights(jnp.swapaxes(blocks.q, 1, 2), jnp.swapaxes(blocks.scale, 1, 2))
+
+
+class ExpertWeightBlocks(NamedTuple):
+  """Both expert weights of a layer in 128x128 blocks (quantize_weights), as the forward's GEMMs
+  read them."""
+  w_gate_up: QuantizedWeights
+  w_down: QuantizedWeights
+
+
+def quantize_expert_weights(w_gate_up, w_down, *, pow2: bool = False) -> ExpertWeightBlocks:
+  """The layer's weight blocks, named fp8.QUANTIZED_WEIGHTS_NAME for remat policies (see the
+  module doc). Not differentiated: the MLP's VJP gives the weights' gradients (stop_gradient
+  here, so the blocks carry none)."""
+  blocks = ExpertWeightBlocks(
+      quantize_weights(jax.lax.stop_gradient(w_gate_up), pow2=pow2),
+      quantize_weights(jax.lax.stop_gradient(w_down), pow2=pow2))
+  return jax.tree.map(_named, blocks)
+
+
+def _named(a: jax.Array) -> jax.Array:
+  """a named fp8.QUANTIZED_WEIGHTS_NAME. e4m3 values go through as their bytes: remat wraps a
+  saved float residual in reduce_precision to its own format, which for float8_e4m3fn (no
+  infinities; 448 at the top exponent) turns every value >= 256 into NaN (measured: JAX 0.10.2,
+  XLA:CPU)."""
+  if a.dtype != jnp.float8_e4m3fn:
+    return checkpoint_name(a, fp8.QUANTIZED_WEIGHTS_NAME)
+  named = checkpoint_name(jax.lax.bitcast_convert_type(a, jnp.uint8), fp8.QUANTIZED_WEIGHTS_NAME)
+  return jax.lax.bitcast_convert_type(named, a.dtype)
+
+
+def zero_cotangent(blocks: ExpertWeightBlocks) -> ExpertWeightBlocks:
+  """The blocks' cotangent in a VJP (they are not differentiated: quantize_expert_weights)."""
+  return jax.tree.map(jnp.zeros_like, blocks)
 
 
 class MlpResiduals(NamedTuple):
@@ -254,16 +295,14 @@ def swiglu_backward_quantize(dh: jax.Array, gate_up: jax.Array, group_sizes: jax
           varying.match_varying_each(WgradOperand(q, scale), *like))
 
 
-def mlp_forward(x_rows: QuantizedRows, group_sizes, w_gate_up, w_down, pow2: bool
+def mlp_forward(x_rows: QuantizedRows, group_sizes, blocks: ExpertWeightBlocks, pow2: bool
                 ) -> tuple[jax.Array, MlpResiduals]:
-  """FP8 forward of the SwiGLU MLP from quantised rows: (y bf16, MlpResiduals). Each weight is
-  quantised once per forward; the backward reuses those blocks."""
-  w_gate_up_q = quantize_weights(w_gate_up, pow2=pow2)
-  w_down_q = quantize_weights(w_down, pow2=pow2)
-  gate_up = grouped_gemm_quantized(x_rows, group_sizes, w_gate_up_q)
+  """FP8 forward of the SwiGLU MLP from quantised rows and weight blocks
+  (quantize_expert_weights): (y bf16, MlpResiduals); the backward reuses the blocks."""
+  gate_up = grouped_gemm_quantized(x_rows, group_sizes, blocks.w_gate_up)
   hidden, hidden_rows = swiglu_quantize(gate_up, group_sizes, pow2=pow2)
-  y = grouped_gemm_quantized(hidden_rows, group_sizes, w_down_q)
-  return y, MlpResiduals(gate_up, hidden, w_gate_up_q, w_down_q)
+  y = grouped_gemm_quantized(hidden_rows, group_sizes, blocks.w_down)
+  return y, MlpResiduals(gate_up, hidden, blocks.w_gate_up, blocks.w_down)
 
 
 def mlp_backward(dy, x, group_sizes, res: MlpResiduals, pow2: bool):
@@ -282,25 +321,31 @@ def mlp_backward(dy, x, group_sizes, res: MlpResiduals, pow2: bool):
 
 
 def grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, pow2: bool = False):
-  """The expert MLP, recipe "fp8" (pow2: "fp8_pow2"): every GEMM in FP8, forward and backward."""
-  return _grouped_mlp(*varying.align_varying(x_sorted, group_sizes, w_gate_up, w_down),
-                      bool(pow2))
+  """The expert MLP, recipe "fp8" (pow2: "fp8_pow2"): every GEMM in FP8, forward and backward.
+  The weights are quantised here, outside its VJP (quantize_expert_weights)."""
+  x_sorted, group_sizes, w_gate_up, w_down = varying.align_varying(x_sorted, group_sizes,
+                                                                  w_gate_up, w_down)
+  blocks = quantize_expert_weights(w_gate_up, w_down, pow2=bool(pow2))
+  return _grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, blocks, bool(pow2))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, pow2):
-  return _grouped_mlp_fwd(x_sorted, group_sizes, w_gate_up, w_down, pow2)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, blocks, pow2):
+  """w_gate_up / w_down take the weights' gradients; the GEMMs read `blocks`."""
+  return _grouped_mlp_fwd(x_sorted, group_sizes, w_gate_up, w_down, blocks, pow2)[0]
 
 
-def _grouped_mlp_fwd(x_sorted, group_sizes, w_gate_up, w_down, pow2):
-  y, res = mlp_forward(quantize_rows(x_sorted, pow2=pow2), group_sizes, w_gate_up, w_down, pow2)
+def _grouped_mlp_fwd(x_sorted, group_sizes, w_gate_up, w_down, blocks, pow2):
+  del w_gate_up, w_down  # their values are in blocks
+  y, res = mlp_forward(quantize_rows(x_sorted, pow2=pow2), group_sizes, blocks, pow2)
   return y, (x_sorted, group_sizes, res)
 
 
 def _grouped_mlp_bwd(pow2, res, dy):
   x, group_sizes, mlp_res = res
   dx, dw_gate_up, dw_down = mlp_backward(dy, x, group_sizes, mlp_res, pow2)
-  return dx, None, dw_gate_up, dw_down
+  blocks = ExpertWeightBlocks(mlp_res.w_gate_up, mlp_res.w_down)
+  return dx, None, dw_gate_up, dw_down, zero_cotangent(blocks)
 
 
 _grouped_mlp.defvjp(_grouped_mlp_fwd, _grouped_mlp_bwd)
@@ -316,9 +361,12 @@ class RowsMlp:
   def __call__(self, x_sorted, group_sizes, w_gate_up, w_down):
     return grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, self.pow2)
 
-  def forward(self, x_rows: QuantizedRows, group_sizes, w_gate_up, w_down
+  def quantize_weights(self, w_gate_up, w_down) -> ExpertWeightBlocks:
+    return quantize_expert_weights(w_gate_up, w_down, pow2=self.pow2)
+
+  def forward(self, x_rows: QuantizedRows, group_sizes, blocks: ExpertWeightBlocks
               ) -> tuple[jax.Array, MlpResiduals]:
-    return mlp_forward(x_rows, group_sizes, w_gate_up, w_down, self.pow2)
+    return mlp_forward(x_rows, group_sizes, blocks, self.pow2)
 
   def backward(self, dy, x_sorted, group_sizes, res: MlpResiduals):
     return mlp_backward(dy, x_sorted, group_sizes, res, self.pow2)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from jax_megamoe import fp8
 from jax_megamoe.module import MoE
 from jax_megamoe.router import update_selection_bias
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
@@ -29,12 +30,18 @@ from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
 __all__ = ["CONFIGS", "FLOAT32_PARAMS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe",
            "Qwen3MoeConfig", "compute_copy", "get_config", "update_selection_biases"]
 
-# --remat names -> what each decoder layer keeps for the backward pass (None: no remat).
+# --remat names -> what each decoder layer keeps for the backward pass (None: no remat). Every
+# policy also keeps the MoE layers' quantised FP8 weights (fp8.QUANTIZED_WEIGHTS_NAME: 1 byte
+# per expert parameter plus scales, nothing in bf16), so the recomputed forward does not
+# quantise them again.
+_FP8_WEIGHTS = jax.checkpoint_policies.save_only_these_names(fp8.QUANTIZED_WEIGHTS_NAME)
 REMAT_POLICIES = {
     "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "full": _FP8_WEIGHTS,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots, _FP8_WEIGHTS),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, _FP8_WEIGHTS),
 }
 
 
