@@ -108,7 +108,9 @@ _FLAGS = (
      "[batch, seq, vocab] logits; 0: full logits; default: full logits when one device's "
      "float32 logits fit 1 GiB, else the largest chunk that does (Qwen3's 152k vocabulary)",
      dict(lower_bound=0)),
-    ("enum", "remat", "none", "rematerialisation policy of every decoder layer",
+    ("enum", "remat", "none",
+     "rematerialisation policy of every decoder layer (each also keeps the MoE layers' FP8 "
+     "weight blocks with --recipe fp8, so a step quantises each weight once)",
      dict(enum_values=sorted(REMAT_POLICIES))),
     ("enum", "attention", "auto",
      "attention kernel: auto (cuDNN flash attention where it runs: GPU, bf16; else xla, "
