@@ -198,6 +198,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   const uint4* ysrc = reinterpret_cast<const uint4*>(y);
   uint4* dyout = reinterpret_cast<uint4*>(dy);
 
+  // Per token: kCombineUnroll vectors of g per lane loaded once per chunk, then for each slot its
+  // y vectors (all in flight together), dy = w * g stored and the slot's partial dot reduced
+  // over the warp; lane j sums slot j's partials in chunk order (deterministic).
   for (int i = warp; i < num_rows; i += num_warps) {
     const int p_j =
         lane < top_k ? slot_pos[static_cast<size_t>(i) * top_k + lane] : kSlotNotRouted;
@@ -207,26 +210,48 @@ __global__ void __launch_bounds__(kCombineThreads)
     if (valid == 0u) continue;
     const int s = i / num_tokens, t = i % num_tokens;
     const uint4* g = pool + PoolSlot(s, t, L.max_tokens) * nvec;
-    for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
-      const int j = __ffs(bits) - 1;
-      const int p = __shfl_sync(0xffffffffu, p_j, j);
-      const float w = __shfl_sync(0xffffffffu, w_j, j);
-      float dot = 0.f;
-      for (int c = lane; c < nvec; c += 32) {
-        float gf[N], yf[N], df[N];
-        Unpack(LoadPeerWritten(g + c), gf, static_cast<const T*>(nullptr));
-        Unpack(__ldg(ysrc + static_cast<size_t>(p) * nvec + c), yf, static_cast<const T*>(nullptr));
+    float dot_j = 0.f;  // lane j: <g, y_sorted[p_j]>
+    for (int c0 = 0; c0 < nvec; c0 += 32 * kCombineUnroll) {
+      uint4 gv[kCombineUnroll];
 #pragma unroll
-        for (int q = 0; q < N; ++q) {
-          df[q] = w * gf[q];
-          dot = fmaf(gf[q], yf[q], dot);
-        }
-        dyout[static_cast<size_t>(p) * nvec + c] = Pack(df, static_cast<const T*>(nullptr));
+      for (int u = 0; u < kCombineUnroll; ++u) {
+        const int c = c0 + u * 32 + lane;
+        if (c < nvec) gv[u] = LoadPeerWritten(g + c);
       }
+      for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
+        const int j = __ffs(bits) - 1;
+        const int p = __shfl_sync(0xffffffffu, p_j, j);
+        const float w = __shfl_sync(0xffffffffu, w_j, j);
+        const uint4* yrow = ysrc + static_cast<size_t>(p) * nvec;
+        uint4* drow = dyout + static_cast<size_t>(p) * nvec;
+        uint4 yv[kCombineUnroll];
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      if (lane == 0) d_weights[static_cast<size_t>(i) * top_k + j] = dot;
+        for (int u = 0; u < kCombineUnroll; ++u) {
+          const int c = c0 + u * 32 + lane;
+          if (c < nvec) yv[u] = __ldg(yrow + c);
+        }
+        float dot = 0.f;
+#pragma unroll
+        for (int u = 0; u < kCombineUnroll; ++u) {
+          const int c = c0 + u * 32 + lane;
+          if (c < nvec) {
+            float gf[N], yf[N], df[N];
+            Unpack(gv[u], gf, static_cast<const T*>(nullptr));
+            Unpack(yv[u], yf, static_cast<const T*>(nullptr));
+#pragma unroll
+            for (int q = 0; q < N; ++q) {
+              df[q] = w * gf[q];
+              dot = fmaf(gf[q], yf[q], dot);
+            }
+            drow[c] = Pack(df, static_cast<const T*>(nullptr));
+          }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        if (lane == j) dot_j += dot;
+      }
     }
+    if (lane < top_k && p_j >= 0) d_weights[static_cast<size_t>(i) * top_k + lane] = dot_j;
   }
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   for (int row = s_total + warp; row < n_cap; row += num_warps) {
