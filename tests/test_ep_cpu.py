@@ -164,3 +164,36 @@ def test_virtual_group_fp8_rows_trace(num_ranks):
   text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd))
   assert "megamoe_ep_dispatch_fwd" in text and "megamoe_ep_dispatch_bwd" in text
   assert "float8_e4m3fn" in text
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+def test_fused_gradient_traces_to_cuda_backward(num_ranks):
+  """Backend fused's backward from the kernel's residuals (its Python side, traced on CPU): one
+  rank reads the kept rows and recomputes nothing; a virtual group recomputes cuda's dispatch and
+  L2 only (never L1 and SwiGLU); both end in cuda's EP backward."""
+  from jax_megamoe import virtual_ranks
+  from jax_megamoe.backends import fused
+  tokens, hidden, ffn, experts, top_k = 32, 256, 128, 8, 2
+  mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+  ws = _fake_workspace(mesh, num_ranks=num_ranks, max_tokens=tokens, hidden=hidden, top_k=top_k,
+                       elem_bytes=2, fused_rows=num_ranks * tokens * top_k,
+                       virtual=num_ranks > 1)
+  x, ids, w, wgu, wd = _problem(tokens * num_ranks, hidden, ffn, experts, top_k, jnp.bfloat16)
+  stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+
+  def loss(x, w, wgu, wd):
+    if num_ranks == 1:
+      plan = cuda_ep.LayerPlan(n_cap=tokens * top_k, check_capacity=False, fp8_rows=False)
+      cfg = fused.FusedConfig(ws, experts, plan, max_ctas=0)
+      y = fused.fused_layer(x, ids, w, wgu, wd, cfg)
+    else:
+      y = virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws)
+    return jnp.sum(y.astype(jnp.float32))
+
+  text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd))
+  assert text.count(fused.TARGET) == 1
+  for target in ("megamoe_ep_combine_bwd", "megamoe_grouped_mlp_bwd", "megamoe_ep_dispatch_bwd"):
+    assert target in text, target
+  assert "megamoe_grouped_mlp_fwd" not in text, "the backward recomputes L1"
+  recomputed = ("megamoe_ep_dispatch_fwd" in text, "megamoe_grouped_gemm" in text)
+  assert recomputed == ((False, False) if num_ranks == 1 else (True, True)), recomputed

@@ -26,8 +26,9 @@ struct FusedRankOperands {
   int32_t* slot_rows;      // [T, k] scratch: each slot's row in this rank's comb (-1: none)
   int32_t* slot_dest;      // [T, k] scratch: each slot's row in its expert rank's pool (-1)
   int32_t* group_sizes;    // [E/R]: pool rows of each local expert (after capacity)
-  // Residuals for the backward, one rank alone (nullptr: none; else all three): the pool rows
-  // in expert order, L1's output before SwiGLU, and L2's output rows (slot (t, j)'s row is
+  // Residuals for the backward (nullptr: not kept). gate_up: L1's output before SwiGLU, any
+  // rank. x_sorted / y_sorted, one rank alone (both or neither): the pool rows in expert order
+  // and L2's output rows, which then replace the workspace's pool and comb (slot (t, j)'s row is
   // slot_dest[t, j] in all of them).
   void* x_sorted;          // [n_cap, H] bf16
   void* gate_up;           // [n_cap, 2F] bf16

@@ -25,9 +25,9 @@
 //   6 results    results_ready[me] = epoch + 1 on every source; wait for every expert rank's
 //   7 combine    y[t] = sum over slots j, in order, of w[t, j] * comb[slot row], fp32
 //
-// Residuals (one rank alone, for the backward; FusedRankOperands): the pool is x_sorted and the
-// comb buffer y_sorted, XLA buffers instead of the workspace's regions (at one rank a slot's
-// comb row is its pool row), and L1 also stores its gate_up.
+// Residuals for the backward (FusedRankOperands): L1 also stores its gate_up; one rank alone
+// can also keep its rows: the pool is then x_sorted and the comb buffer y_sorted, XLA buffers
+// instead of the workspace's regions (at one rank a slot's comb row is its pool row).
 //
 // Safety: the launch is cooperative (every CTA co-resident before any waits); every wait is
 // bounded and reports rank, stage and counters; a rank that timed out writes NaN into y.
@@ -644,7 +644,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     rp.slot_rows = o.slot_rows;
     rp.slot_dest = o.slot_dest;
     rp.group_sizes = o.group_sizes;
-    const bool residuals = o.x_sorted != nullptr;  // one rank alone (the handler checks it)
+    const bool residuals = o.x_sorted != nullptr;  // rows kept: one rank alone (handler checks)
     for (int q = 0; q < R; ++q) rp.pool[q] = o.view->base[q] + L.fpool;
     if (residuals) rp.pool[0] = static_cast<char*>(o.x_sorted);
     rp.comb = residuals ? static_cast<const __nv_bfloat16*>(o.y_sorted)
