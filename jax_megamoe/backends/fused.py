@@ -18,12 +18,12 @@ Backward (until the fused backward exists) runs backend "cuda"'s kernels, from r
   4 B per expert: 1.6 GiB, what backend "cuda" keeps), and the backward is cuda's EP backward
   on one rank: combine's VJP (dy_sorted = w * dy by slot, d topk_weights = <dy, y_sorted>), the
   grouped MLP backward, dispatch's VJP (dx summed over slots). No forward is recomputed.
-- several ranks (EP across GPUs, virtual ranks): the kernel keeps gate_up and h (its pool and
-  comb buffers are symmetric memory the next layer overwrites, and it builds no expert-side slot
-  tables), and the backward recomputes the rest with cuda's kernels: its dispatch (x_sorted,
-  slot_pos, recv_w: the same (expert, source, token) row order as the kernel's pool) and L2's
-  output (h @ W_down, for d topk_weights), then cuda's EP backward. L1 and SwiGLU are not
-  recomputed. (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: what the fused backward will keep.)
+- several ranks (EP across GPUs, virtual ranks): the kernel keeps gate_up, h and y_sorted (L2's
+  rows, a second store of its epilogue) but not the pool (symmetric memory the next layer
+  overwrites) nor expert-side slot tables, so the backward runs cuda's dispatch again (x_sorted,
+  slot_pos, recv_w: the same (expert, source, token) row order as the kernel's pool), then
+  cuda's EP backward. No GEMM is recomputed. (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: what
+  the fused backward will keep.)
 
 What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, no
 recipe. Other layers (and meshes the NVLink kernels cannot serve) run on backend "cuda", the
@@ -139,7 +139,8 @@ class FusedConfig:
 
   @property
   def one_rank(self) -> bool:
-    """One rank alone: the forward also keeps its rows (x_sorted, y_sorted, slot_dest)."""
+    """One rank alone: the forward also keeps its pool rows and slot table (x_sorted,
+    slot_dest)."""
     return self.workspace.num_ranks == 1 and not self.stacked
 
   def ep_config(self) -> cuda_ep.EpConfig:
@@ -150,13 +151,13 @@ class FusedConfig:
 
 class FusedResiduals(NamedTuple):
   """What the forward keeps for the backward (rows in the pool's expert order; with one rank,
-  slot (t, j) of the token-major input is row slot_dest[t, j], -1 for none). The rows
-  (x_sorted, y_sorted, slot_dest) are None with several ranks."""
+  slot (t, j) of the token-major input is row slot_dest[t, j], -1 for none). x_sorted and
+  slot_dest are None with several ranks."""
   gate_up: jax.Array      # [.., n_cap, 2F] L1's output before SwiGLU
   h: jax.Array            # [.., n_cap, F] SwiGLU's output, L2's input
+  y_sorted: jax.Array     # [.., n_cap, H] L2's output rows
   group_sizes: jax.Array  # [.., E/R] int32 pool rows per local expert
   x_sorted: jax.Array | None = None   # [n_cap, H] the dispatched rows
-  y_sorted: jax.Array | None = None   # [n_cap, H] L2's output rows
   slot_dest: jax.Array | None = None  # [T, k] int32
 
 
@@ -166,7 +167,7 @@ PHASES = ("start", "route", "counts exchanged", "slot positions", "rows copied",
 
 def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bool = False):
   """The custom call: (y, stats [.., 4], phase clock [.., len(PHASES)], FusedResiduals or
-  None). residuals: keep them (gate_up and h; the rows too with one rank)."""
+  None). residuals: keep them (the pool rows too with one rank)."""
   lead = (cfg.workspace.num_ranks,) if cfg.stacked else ()
   tokens, hidden = x.shape[-2:]
   top_k = ids.shape[-1]
@@ -184,7 +185,8 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
       jax.ShapeDtypeStruct((*lead, w_gate_up.shape[-3]), jnp.int32),  # group_sizes
       jax.ShapeDtypeStruct((*lead, 4), jnp.int32),
       jax.ShapeDtypeStruct((*lead, len(PHASES)), jnp.int32),
-      kept(rows, n_cap, hidden), kept(residuals, n_cap, 2 * ffn), kept(rows, n_cap, hidden),
+      kept(rows, n_cap, hidden), kept(residuals, n_cap, 2 * ffn),
+      kept(residuals, n_cap, hidden),
   )
   y, h, _, _, slot_dest, group_sizes, stats, phases, x_sorted, gate_up, y_sorted = (
       jax.ffi.ffi_call(TARGET, out_types)(
@@ -193,9 +195,9 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
           max_ctas=np.int64(cfg.max_ctas)))
   kept_res = None
   if residuals:
-    kept_res = FusedResiduals(gate_up, h, group_sizes)
+    kept_res = FusedResiduals(gate_up, h, y_sorted, group_sizes)
     if rows:
-      kept_res = kept_res._replace(x_sorted=x_sorted, y_sorted=y_sorted, slot_dest=slot_dest)
+      kept_res = kept_res._replace(x_sorted=x_sorted, slot_dest=slot_dest)
   return y, stats, phases, kept_res
 
 
@@ -221,14 +223,12 @@ def _fused_layer_bwd(cfg, residuals, dy):
   dy = dy.astype(x.dtype)
   ep = cfg.ep_config()
   if kept.x_sorted is not None:  # one rank: every row kept (slot_dest is dispatch's slot_pos)
-    x_sorted, y_sorted, slot_pos, recv_w = kept.x_sorted, kept.y_sorted, kept.slot_dest, w
-    group_sizes = kept.group_sizes
-  else:  # several ranks: cuda's dispatch lays the rows out as the kernel's pool; L2 again
+    x_sorted, slot_pos, recv_w = kept.x_sorted, kept.slot_dest, w
+  else:  # several ranks: cuda's dispatch lays the rows out as the kernel's pool
     d = cuda_ep.dispatch_rows(x, ids, w, ep, cfg.plan.n_cap)
-    x_sorted, slot_pos, recv_w, group_sizes = d.x_sorted, d.slot_pos, d.recv_w, d.group_sizes
-    y_sorted = ep.per_rank(lambda h, g, wd: cuda_bf16.grouped_gemm(h, g, wd, kind="fprop"),
-                           kept.h, group_sizes, w_down)
-  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, y_sorted, slot_pos, recv_w, ids,
+    x_sorted, slot_pos, recv_w = d.x_sorted, d.slot_pos, d.recv_w
+  group_sizes = kept.group_sizes
+  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, slot_pos, recv_w, ids,
                                                   group_sizes, ep)
   dx_sorted, dwgu, dwd = ep.per_rank(cuda_bf16.backward, dy_sorted, x_sorted, group_sizes,
                                      w_gate_up, w_down, kept.gate_up, kept.h)
