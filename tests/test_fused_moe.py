@@ -3,8 +3,9 @@
 On one GPU: without a mesh, under a one-GPU mesh (shard_map), and at R = 2, 3, 4, 8 ranks
 through virtual ranks (one launch whose CTAs split into R rank groups). Forward within the
 bf16 tolerance of DESIGN.md (1e-2), gradients (the backward runs backend "cuda"'s kernels from
-the kernel's residuals), bitwise run to run; odd token counts, more than one tile per expert, experts of 0
-and 1 rows, skewed and masked routing, capacity overflow raised, an absent rank timing out.
+the kernel's residuals), bitwise run to run; odd token counts, more than one tile per expert,
+experts of 0 and 1 rows, skewed and masked routing, capacity overflow raised, an absent rank
+timing out.
 Outputs land in device memory filled with NaN beforehand. GPU only; skipped (reported as not
 run) elsewhere.
 """
