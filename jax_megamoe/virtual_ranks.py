@@ -152,5 +152,5 @@ def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *,
   if workspace.fused_rows < plan.n_cap:
     raise ValueError(f"workspace {workspace.id} has fused_rows={workspace.fused_rows}, the layer "
                      f"needs {plan.n_cap} pool rows per rank")
-  cfg = fused.FusedConfig(workspace, shape.num_experts, plan, max_ctas, local=False)
+  cfg = fused.FusedConfig(workspace, shape.num_experts, plan, max_ctas)
   return fused.fused_layer(x, topk_ids, topk_weights, w_gu, w_dn, cfg)

@@ -200,3 +200,36 @@ def test_fp8_layer_under_remat_inside_shard_map_quantises_each_weight_once():
     step = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2, 3))
     text = str(jax.make_jaxpr(step)(x, w, wgu, wd))
     assert text.count(cuda_fp8.QUANTIZE_WEIGHTS_TARGET) == quantisations
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+def test_fused_gradient_traces_to_cuda_backward(num_ranks):
+  """Backend fused's backward from the kernel's residuals (its Python side, traced on CPU): one
+  rank reads the kept rows and recomputes nothing; a virtual group runs cuda's dispatch again
+  (the pool rows and slot tables), no GEMM; both end in cuda's EP backward."""
+  from jax_megamoe import virtual_ranks
+  from jax_megamoe.backends import fused
+  tokens, hidden, ffn, experts, top_k = 32, 256, 128, 8, 2
+  mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
+  ws = _fake_workspace(mesh, num_ranks=num_ranks, max_tokens=tokens, hidden=hidden, top_k=top_k,
+                       elem_bytes=2, fused_rows=num_ranks * tokens * top_k,
+                       virtual=num_ranks > 1)
+  x, ids, w, wgu, wd = _problem(tokens * num_ranks, hidden, ffn, experts, top_k, jnp.bfloat16)
+  stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+
+  def loss(x, w, wgu, wd):
+    if num_ranks == 1:
+      plan = cuda_ep.LayerPlan(n_cap=tokens * top_k, check_capacity=False, fp8_rows=False)
+      cfg = fused.FusedConfig(ws, experts, plan, max_ctas=0)
+      y = fused.fused_layer(x, ids, w, wgu, wd, cfg)
+    else:
+      y = virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws)
+    return jnp.sum(y.astype(jnp.float32))
+
+  text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, w, wgu, wd))
+  assert text.count(fused.TARGET) == 1
+  for target in ("megamoe_ep_combine_bwd", "megamoe_grouped_mlp_bwd", "megamoe_ep_dispatch_bwd"):
+    assert target in text, target
+  for gemm in ("megamoe_grouped_mlp_fwd", "megamoe_grouped_gemm"):
+    assert gemm not in text, f"the backward recomputes a GEMM ({gemm})"
+  assert ("megamoe_ep_dispatch_fwd" in text) == (num_ranks > 1)

@@ -138,6 +138,10 @@ struct alignas(128) EngineParams {
   int32_t l1_raw_gate;    // benchmark only: 1 = store the gate half as h (no SwiGLU math)
   int32_t bench_skip_epilogue;  // benchmark only: 1 = compute, store nothing (mainloop rate)
   RowDest l2_dest;        // L2 output rows
+  // Optional second store of every L2 output row, at its group row: l2_copy + (row_begin + r) *
+  // l2_copy_ld (nullptr: none). The fused forward keeps L2's rows there for the backward.
+  __nv_bfloat16* l2_copy = nullptr;
+  int64_t l2_copy_ld = 0;
 };
 
 namespace detail {
@@ -593,6 +597,12 @@ struct Sm90MoeTileEngine {
             for (int k = 0; k < 8; ++k) {
               __nv_bfloat16* d = dest(sl, k);
               if (d != nullptr) detail::st_global_v4(d, v[sl][k]);
+              if (!l1 && d != nullptr && p.l2_copy != nullptr) {  // L2's second store
+                const int r = 64 * wg + rd_row0 + 8 * k;
+                detail::st_global_v4(p.l2_copy + int64_t(job.row_begin + r) * p.l2_copy_ld +
+                                         job.n_block * kBlockN + sl * 128 + rd_chunk * 8,
+                                     v[sl][k]);
+              }
             }
           }
         }

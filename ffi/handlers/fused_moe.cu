@@ -2,9 +2,9 @@
 // kernel is ffi/impls/sm90_fused_moe_fwd.cu. Attributes: workspace_id (int64, a workspace with
 // fused regions), num_experts (global E), n_cap (pool rows per rank), max_ctas (CTAs of the
 // launch: > 0 at most that many, <= 0 every SM but -max_ctas). On a virtual-rank workspace
-// every operand carries a leading axis of one entry per rank. The residual outputs (x_sorted,
-// gate_up, y_sorted) are either all [0] (none kept) or all full-sized, which only a workspace of
-// one rank takes.
+// every operand carries a leading axis of one entry per rank. Residual outputs, each [0] when
+// not kept: gate_up ([n_cap, 2F] per rank) and y_sorted ([n_cap, H] per rank), any workspace;
+// x_sorted ([n_cap, H]), a workspace of one rank only (it replaces the pool region).
 #include <cuda_bf16.h>
 
 #include <string>
@@ -101,33 +101,40 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                     static_cast<int>(max_ctas)};
   if (std::string why = FusedForwardUnsupported(problem, v0.layout, v0.num_ranks); !why.empty())
     return Fail(why);
-  // Residuals: [0] each (none), or x_sorted / y_sorted [n_cap, H] and gate_up [n_cap, 2F] of a
-  // rank alone.
-  const bool residuals = x_sorted->element_count() > 0;
-  if (residuals) {
+  const auto dims = [](const ffi::AnyBuffer& b) {
+    auto d = b.dimensions();
+    return std::vector<int64_t>(d.begin(), d.end());
+  };
+  // gate_up and y_sorted are kept per rank, any workspace; x_sorted by one rank alone.
+  RankOperand ogate, oyrows;
+  const bool keep_gate_up = gate_up->element_count() > 0;
+  if (keep_gate_up) {
+    if (auto e = SplitRanks(*gate_up, ranks, 2, "gate_up", &ogate); e.failure()) return e;
+    if (ogate.dims[0] != n_cap || ogate.dims[1] != 2 * F)
+      return Fail("gate_up must be [n_cap=" + n(n_cap) + ", 2F=" + n(2 * F) + "] per rank");
+  }
+  const bool keep_y_rows = y_sorted->element_count() > 0;
+  if (keep_y_rows) {
+    if (auto e = SplitRanks(*y_sorted, ranks, 2, "y_sorted", &oyrows); e.failure()) return e;
+    if (oyrows.dims[0] != n_cap || oyrows.dims[1] != H)
+      return Fail("y_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) + "] per rank");
+  }
+  const bool keep_x_rows = x_sorted->element_count() > 0;
+  if (keep_x_rows) {
     if (ranks.count != 1 || v0.num_ranks != 1)
-      return Fail("residuals (x_sorted, gate_up, y_sorted) are kept by a workspace of one rank "
-                  "only, this one has " + n(v0.num_ranks));
-    const auto dims = [](const ffi::AnyBuffer& b) {
-      auto d = b.dimensions();
-      return std::vector<int64_t>(d.begin(), d.end());
-    };
-    if (dims(*x_sorted) != std::vector<int64_t>{n_cap, H} ||
-        dims(*y_sorted) != std::vector<int64_t>{n_cap, H} ||
-        dims(*gate_up) != std::vector<int64_t>{n_cap, 2 * F})
-      return Fail("x_sorted and y_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) +
-                  "] and gate_up [n_cap, 2F=" + n(2 * F) + "]");
-  } else if (y_sorted->element_count() != 0 || gate_up->element_count() != 0) {
-    return Fail("x_sorted, gate_up and y_sorted must be all kept or all [0]");
+      return Fail("x_sorted (the pool) is kept by a workspace of one rank only, this one has " +
+                  n(v0.num_ranks));
+    if (dims(*x_sorted) != std::vector<int64_t>{n_cap, H})
+      return Fail("x_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) + "]");
   }
   std::vector<FusedRankOperands> ops;
   for (int r = 0; r < ranks.count; ++r) {
     ops.push_back({ranks.views[r], ox.at(r), oids.at<int32_t>(r), ow.at<float>(r), ogu.at(r),
                    odn.at(r), oy.at(r), oh.at(r), occ.at<int32_t>(r), orows.at<int32_t>(r),
                    odest.at<int32_t>(r), ogs.at<int32_t>(r),
-                   residuals ? x_sorted->untyped_data() : nullptr,
-                   residuals ? gate_up->untyped_data() : nullptr,
-                   residuals ? y_sorted->untyped_data() : nullptr, ost.at<int32_t>(r),
+                   keep_x_rows ? x_sorted->untyped_data() : nullptr,
+                   keep_gate_up ? ogate.at(r) : nullptr,
+                   keep_y_rows ? oyrows.at(r) : nullptr, ost.at<int32_t>(r),
                    oph.at<int32_t>(r)});
   }
   if (std::string err = LaunchFusedForward(ops.data(), static_cast<int>(ops.size()),

@@ -26,9 +26,11 @@ struct FusedRankOperands {
   int32_t* slot_rows;      // [T, k] scratch: each slot's row in this rank's comb (-1: none)
   int32_t* slot_dest;      // [T, k] scratch: each slot's row in its expert rank's pool (-1)
   int32_t* group_sizes;    // [E/R]: pool rows of each local expert (after capacity)
-  // Residuals for the backward, one rank alone (nullptr: none; else all three): the pool rows
-  // in expert order, L1's output before SwiGLU, and L2's output rows (slot (t, j)'s row is
-  // slot_dest[t, j] in all of them).
+  // Residuals for the backward (nullptr: not kept), rows in pool order (slot (t, j)'s row is
+  // slot_dest[t, j] at one rank): gate_up, L1's output before SwiGLU; y_sorted, L2's output
+  // rows (one rank: they replace the comb region, whose rows are the pool's there; several: a
+  // second store in L2's epilogue); x_sorted, the pool rows, one rank alone (they replace the
+  // pool region).
   void* x_sorted;          // [n_cap, H] bf16
   void* gate_up;           // [n_cap, 2F] bf16
   void* y_sorted;          // [n_cap, H] bf16

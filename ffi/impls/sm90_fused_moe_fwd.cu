@@ -25,9 +25,10 @@
 //   6 results    results_ready[me] = epoch + 1 on every source; wait for every expert rank's
 //   7 combine    y[t] = sum over slots j, in order, of w[t, j] * comb[slot row], fp32
 //
-// Residuals (one rank alone, for the backward; FusedRankOperands): the pool is x_sorted and the
-// comb buffer y_sorted, XLA buffers instead of the workspace's regions (at one rank a slot's
-// comb row is its pool row), and L1 also stores its gate_up.
+// Residuals for the backward (FusedRankOperands): L1 also stores its gate_up, and L2's rows go
+// to y_sorted too (one rank alone: y_sorted is the comb buffer, a slot's comb row being its pool
+// row there; several: a second store in L2's epilogue); one rank alone can also keep its pool
+// rows: the pool is then x_sorted. Both XLA buffers instead of the workspace's regions.
 //
 // Safety: the launch is cooperative (every CTA co-resident before any waits); every wait is
 // bounded and reports rank, stage and counters; a rank that timed out writes NaN into y.
@@ -644,12 +645,14 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     rp.slot_rows = o.slot_rows;
     rp.slot_dest = o.slot_dest;
     rp.group_sizes = o.group_sizes;
-    const bool residuals = o.x_sorted != nullptr;  // one rank alone (the handler checks it)
+    // Redirected to XLA buffers (the handler checks that x_sorted comes with one rank alone).
+    const bool pool_is_x_sorted = o.x_sorted != nullptr;
+    const bool comb_is_y_sorted = o.y_sorted != nullptr && R == 1 && count == 1;
     for (int q = 0; q < R; ++q) rp.pool[q] = o.view->base[q] + L.fpool;
-    if (residuals) rp.pool[0] = static_cast<char*>(o.x_sorted);
-    rp.comb = residuals ? static_cast<const __nv_bfloat16*>(o.y_sorted)
-                        : reinterpret_cast<const __nv_bfloat16*>(o.view->base[o.view->rank] +
-                                                                 L.fcomb);
+    if (pool_is_x_sorted) rp.pool[0] = static_cast<char*>(o.x_sorted);
+    rp.comb = comb_is_y_sorted ? static_cast<const __nv_bfloat16*>(o.y_sorted)
+                               : reinterpret_cast<const __nv_bfloat16*>(o.view->base[o.view->rank] +
+                                                                        L.fcomb);
     rp.stats = o.stats;
     rp.phases = o.phases;
     EngineParams& ep_ = rp.engine;
@@ -658,7 +661,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     std::string err;
     // Pool rows are packed with this call's H (the region holds fused_rows x layout.hidden).
     if (!(err = MakeRowMajorTensorMap(&l1.a_map, rp.pool[o.view->rank],
-                                      residuals ? p.n_cap : L.fused_rows, H, H, 64, 128))
+                                      pool_is_x_sorted ? p.n_cap : L.fused_rows, H, H, 64, 128))
              .empty() ||
         !(err = MakeRowMajorTensorMap(&l1.b_map, o.w_gate_up, El * H, 2 * F, 2 * F, 64, 64))
              .empty() ||
@@ -675,9 +678,12 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     ep_.f = static_cast<int32_t>(F);
     for (int q = 0; q < kMaxRanks; ++q) ep_.l2_dest.base[q] = o.view->base[q];
     ep_.l2_dest.comb_offset = L.fcomb;
-    if (residuals) {
+    if (comb_is_y_sorted) {
       ep_.l2_dest.base[0] = static_cast<char*>(o.y_sorted);
       ep_.l2_dest.comb_offset = 0;
+    } else if (o.y_sorted != nullptr) {
+      ep_.l2_copy = static_cast<__nv_bfloat16*>(o.y_sorted);
+      ep_.l2_copy_ld = H;
     }
     ep_.l2_dest.num_ranks = R;
     ep_.l2_dest.hidden = static_cast<int32_t>(H);

@@ -150,6 +150,12 @@ def _combine_bwd_call(d_out, y_sorted, slot_pos, recv_w, ids, group_sizes, cfg: 
       d_out, y_sorted, slot_pos, recv_w, ids, group_sizes, **cfg.attrs())
 
 
+def dispatch_rows(x, ids, w, cfg: EpConfig, n_cap: int) -> Dispatched:
+  """Dispatch on the kernels, not differentiated (per device): the rows, their layout and the
+  received weights (a backward that needs them again)."""
+  return _dispatch_call(x, ids, w, cfg, n_cap)
+
+
 def combine_backward(d_out, y_sorted, slot_pos, recv_w, ids, group_sizes, cfg: EpConfig):
   """Combine's VJP on the kernels (per device): (dy_sorted = w * d_out by slot, d recv_w =
   <d_out, y_sorted> by slot), for rows laid out as dispatch lays them out (slot_pos)."""

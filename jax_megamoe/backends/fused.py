@@ -18,9 +18,12 @@ Backward (until the fused backward exists) runs backend "cuda"'s kernels, from r
   4 B per expert: 1.6 GiB, what backend "cuda" keeps), and the backward is cuda's EP backward
   on one rank: combine's VJP (dy_sorted = w * dy by slot, d topk_weights = <dy, y_sorted>), the
   grouped MLP backward, dispatch's VJP (dx summed over slots). No forward is recomputed.
-- several ranks (EP across GPUs, virtual ranks): the residuals are the layer's inputs alone (0
-  bytes beyond them: the expert rank's per-slot tables that cuda's backward reads are not built
-  by the kernel yet), and the backward runs cuda's forward again, then its backward.
+- several ranks (EP across GPUs, virtual ranks): the kernel keeps gate_up, h and y_sorted (L2's
+  rows, a second store of its epilogue) but not the pool (symmetric memory the next layer
+  overwrites) nor expert-side slot tables, so the backward runs cuda's dispatch again (x_sorted,
+  slot_pos, recv_w: the same (expert, source, token) row order as the kernel's pool), then
+  cuda's EP backward. No GEMM is recomputed. (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: what
+  the fused backward will keep.)
 
 What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, no
 recipe. Other layers (and meshes the NVLink kernels cannot serve) run on backend "cuda", the
@@ -44,7 +47,6 @@ from jax.sharding import Mesh
 
 from jax_megamoe import _ffi, parallel, symmetric, varying
 from jax_megamoe.backends import cuda, cuda_bf16, cuda_ep
-from jax_megamoe.backends.local import local_moe
 from jax_megamoe.validation import LayerShape
 
 NAME = "fused"
@@ -130,15 +132,15 @@ class FusedConfig:
   num_experts: int
   plan: cuda_ep.LayerPlan  # n_cap, check_capacity (the backward's cuda path uses it too)
   max_ctas: int
-  local: bool  # every expert on this device (no mesh): the backward's cuda path is local_moe
 
   @property
   def stacked(self) -> bool:
     return self.workspace.virtual
 
   @property
-  def keeps_residuals(self) -> bool:
-    """The forward keeps FusedResiduals (one rank alone); else the backward recomputes it."""
+  def one_rank(self) -> bool:
+    """One rank alone: the forward also keeps its pool rows and slot table (x_sorted,
+    slot_dest)."""
     return self.workspace.num_ranks == 1 and not self.stacked
 
   def ep_config(self) -> cuda_ep.EpConfig:
@@ -148,14 +150,15 @@ class FusedConfig:
 
 
 class FusedResiduals(NamedTuple):
-  """What the forward keeps for the backward on one rank (rows in the pool's expert order;
-  slot (t, j) of the token-major input is row slot_dest[t, j], -1 for none)."""
-  x_sorted: jax.Array     # [n_cap, H] the dispatched rows
-  gate_up: jax.Array      # [n_cap, 2F] L1's output before SwiGLU
-  h: jax.Array            # [n_cap, F] SwiGLU's output, L2's input
-  y_sorted: jax.Array     # [n_cap, H] L2's output rows
-  slot_dest: jax.Array    # [T, k] int32
-  group_sizes: jax.Array  # [E] int32 pool rows per expert
+  """What the forward keeps for the backward (rows in the pool's expert order; with one rank,
+  slot (t, j) of the token-major input is row slot_dest[t, j], -1 for none). x_sorted and
+  slot_dest are None with several ranks."""
+  gate_up: jax.Array      # [.., n_cap, 2F] L1's output before SwiGLU
+  h: jax.Array            # [.., n_cap, F] SwiGLU's output, L2's input
+  y_sorted: jax.Array     # [.., n_cap, H] L2's output rows
+  group_sizes: jax.Array  # [.., E/R] int32 pool rows per local expert
+  x_sorted: jax.Array | None = None   # [n_cap, H] the dispatched rows
+  slot_dest: jax.Array | None = None  # [T, k] int32
 
 
 PHASES = ("start", "route", "counts exchanged", "slot positions", "rows copied",
@@ -164,14 +167,15 @@ PHASES = ("start", "route", "counts exchanged", "slot positions", "rows copied",
 
 def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bool = False):
   """The custom call: (y, stats [.., 4], phase clock [.., len(PHASES)], FusedResiduals or
-  None)."""
+  None). residuals: keep them (the pool rows too with one rank)."""
   lead = (cfg.workspace.num_ranks,) if cfg.stacked else ()
   tokens, hidden = x.shape[-2:]
   top_k = ids.shape[-1]
   ffn = w_down.shape[-2]
   n_cap = cfg.plan.n_cap
   n_chunks = -(-tokens // CHUNK)
-  kept = lambda *shape: jax.ShapeDtypeStruct((*lead, *shape) if residuals else (0,), x.dtype)
+  kept = lambda keep, *shape: jax.ShapeDtypeStruct((*lead, *shape) if keep else (0,), x.dtype)
+  rows = residuals and cfg.one_rank
   out_types = (
       jax.ShapeDtypeStruct((*lead, tokens, hidden), x.dtype),
       jax.ShapeDtypeStruct((*lead, n_cap, ffn), x.dtype),  # h
@@ -181,25 +185,20 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
       jax.ShapeDtypeStruct((*lead, w_gate_up.shape[-3]), jnp.int32),  # group_sizes
       jax.ShapeDtypeStruct((*lead, 4), jnp.int32),
       jax.ShapeDtypeStruct((*lead, len(PHASES)), jnp.int32),
-      kept(n_cap, hidden), kept(n_cap, 2 * ffn), kept(n_cap, hidden),
+      kept(rows, n_cap, hidden), kept(residuals, n_cap, 2 * ffn),
+      kept(residuals, n_cap, hidden),
   )
   y, h, _, _, slot_dest, group_sizes, stats, phases, x_sorted, gate_up, y_sorted = (
       jax.ffi.ffi_call(TARGET, out_types)(
           x, ids, w, w_gate_up, w_down, workspace_id=np.int64(cfg.workspace.id),
           num_experts=np.int64(cfg.num_experts), n_cap=np.int64(n_cap),
           max_ctas=np.int64(cfg.max_ctas)))
-  kept_res = (FusedResiduals(x_sorted, gate_up, h, y_sorted, slot_dest, group_sizes)
-              if residuals else None)
+  kept_res = None
+  if residuals:
+    kept_res = FusedResiduals(gate_up, h, y_sorted, group_sizes)
+    if rows:
+      kept_res = kept_res._replace(x_sorted=x_sorted, slot_dest=slot_dest)
   return y, stats, phases, kept_res
-
-
-def _cuda_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
-  """The same function on backend "cuda"'s kernels (the backward's path)."""
-  if cfg.local:
-    return local_moe(x, ids, w, w_gate_up, w_down, mlp=cuda_bf16.grouped_mlp)
-  return cuda_ep.layer_on_local_ranks(x, ids, w, w_gate_up, w_down, workspace=cfg.workspace,
-                                      num_experts=cfg.num_experts, mlp=cuda_bf16.grouped_mlp,
-                                      plan=cfg.plan)
 
 
 def _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals: bool):
@@ -215,25 +214,25 @@ def _fused_layer(x, ids, w, w_gate_up, w_down, cfg):
 
 
 def _fused_layer_fwd(x, ids, w, w_gate_up, w_down, cfg):
-  y, kept = _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals=cfg.keeps_residuals)
+  y, kept = _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals=True)
   return y, (x, ids, w, w_gate_up, w_down, kept)
 
 
 def _fused_layer_bwd(cfg, residuals, dy):
   x, ids, w, w_gate_up, w_down, kept = residuals
   dy = dy.astype(x.dtype)
-  if kept is None:  # several ranks: cuda's forward again, then its backward
-    layer = lambda x, w, wgu, wd: _cuda_layer(x, ids, w, wgu, wd, cfg)
-    _, vjp = jax.vjp(layer, x, w, w_gate_up, w_down)
-    dx, dw, dwgu, dwd = vjp(dy)
-    return dx, None, dw, dwgu, dwd
-  # One rank: cuda's EP backward from the kept rows (slot_dest is dispatch's slot_pos there).
   ep = cfg.ep_config()
-  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, kept.slot_dest, w, ids,
-                                                  kept.group_sizes, ep)
-  dx_sorted, dwgu, dwd = cuda_bf16.backward(dy_sorted, kept.x_sorted, kept.group_sizes,
-                                            w_gate_up, w_down, kept.gate_up, kept.h)
-  dx, dw = cuda_ep.dispatch_backward(dx_sorted, d_w_slots, kept.slot_dest, ids, ep)
+  if kept.x_sorted is not None:  # one rank: every row kept (slot_dest is dispatch's slot_pos)
+    x_sorted, slot_pos, recv_w = kept.x_sorted, kept.slot_dest, w
+  else:  # several ranks: cuda's dispatch lays the rows out as the kernel's pool
+    d = cuda_ep.dispatch_rows(x, ids, w, ep, cfg.plan.n_cap)
+    x_sorted, slot_pos, recv_w = d.x_sorted, d.slot_pos, d.recv_w
+  group_sizes = kept.group_sizes
+  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, slot_pos, recv_w, ids,
+                                                  group_sizes, ep)
+  dx_sorted, dwgu, dwd = ep.per_rank(cuda_bf16.backward, dy_sorted, x_sorted, group_sizes,
+                                     w_gate_up, w_down, kept.gate_up, kept.h)
+  dx, dw = cuda_ep.dispatch_backward(dx_sorted, d_w_slots, slot_pos, ids, ep)
   return dx, None, dw, dwgu, dwd
 
 
@@ -257,7 +256,7 @@ def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
     raise ValueError(f"the fused kernel cannot take this layer: {reason}")
   plan = cuda_ep.LayerPlan.of(shape, cuda_bf16.grouped_mlp)
   cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
-                    max_ctas(False), local=True)
+                    max_ctas(False))
   y, _, phases, _ = _fused_call(x, topk_ids.astype(jnp.int32),
                                 topk_weights.astype(jnp.float32), w_gate_up, w_down, cfg)
   return y, phases
@@ -285,7 +284,7 @@ def moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, reci
   if mesh is None:
     plan = cuda_ep.LayerPlan.of(shape, cuda_bf16.grouped_mlp)
     cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
-                      max_ctas(False), local=True)
+                      max_ctas(False))
     return fused_layer(*args, cfg)
   if cuda_ep.unavailable_reason(mesh, expert_axis, shape) is not None:
     return fallback()
@@ -293,8 +292,7 @@ def moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, reci
   workspace = symmetric.workspace_for(mesh, expert_axis, max_tokens=shape.tokens_per_device,
                                       hidden=shape.hidden, top_k=shape.top_k, dtype=shape.dtype,
                                       fused_rows=plan.n_cap)
-  cfg = FusedConfig(workspace, shape.num_experts, plan, max_ctas(shape.ep_size > 1),
-                    local=False)
+  cfg = FusedConfig(workspace, shape.num_experts, plan, max_ctas(shape.ep_size > 1))
   args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
   return parallel.shard_over_mesh(functools.partial(fused_layer, cfg=cfg), mesh, expert_axis,
                                   args, check_vma=False)
