@@ -128,7 +128,7 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
     fp8_wgrad = jax.jit(fp8k.grouped_wgrad_quantized)
     fp8_bwd = jax.jit(fp8k.mlp_backward, static_argnums=4)
     # The backward's weights are the forward's blocks (MlpResiduals), read transposed.
-    fp8_res = fp8k.MlpResiduals(gate_up, hidden, wgu_q, wd_q)
+    fp8_res = fp8k.MlpResiduals(gate_up, hidden, blocks)
     dgrad_operand = jax.jit(fp8k.dgrad_operand)
     cases["fp8 L2 dgrad GEMM"] = (lambda: fp8_gemm(dy_q, gs, wd_dq), 2 * n * h * f)
     cases["fp8 L1 dgrad GEMM"] = (lambda: fp8_gemm(dgu_q, gs, wgu_dq), 2 * n * 2 * f * h)

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import problem  # noqa: E402
 import jax_megamoe  # noqa: E402
-from benchmarks import trace_events  # noqa: E402
+from benchmarks import step_breakdown, trace_events  # noqa: E402
 from jax_megamoe.backends import fused  # noqa: E402
 
 
@@ -60,13 +60,8 @@ def call_overhead(fn, args, reps: int) -> dict:
   kernels = collections.defaultdict(float)
   for e in events:
     kernels[e.name] += e.duration_ns / reps * 1e-6
-  spans = sorted((e.start_ns, e.end_ns) for e in events)
-  busy, end = 0.0, float("-inf")
-  for s0, s1 in spans:
-    if s1 > end:
-      busy += s1 - max(s0, end)
-      end = s1
-  window = spans[-1][1] - spans[0][0] if spans else 0.0
+  busy = step_breakdown.busy_ns(events)
+  window = (max(e.end_ns for e in events) - min(e.start_ns for e in events)) if events else 0.0
   return {"alone_ms": statistics.median(alone), "queued_ms": queued,
           "gpu_busy_ms": busy / reps * 1e-6, "gpu_idle_ms": (window - busy) / reps * 1e-6,
           "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}

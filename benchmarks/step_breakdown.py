@@ -112,7 +112,8 @@ def _self_times(events: list[DeviceEvent]) -> list[float]:
   return [max(t, 0.0) for t in own]
 
 
-def _busy_ns(events: list[DeviceEvent]) -> float:
+def busy_ns(events: list[DeviceEvent]) -> float:
+  """The time at least one of `events` runs (the union of their intervals)."""
   busy, end = 0.0, None
   for e in sorted(events, key=lambda e: e.start_ns):
     if end is None or e.start_ns > end:
@@ -143,7 +144,7 @@ def _device_totals(events: list[DeviceEvent], info: HloModuleInfo | None) -> dic
     kernel["ns"] += own
     kernel["count"] += 1
   window = max(e.end_ns for e in events) - min(e.start_ns for e in events)
-  return dict(rows=totals, kernels=kernels, window_ns=window, busy_ns=_busy_ns(events),
+  return dict(rows=totals, kernels=kernels, window_ns=window, busy_ns=busy_ns(events),
               matched_ns=matched_ns)
 
 

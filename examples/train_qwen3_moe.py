@@ -100,8 +100,9 @@ _FLAGS = (
     ("float", "clip_norm", 1.0, "global gradient norm clip", {}),
     ("float", "aux_loss_coef", None,
      "load-balancing loss weight (default: the config's: 1e-1 for the published configs "
-     "trained from scratch, which 1e-3 lets collapse onto one expert per layer; a "
-     "--init-from checkpoint's config.json value, 1e-3 for Qwen3; tiny 1e-2)", {}),
+     "trained from scratch, where 1e-3 lets a layer collapse onto one expert for good (1e-1 "
+     "pulls it back within ~60 steps); a --init-from checkpoint's config.json value, 1e-3 "
+     "for Qwen3; tiny 1e-2)", {}),
     ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
     ("integer", "ce_chunk", None,
      "compute the cross-entropy this many positions at a time, never holding the full "

@@ -248,8 +248,7 @@ def _dispatch_mlp_fp8_bwd(cfg, n_cap, mlp, res, cts):
   dx_sorted, dw_gate_up, dw_down = cfg.per_rank(mlp.backward, dy_sorted, x_sorted, group_sizes,
                                                 mlp_res)
   dx, dw = dispatch_backward(dx_sorted, d_recv_w, slot_pos, ids, cfg)
-  blocks = cuda_fp8.ExpertWeightBlocks(mlp_res.w_gate_up, mlp_res.w_down)
-  return dx, None, dw, dw_gate_up, dw_down, cuda_fp8.zero_cotangent(blocks)
+  return dx, None, dw, dw_gate_up, dw_down, cuda_fp8.zero_cotangent(mlp_res.blocks)
 
 
 _dispatch_mlp_fp8.defvjp(_dispatch_mlp_fp8_fwd, _dispatch_mlp_fp8_bwd)

@@ -182,8 +182,7 @@ class MlpResiduals(NamedTuple):
   dgrad_operand), so the backward neither holds the bf16 weights nor quantises them again."""
   gate_up: jax.Array
   hidden: jax.Array
-  w_gate_up: QuantizedWeights
-  w_down: QuantizedWeights
+  blocks: ExpertWeightBlocks
 
 
 def quantize_wgrad_operand(x: jax.Array, group_sizes: jax.Array, *, pow2: bool = False,
@@ -302,7 +301,7 @@ def mlp_forward(x_rows: QuantizedRows, group_sizes, blocks: ExpertWeightBlocks, 
   gate_up = grouped_gemm_quantized(x_rows, group_sizes, blocks.w_gate_up)
   hidden, hidden_rows = swiglu_quantize(gate_up, group_sizes, pow2=pow2)
   y = grouped_gemm_quantized(hidden_rows, group_sizes, blocks.w_down)
-  return y, MlpResiduals(gate_up, hidden, blocks.w_gate_up, blocks.w_down)
+  return y, MlpResiduals(gate_up, hidden, blocks)
 
 
 def mlp_backward(dy, x, group_sizes, res: MlpResiduals, pow2: bool):
@@ -312,9 +311,9 @@ def mlp_backward(dy, x, group_sizes, res: MlpResiduals, pow2: bool):
   are the forward's blocks, transposed."""
   wgrad_operand = functools.partial(quantize_wgrad_operand, group_sizes=group_sizes, pow2=pow2)
   dy_rows, dy_op = wgrad_operand(dy.astype(jnp.bfloat16), with_rows=True)
-  dh = grouped_gemm_quantized(dy_rows, group_sizes, dgrad_operand(res.w_down))
+  dh = grouped_gemm_quantized(dy_rows, group_sizes, dgrad_operand(res.blocks.w_down))
   dgate_up_rows, dgate_up_op = swiglu_backward_quantize(dh, res.gate_up, group_sizes, pow2=pow2)
-  dx = grouped_gemm_quantized(dgate_up_rows, group_sizes, dgrad_operand(res.w_gate_up))
+  dx = grouped_gemm_quantized(dgate_up_rows, group_sizes, dgrad_operand(res.blocks.w_gate_up))
   dw_down = grouped_wgrad_quantized(wgrad_operand(res.hidden), group_sizes, dy_op)
   dw_gate_up = grouped_wgrad_quantized(wgrad_operand(x), group_sizes, dgate_up_op)
   return dx, dw_gate_up, dw_down
@@ -344,8 +343,7 @@ def _grouped_mlp_fwd(x_sorted, group_sizes, w_gate_up, w_down, blocks, pow2):
 def _grouped_mlp_bwd(pow2, res, dy):
   x, group_sizes, mlp_res = res
   dx, dw_gate_up, dw_down = mlp_backward(dy, x, group_sizes, mlp_res, pow2)
-  blocks = ExpertWeightBlocks(mlp_res.w_gate_up, mlp_res.w_down)
-  return dx, None, dw_gate_up, dw_down, zero_cotangent(blocks)
+  return dx, None, dw_gate_up, dw_down, zero_cotangent(mlp_res.blocks)
 
 
 _grouped_mlp.defvjp(_grouped_mlp_fwd, _grouped_mlp_bwd)

@@ -275,8 +275,10 @@ class _HfFields:
 # loaded with --init-from keeps its config.json's value). Trained from scratch on the example's
 # byte corpus, 1e-3 (and 1e-2) let every token's normed hidden state become nearly one shared
 # vector within 20-40 steps, whose router logits then put the same expert in every token's top
-# 8 (imbalance 16 of 16); 1e-1 holds the routing where it was at initialisation
-# (benchmarks/ROUTING_COLLAPSE_NOTES.md; CPU-sized measurements, tests/test_routing_balance.py).
+# 8 (imbalance 16 of 16); at CPU widths 1e-1 holds the routing where it was at initialisation
+# (benchmarks/ROUTING_COLLAPSE_NOTES.md, tests/test_routing_balance.py). At the published width
+# on an H200 it does not hold it through steps 20-50 (16 -> 14.4) but pulls it back by step 60
+# (7.7, where 1e-3 stays at 16), at the same loss: better than 1e-3, not a fix.
 ROUTER_AUX_LOSS_COEF_FROM_SCRATCH = 1e-1
 CONFIGS: dict[str, Qwen3MoeConfig] = {
     # CPU-sized: trains visibly in a few minutes on two cores with the byte tokenizer. A
