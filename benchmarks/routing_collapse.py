@@ -55,6 +55,8 @@ def parse_args(argv=None):
   p.add_argument("--router-lr-mult", type=float, default=1.0)
   p.add_argument("--bias-rate", type=float, default=None,
                  help="selection-bias update rate (default: the config's)")
+  p.add_argument("--bias-rule", choices=("sign", "proportional"), default=None,
+                 help="selection-bias update rule (default: the config's)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--backend", default="reference", help="MoE backend (cuda on a GPU)")
   p.add_argument("--attention", default=None, choices=(None, "xla", "cudnn"))
@@ -76,6 +78,8 @@ def build(args):
                    moe_ffn_size=args.moe_ffn, vocab_size=args.vocab)
   if args.bias_rate is not None:
     overrides["router_bias_update_rate"] = args.bias_rate
+  if args.bias_rule is not None:
+    overrides["router_bias_update_rule"] = args.bias_rule
   config = get_config(args.config, **overrides)
   model = Qwen3Moe(config, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype),
                    backend=args.backend, attention=args.attention)
@@ -201,7 +205,8 @@ def main(argv=None):
       updates = jax.tree_util.tree_map_with_path(
           lambda p, u: u * args.router_lr_mult if is_router(p) else u, updates)
     params = optax.apply_updates(params, updates)
-    params = update_selection_biases(params, metrics["expert_load"], rate)
+    params = update_selection_biases(params, metrics["expert_load"], rate,
+                                     config.router_bias_update_rule)
     metrics["grad_norm"] = optax.global_norm(grads)
     return params, opt_state, metrics
 

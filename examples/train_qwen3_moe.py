@@ -103,6 +103,12 @@ _FLAGS = (
      "trained from scratch, where 1e-3 lets a layer collapse onto one expert for good (1e-1 "
      "pulls it back within ~60 steps); a --init-from checkpoint's config.json value, 1e-3 "
      "for Qwen3; tiny 1e-2)", {}),
+    ("float", "router_bias_rate", None,
+     "auxiliary-loss-free balancing: the per-expert selection bias's update rate "
+     "(Qwen3MoeConfig.router_bias_update_rate; default: the config's, 0 = off)", {}),
+    ("enum", "router_bias_rule", None,
+     "how that update is sized (Qwen3MoeConfig.router_bias_update_rule; default: the "
+     "config's, sign)", dict(enum_values=["sign", "proportional"])),
     ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
     ("integer", "ce_chunk", None,
      "compute the cross-entropy this many positions at a time, never holding the full "
@@ -144,6 +150,7 @@ FLAG_NAMES = tuple(spec[1] for spec in _FLAGS)
 # Float flags that absl would take as NaN or Inf: (name, smallest value, inclusive?).
 _FINITE_FLAGS = (("lr", 0.0, True), ("min_lr_ratio", 0.0, True), ("weight_decay", 0.0, True),
                  ("clip_norm", 0.0, False), ("aux_loss_coef", 0.0, True),
+                 ("router_bias_rate", 0.0, True),
                  ("z_loss_coef", 0.0, True), ("peak_tflops", 0.0, False))
 
 
@@ -366,8 +373,9 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
     loss = ce + aux_coef * balance + z_coef * z
     return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load)
 
-  def bias_rate(params):
-    return nnx.merge(graphdef, params).config.router_bias_update_rate
+  def bias_update(params):
+    config = nnx.merge(graphdef, params).config
+    return config.router_bias_update_rate, config.router_bias_update_rule
 
   def train_step(state: TrainState, inputs, targets):
     params, opt_state, compute = state
@@ -385,7 +393,7 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
       # Auxiliary-loss-free balancing (Qwen3MoeConfig.router_bias_update_rate > 0 only; no
       # gradient reaches the selection biases, this moves them): a no-op without them.
       new_params = update_selection_biases(new_params, metrics["expert_load"],
-                                           bias_rate(params))
+                                           *bias_update(params))
       new_params = jax.tree.map(keep, new_params, params)
       # From the kept master, in the copy's dtypes: after a bad step, the copy it was given.
       new_compute = None if compute is None else jax.tree.map(
@@ -513,6 +521,10 @@ def train(args: types.SimpleNamespace) -> dict:
   config = (read_hf_config(args.init_from) if args.init_from else get_config(args.config))
   if args.num_layers is not None:
     config = config.replace(num_layers=args.num_layers)
+  if args.router_bias_rate is not None:
+    config = config.replace(router_bias_update_rate=args.router_bias_rate)
+  if args.router_bias_rule is not None:
+    config = config.replace(router_bias_update_rule=args.router_bias_rule)
   mesh = make_mesh(args.mesh, config.num_experts)
   if args.batch % mesh.size:
     raise RunError(f"--batch {args.batch} must divide evenly over the {mesh.size} devices "

@@ -76,12 +76,30 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
   return topk_weights, topk_ids, RouterAux(load_balancing_loss, z_loss, expert_load)
 
 
-def update_selection_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
-  """One step of DeepSeek-V3's auxiliary-loss-free load balancing (arXiv:2412.19437, sec.
-  2.1.2): every expert whose share of the routed slots is above the mean (1/E) has its
-  selection bias lowered by `rate`, every one below it raised by `rate`:
-  bias + rate * sign(1/E - expert_load). bias, expert_load: [..., E] (expert_load as
-  RouterAux.expert_load, rows summing to one). Returns float32."""
+SELECTION_BIAS_RULES = ("sign", "proportional")
+
+
+def update_selection_bias(bias: jax.Array, expert_load: jax.Array, rate: float,
+                          rule: str = "sign") -> jax.Array:
+  """One step of auxiliary-loss-free load balancing on the selection bias.
+
+  rule "sign": DeepSeek-V3's (arXiv:2412.19437, sec. 2.1.2): every expert whose share of the
+  routed slots is above the mean (1/E) has its bias lowered by `rate`, every one below it
+  raised by `rate`: bias + rate * sign(1/E - expert_load).
+  rule "proportional": the step is the expert's relative deficit, bias + rate * (1 - E *
+  expert_load): +rate for an idle expert, -rate * (E / k - 1) for one in every token's top k.
+  A fixed step cannot follow a router whose shared logit profile grows faster than `rate` per
+  step (the collapse of benchmarks/ROUTING_COLLAPSE_NOTES.md); this one moves an expert as far as
+  it is off balance.
+
+  bias, expert_load: [..., E] (expert_load as RouterAux.expert_load, rows summing to one).
+  Returns float32."""
+  if rule not in SELECTION_BIAS_RULES:
+    raise ValueError(f"rule must be one of {SELECTION_BIAS_RULES}, got {rule!r}")
   load = expert_load.astype(jnp.float32)
-  mean = 1.0 / load.shape[-1]
-  return bias.astype(jnp.float32) + rate * jnp.sign(mean - load)
+  num_experts = load.shape[-1]
+  if rule == "sign":
+    step = jnp.sign(1.0 / num_experts - load)
+  else:
+    step = 1.0 - num_experts * load
+  return bias.astype(jnp.float32) + rate * step

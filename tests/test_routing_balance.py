@@ -14,6 +14,7 @@ import os
 import sys
 import types
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,6 +115,20 @@ def test_update_selection_bias_is_deepseek_v3s_sign_rule():
                              [0.9, 1.0, 1.0, 1.1], rtol=1e-6)
 
 
+def test_update_selection_bias_proportional_rule_steps_by_the_relative_deficit():
+  load = jnp.array([0.5, 0.25, 0.25, 0.0])  # E * load: 2, 1, 1, 0
+  np.testing.assert_allclose(update_selection_bias(jnp.ones(4), load, 0.1, "proportional"),
+                             [0.9, 1.0, 1.0, 1.1], rtol=1e-6)
+  collapsed = jnp.zeros(128).at[5].set(1 / 8)  # expert 5 in every token's top 8
+  step = update_selection_bias(jnp.zeros(128), collapsed, 0.01, "proportional")
+  np.testing.assert_allclose(step[5], -0.15, rtol=1e-6)  # -rate * (E / k - 1)
+  np.testing.assert_allclose(step[0], 0.01, rtol=1e-6)   # an idle expert: +rate
+  with pytest.raises(ValueError, match="rule must be one of.*'linear'"):
+    update_selection_bias(jnp.ones(4), load, 0.1, "linear")
+  with pytest.raises(ValueError, match="router_bias_update_rule must be one of.*'linear'"):
+    get_config("tiny", router_bias_update_rule="linear")
+
+
 def test_model_selection_biases_start_at_zero_and_follow_each_layers_load():
   base = get_config("tiny", num_layers=3, mlp_only_layers=(1,))  # MoE layers 0 and 2
   plain = Qwen3Moe(base, rngs=nnx.Rngs(0), dtype=jnp.float32)
@@ -151,3 +166,32 @@ def test_example_train_step_moves_the_selection_biases():
     np.testing.assert_allclose(
         layer.mlp.selection_bias[...],
         0.01 * np.sign(1 / 8 - np.asarray(metrics["expert_load"][row])), rtol=1e-6)
+
+
+def test_example_train_step_follows_the_configs_bias_rule():
+  config = get_config("tiny", router_bias_update_rate=0.01,
+                      router_bias_update_rule="proportional")
+  model = Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx, _ = example.make_optimizer(types.SimpleNamespace(
+      lr=1e-3, steps=10, warmup_steps=None, min_lr_ratio=0.1, weight_decay=0.1, clip_norm=1.0))
+  step = jax.jit(example.make_train_step(graphdef, tx, 1e-2, 1e-3, 0))
+  ids = jax.random.randint(jax.random.key(0), (2, 32), 0, config.vocab_size)
+  state, metrics = step(example.TrainState(params, tx.init(params)), ids, ids)
+  new = nnx.merge(graphdef, state.params)
+  for row, layer in enumerate(new.layers):
+    np.testing.assert_allclose(
+        layer.mlp.selection_bias[...],
+        0.01 * (1 - 8 * np.asarray(metrics["expert_load"][row])), rtol=1e-5, atol=1e-7)
+
+
+def test_example_flags_set_the_selection_bias():
+  args = example.parse_flags(["train", "--router_bias_rate=0.02",
+                              "--router-bias-rule=proportional"])
+  assert (args.router_bias_rate, args.router_bias_rule) == (0.02, "proportional")
+  defaults = example.parse_flags(["train"])
+  assert (defaults.router_bias_rate, defaults.router_bias_rule) == (None, None)
+  with pytest.raises(flags.Error, match="router_bias_rate"):
+    example.parse_flags(["train", "--router_bias_rate=-1"])
+  with pytest.raises(flags.Error, match="router_bias_rule"):
+    example.parse_flags(["train", "--router_bias_rule=linear"])

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jax_megamoe.router import SELECTION_BIAS_RULES
+
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeConfig:
@@ -33,6 +35,9 @@ class Qwen3MoeConfig:
     pick the top k, and the training step moves it by this rate against the step's load
     (models.update_selection_biases; examples/train_qwen3_moe.py does). Not in HF's
     config.json: a loaded checkpoint has no bias and routes exactly as in transformers.
+  router_bias_update_rule: how that step is sized (jax_megamoe.router.update_selection_bias):
+    "sign" (DeepSeek-V3's fixed step, the default) or "proportional" (the expert's relative
+    deficit 1 - E * load times the rate).
   init_std [initializer_range]: std of the weight matrices at initialisation, N(0, init_std^2),
     but for the two below.
   embed_init_std: std of the token embedding at initialisation. depth_scaled_init: the last
@@ -64,6 +69,7 @@ class Qwen3MoeConfig:
   tie_word_embeddings: bool = False
   router_aux_loss_coef: float = 1e-3
   router_bias_update_rate: float = 0.0
+  router_bias_update_rule: str = "sign"
   init_std: float = 0.02
   embed_init_std: float = 1.0
   depth_scaled_init: bool = True
@@ -79,6 +85,9 @@ class Qwen3MoeConfig:
       if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
           or not 0 <= value < float("inf")):
         raise ValueError(f"Qwen3MoeConfig.{name} must be a finite number >= 0, got {value!r}")
+    if self.router_bias_update_rule not in SELECTION_BIAS_RULES:
+      raise ValueError(f"Qwen3MoeConfig.router_bias_update_rule must be one of "
+                       f"{SELECTION_BIAS_RULES}, got {self.router_bias_update_rule!r}")
     for name in ("init_std", "embed_init_std"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

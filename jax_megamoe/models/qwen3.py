@@ -291,10 +291,11 @@ def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array
   return layer(x, cos, sin)
 
 
-def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: float
-                            ) -> nnx.State:
+def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: float,
+                            rule: str = "sign") -> nnx.State:
   """params with every MoE layer's selection bias moved one step of auxiliary-loss-free
-  balancing (jax_megamoe.router.update_selection_bias) from that layer's row of `expert_load`
+  balancing (jax_megamoe.router.update_selection_bias with `rule`: the config's
+  router_bias_update_rule) from that layer's row of `expert_load`
   (ModelAux.expert_load [M, E] of the step, rows in layer order). params: the nnx.State of
   the model's Params (nnx.split(model, nnx.Param)); a model without selection biases (rate 0)
   is returned unchanged. Traceable: call it inside the jitted train step, after the update."""
@@ -308,7 +309,7 @@ def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: flo
                      f"{len(biased)} MoE layers with a selection bias")
   for row, (_, i) in enumerate(biased):
     path, variable = flat[i]
-    new = update_selection_bias(variable.get_value(), expert_load[row], rate)
+    new = update_selection_bias(variable.get_value(), expert_load[row], rate, rule)
     flat[i] = (path, variable.replace(new.astype(variable.get_value().dtype)))
   return nnx.from_flat_state(flat)
 
