@@ -62,7 +62,8 @@ def parse_args(argv=None):
   p.add_argument("--attention", default=None, choices=(None, "xla", "cudnn"))
   p.add_argument("--ce-chunk", type=int, default=0, help="0: full logits")
   p.add_argument("--data", default="corpus",
-                 help="corpus (the example's default), random (uniform ids) or a .npy of ids")
+                 help="corpus (the example's default), words (the same corpus, word-level ids: "
+                      "the example's --tokenizer words), random (uniform ids) or a .npy of ids")
   p.add_argument("--diag-every", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", help="JSON of the run")
@@ -174,8 +175,9 @@ def main(argv=None):
       lr=args.lr, steps=args.schedule_steps, warmup_steps=None, min_lr_ratio=0.1,
       weight_decay=0.1, clip_norm=1.0))
   opt_state = tx.init(params)
-  if args.data == "corpus":
-    tokens = data_lib.load_tokens(None, config.vocab_size)
+  if args.data in ("corpus", "words"):
+    tokens = data_lib.load_tokens(None, config.vocab_size,
+                                  "words" if args.data == "words" else "bytes")
   elif args.data == "random":
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 1 << 20).astype(np.int32)
   else:

@@ -124,8 +124,12 @@ _FLAGS = (
      "saying why), xla (any platform) or cudnn", dict(enum_values=list(ATTENTION_CHOICES))),
     ("string", "init_from", None, "Hugging Face Qwen3-MoE checkpoint dir", {}),
     ("string", "data", None,
-     "text file (byte tokens) or .npy token ids; default: the Python standard library's "
-     "sources, byte-tokenised (no download)", {}),
+     "text file or .npy token ids; default: the Python standard library's sources (no "
+     "download)", {}),
+    ("enum", "tokenizer", "bytes",
+     "how text (the default corpus or a --data text file) becomes ids: bytes, or words (the "
+     "most frequent words of that text, the rest hashed; no token is a lone space)",
+     dict(enum_values=list(data_lib.TOKENIZERS))),
     ("string", "mesh", None,
      "e.g. data=2,expert=4; default: expert = the devices of one host (at most the expert "
      "count), data = the rest", {}),
@@ -554,7 +558,7 @@ def train(args: types.SimpleNamespace) -> dict:
   for note in notes:
     log(note)
   aux_coef = config.router_aux_loss_coef if args.aux_loss_coef is None else args.aux_loss_coef
-  tokens = data_lib.load_tokens(args.data, config.vocab_size)
+  tokens = data_lib.load_tokens(args.data, config.vocab_size, args.tokenizer)
   sampler = data_lib.BatchSampler(tokens, args.batch, args.seq_len, args.seed)
   log(f"model {args.config if not args.init_from else args.init_from}: {config.num_layers} "
       f"layers, hidden {config.hidden_size}, {config.num_experts} experts top-{config.top_k}, "
@@ -565,7 +569,7 @@ def train(args: types.SimpleNamespace) -> dict:
       + f", remat {args.remat}, "
       f"attention {args.attention}, cross-entropy "
       + (f"in chunks of {args.ce_chunk} positions" if args.ce_chunk else "on full logits")
-      + f" | data {tokens.size:,} tokens")
+      + f" | data {tokens.size:,} tokens ({args.tokenizer})")
 
   graphdef, params = build_params(args, config, mesh, dtype)
   tx, schedule = make_optimizer(args)

@@ -185,12 +185,14 @@ def test_example_train_step_follows_the_configs_bias_rule():
         0.01 * (1 - 8 * np.asarray(metrics["expert_load"][row])), rtol=1e-5, atol=1e-7)
 
 
-def test_example_flags_set_the_selection_bias():
+def test_example_flags_set_the_selection_bias_and_the_tokenizer():
   args = example.parse_flags(["train", "--router_bias_rate=0.02",
                               "--router-bias-rule=proportional"])
   assert (args.router_bias_rate, args.router_bias_rule) == (0.02, "proportional")
   defaults = example.parse_flags(["train"])
   assert (defaults.router_bias_rate, defaults.router_bias_rule) == (None, None)
+  assert defaults.tokenizer == "bytes"
+  assert example.parse_flags(["train", "--tokenizer=words"]).tokenizer == "words"
   with pytest.raises(flags.Error, match="router_bias_rate"):
     example.parse_flags(["train", "--router_bias_rate=-1"])
   with pytest.raises(flags.Error, match="router_bias_rule"):

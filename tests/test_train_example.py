@@ -80,3 +80,29 @@ def test_byte_tokenizer_corpus_and_batches(tmp_path):
   np.save(tmp_path / "ids.npy", np.array([1, 2, 500]))
   with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=300\)"):
     data.load_tokens(str(tmp_path / "ids.npy"), vocab_size=300)
+
+
+def test_word_tokenizer_of_the_corpus(tmp_path):
+  import numpy as np
+  data = _data_lib()
+  tok = data.WordTokenizer("a b, a  c\n\n a d e f g h", vocab_size=8)  # 7 word ids + 1 bucket
+  ids = tok.encode("a b, a  c zzz")
+  assert ids.tolist()[:2] == [tok.ids["a"], tok.ids[" b"]] and ids.max() < 8
+  assert tok.encode(" q")[0] == tok.encode(" r")[0] == 7  # rare words share the one bucket
+  assert tok.decode(tok.encode("a b, a")) == "a b, a"
+  with pytest.raises(ValueError, match="vocab_size must be >= 2"):
+    data.WordTokenizer("a", vocab_size=1)
+
+  bytes_ids = data.load_tokens(None, vocab_size=259)
+  words = data.load_tokens(None, vocab_size=4096, tokenizer="words")
+  assert (words == data.load_tokens(None, vocab_size=4096, tokenizer="words")).all()
+  assert words.size > 1_000_000 and 0 <= words.min() and words.max() < 4096
+  assert np.bincount(bytes_ids).max() / bytes_ids.size > 0.2   # the byte corpus: spaces
+  assert np.bincount(words).max() / words.size < 0.07          # no dominant token
+  with pytest.raises(ValueError, match="tokenizer must be one of"):
+    data.load_tokens(None, vocab_size=4096, tokenizer="bpe")
+  np.save(tmp_path / "ids.npy", np.array([1, 2, 3]))
+  with pytest.raises(ValueError, match="holds token ids already"):
+    data.load_tokens(str(tmp_path / "ids.npy"), vocab_size=300, tokenizer="words")
+  (tmp_path / "t.txt").write_text(" x y x")  # " x" twice, " y" once
+  assert data.load_tokens(str(tmp_path / "t.txt"), 16, "words").tolist() == [0, 1, 0]
