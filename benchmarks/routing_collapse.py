@@ -190,12 +190,13 @@ def main(argv=None):
     hidden, aux = m(inputs, return_aux=True, return_hidden=True)
     ce = chunked_cross_entropy(hidden, m.head(), targets,
                                chunk=args.ce_chunk or targets.shape[1])
-    return ce, jnp.mean(aux.load_balancing_loss), jnp.mean(aux.z_loss), aux.expert_load
+    return ce, jnp.mean(aux.load_balancing_loss), jnp.mean(aux.z_loss), aux
 
   def loss_fn(params, inputs, targets):
-    ce, balance, z, load = losses(params, inputs, targets)
+    ce, balance, z, aux = losses(params, inputs, targets)
     loss = ce + aux_coef * balance + args.z * z
-    return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=load)
+    return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load,
+                      mean_logits=aux.mean_logits)
 
   def is_router(path):
     return any(getattr(k, "key", None) == "router" for k in path)
@@ -209,7 +210,8 @@ def main(argv=None):
           lambda p, u: u * args.router_lr_mult if is_router(p) else u, updates)
     params = optax.apply_updates(params, updates)
     params = update_selection_biases(params, metrics["expert_load"], rate,
-                                     config.router_bias_update_rule)
+                                     config.router_bias_update_rule,
+                                     mean_logits=metrics.pop("mean_logits"))
     metrics["grad_norm"] = optax.global_norm(grads)
     return params, opt_state, metrics
 

@@ -108,8 +108,8 @@ _FLAGS = (
      "auxiliary-loss-free balancing: the per-expert selection bias's update rate "
      "(Qwen3MoeConfig.router_bias_update_rate; default: the config's, 0 = off)", {}),
     ("enum", "router_bias_rule", None,
-     "how that update is sized (Qwen3MoeConfig.router_bias_update_rule; default: the "
-     "config's, sign)", dict(enum_values=list(SELECTION_BIAS_RULES))),
+     "how that update is sized: sign, proportional (to the load's deficit) or center (on "
+     "the mean logits) (Qwen3MoeConfig.router_bias_update_rule; default: the config's, sign)", dict(enum_values=list(SELECTION_BIAS_RULES))),
     ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
     ("integer", "ce_chunk", None,
      "compute the cross-entropy this many positions at a time, never holding the full "
@@ -376,7 +376,8 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
       layers = max(1, aux.z_loss.shape[0])  # mean over MoE layers (none: zero, not NaN)
       balance, z = jnp.sum(aux.load_balancing_loss) / layers, jnp.sum(aux.z_loss) / layers
     loss = ce + aux_coef * balance + z_coef * z
-    return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load)
+    return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load,
+                      mean_logits=aux.mean_logits)
 
   def bias_update(params):
     config = nnx.merge(graphdef, params).config
@@ -398,7 +399,8 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
       # Auxiliary-loss-free balancing (Qwen3MoeConfig.router_bias_update_rate > 0 only; no
       # gradient reaches the selection biases, this moves them): a no-op without them.
       new_params = update_selection_biases(new_params, metrics["expert_load"],
-                                           *bias_update(params))
+                                           *bias_update(params),
+                                           mean_logits=metrics.pop("mean_logits"))
       new_params = jax.tree.map(keep, new_params, params)
       # From the kept master, in the copy's dtypes: after a bad step, the copy it was given.
       new_compute = None if compute is None else jax.tree.map(

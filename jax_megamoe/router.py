@@ -16,12 +16,16 @@ class RouterAux(NamedTuple):
     routed slots that picked expert e, P_e the mean router probability of e. 1.0 when balanced.
   z_loss: scalar, mean over tokens of logsumexp(logits)^2 (ST-MoE), keeps logits small.
   expert_load: [E] float32, the fraction f_e (sums to 1); useful for logging imbalance.
-  With no tokens (T = 0) all three are zeros: nothing was routed, so nothing to balance.
+  mean_logits: [E] float32, each expert's router logit averaged over the tokens (without the
+    selection bias): the profile every token shares, which the "center" selection-bias rule
+    cancels.
+  With no tokens (T = 0) all four are zeros: nothing was routed, so nothing to balance.
   """
 
   load_balancing_loss: jax.Array
   z_loss: jax.Array
   expert_load: jax.Array
+  mean_logits: jax.Array
 
 
 def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
@@ -65,22 +69,24 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
     topk_weights = topk_weights / jnp.sum(topk_weights, axis=-1, keepdims=True)
   topk_ids = topk_ids.astype(jnp.int32)
   if logits.shape[0] == 0:  # the means below would be 0 / 0
-    zero = jnp.zeros((), jnp.float32)
-    return topk_weights, topk_ids, RouterAux(zero, zero, jnp.zeros((num_experts,), jnp.float32))
+    zero, zeros = jnp.zeros((), jnp.float32), jnp.zeros((num_experts,), jnp.float32)
+    return topk_weights, topk_ids, RouterAux(zero, zero, zeros, zeros)
 
   one_hot = jax.nn.one_hot(topk_ids, num_experts, dtype=jnp.float32)  # [T, k, E]
   expert_load = jnp.mean(jnp.sum(one_hot, axis=1), axis=0) / top_k    # [E], sums to 1
   mean_prob = jnp.mean(probs, axis=0)                                  # [E]
   load_balancing_loss = num_experts * jnp.sum(jax.lax.stop_gradient(expert_load) * mean_prob)
   z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-  return topk_weights, topk_ids, RouterAux(load_balancing_loss, z_loss, expert_load)
+  mean_logits = jax.lax.stop_gradient(jnp.mean(logits, axis=0))
+  return topk_weights, topk_ids, RouterAux(load_balancing_loss, z_loss, expert_load, mean_logits)
 
 
-SELECTION_BIAS_RULES = ("sign", "proportional")
+SELECTION_BIAS_RULES = ("sign", "proportional", "center")
 
 
 def update_selection_bias(bias: jax.Array, expert_load: jax.Array, rate: float,
-                          rule: str = "sign") -> jax.Array:
+                          rule: str = "sign", mean_logits: jax.Array | None = None
+                          ) -> jax.Array:
   """One step of auxiliary-loss-free load balancing on the selection bias.
 
   rule "sign": DeepSeek-V3's (arXiv:2412.19437, sec. 2.1.2): every expert whose share of the
@@ -91,15 +97,29 @@ def update_selection_bias(bias: jax.Array, expert_load: jax.Array, rate: float,
   A fixed step cannot follow a router whose shared logit profile grows faster than `rate` per
   step (the collapse of benchmarks/ROUTING_COLLAPSE_NOTES.md); this one moves an expert as far as
   it is off balance.
+  rule "center": moves the biased mean logits (mean_logits + bias) toward their mean over the
+  experts, bias + rate * (mean_e(m) - m) with m = mean_logits + bias; rate 1 cancels the
+  step's shared logit profile outright. It works on the logits, not on the load: when every
+  token's router input is one common direction (the collapse), all tokens move together and a
+  load-driven step overshoots (benchmarks/ROUTING_COLLAPSE_NOTES.md), while the common
+  direction's contribution to each expert's logit is exactly its mean over the tokens.
 
-  bias, expert_load: [..., E] (expert_load as RouterAux.expert_load, rows summing to one).
+  bias, expert_load, mean_logits: [..., E] (RouterAux.expert_load, rows summing to one, and
+  RouterAux.mean_logits; the latter needed by rule "center" only).
   Returns float32."""
   if rule not in SELECTION_BIAS_RULES:
     raise ValueError(f"rule must be one of {SELECTION_BIAS_RULES}, got {rule!r}")
+  bias = bias.astype(jnp.float32)
   load = expert_load.astype(jnp.float32)
   num_experts = load.shape[-1]
   if rule == "sign":
     step = jnp.sign(1.0 / num_experts - load)
-  else:
+  elif rule == "proportional":
     step = 1.0 - num_experts * load
-  return bias.astype(jnp.float32) + rate * step
+  else:
+    if mean_logits is None or mean_logits.shape != load.shape:
+      raise ValueError(f"rule 'center' needs mean_logits of expert_load's shape {load.shape}, "
+                       f"got {None if mean_logits is None else mean_logits.shape}")
+    biased = mean_logits.astype(jnp.float32) + bias
+    step = jnp.mean(biased, axis=-1, keepdims=True) - biased
+  return bias + rate * step

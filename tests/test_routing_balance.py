@@ -129,6 +129,35 @@ def test_update_selection_bias_proportional_rule_steps_by_the_relative_deficit()
     get_config("tiny", router_bias_update_rule="linear")
 
 
+def test_update_selection_bias_center_rule_cancels_the_shared_logit_profile():
+  # Every token's logits: one profile shared by all (a common router input direction) plus a
+  # small token-specific part. The profile puts expert 5 in every token's top 2.
+  rng = np.random.default_rng(0)
+  profile = np.zeros(8, np.float32)
+  profile[5], profile[2] = 4.0, 3.0
+  logits = jnp.asarray(profile + 0.1 * rng.standard_normal((256, 8)).astype(np.float32))
+  _, ids, aux = jm.route(logits, 2)
+  assert float(aux.expert_load[5]) == pytest.approx(0.5)
+  np.testing.assert_allclose(aux.mean_logits, np.mean(np.asarray(logits), axis=0), rtol=1e-5)
+  bias = update_selection_bias(jnp.zeros(8), aux.expert_load, 1.0, "center",
+                               mean_logits=aux.mean_logits)
+  np.testing.assert_allclose(aux.mean_logits + bias, np.mean(np.asarray(aux.mean_logits)),
+                             rtol=1e-5)  # rate 1: the biased mean logits all equal
+  _, _, balanced = jm.route(logits, 2, selection_bias=bias)
+  assert float(jnp.max(balanced.expert_load)) * 8 < 1.6  # was 4 (expert 5 in every top 2)
+  half = update_selection_bias(jnp.zeros(8), aux.expert_load, 0.5, "center",
+                               mean_logits=aux.mean_logits)
+  np.testing.assert_allclose(half, 0.5 * bias, rtol=1e-5, atol=1e-6)
+  again = update_selection_bias(bias, aux.expert_load, 1.0, "center",
+                                mean_logits=aux.mean_logits)
+  np.testing.assert_allclose(again, bias, rtol=1e-5, atol=1e-6)  # a fixed point
+  with pytest.raises(ValueError, match="rule 'center' needs mean_logits"):
+    update_selection_bias(jnp.zeros(8), aux.expert_load, 1.0, "center")
+  with pytest.raises(ValueError, match=r"rule 'center' needs mean_logits.*\(7,\)"):
+    update_selection_bias(jnp.zeros(8), aux.expert_load, 1.0, "center",
+                          mean_logits=jnp.zeros(7))
+
+
 def test_model_selection_biases_start_at_zero_and_follow_each_layers_load():
   base = get_config("tiny", num_layers=3, mlp_only_layers=(1,))  # MoE layers 0 and 2
   plain = Qwen3Moe(base, rngs=nnx.Rngs(0), dtype=jnp.float32)
@@ -152,12 +181,13 @@ def test_model_selection_biases_start_at_zero_and_follow_each_layers_load():
   assert update_selection_biases(plain_params, load, 0.5) is plain_params
 
 
-# The step each rule should take from an expert's load (tiny: 8 experts).
-_EXPECTED_BIAS_STEP = {"sign": lambda load: np.sign(1 / 8 - load),
-                       "proportional": lambda load: 1 - 8 * load}
+# The step each rule should take from an expert's load and mean logit (tiny: 8 experts).
+_EXPECTED_BIAS_STEP = {"sign": lambda load, _: np.sign(1 / 8 - load),
+                       "proportional": lambda load, _: 1 - 8 * load,
+                       "center": lambda _, mean: np.mean(mean) - mean}
 
 
-@pytest.mark.parametrize("rule", ["sign", "proportional"])
+@pytest.mark.parametrize("rule", ["sign", "proportional", "center"])
 def test_example_train_step_moves_the_selection_biases_by_the_configs_rule(rule):
   config = get_config("tiny", router_bias_update_rate=0.01, router_bias_update_rule=rule)
   model = Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
@@ -166,13 +196,16 @@ def test_example_train_step_moves_the_selection_biases_by_the_configs_rule(rule)
       lr=1e-3, steps=10, warmup_steps=None, min_lr_ratio=0.1, weight_decay=0.1, clip_norm=1.0))
   step = jax.jit(example.make_train_step(graphdef, tx, 1e-2, 1e-3, 0))
   ids = jax.random.randint(jax.random.key(0), (2, 32), 0, config.vocab_size)
+  mean_logits = model(ids, return_aux=True)[1].mean_logits  # the step's (before its update)
   state, metrics = step(example.TrainState(params, tx.init(params)), ids, ids)
+  assert "mean_logits" not in metrics  # used on the device, not sent to the host
   new = nnx.merge(graphdef, state.params)
   for row, layer in enumerate(new.layers):
     np.testing.assert_allclose(
         layer.mlp.selection_bias[...],
-        0.01 * _EXPECTED_BIAS_STEP[rule](np.asarray(metrics["expert_load"][row])),
-        rtol=1e-5, atol=1e-7)
+        0.01 * _EXPECTED_BIAS_STEP[rule](np.asarray(metrics["expert_load"][row]),
+                                         np.asarray(mean_logits[row])),
+        rtol=1e-4, atol=1e-7)
 
 
 def test_example_flags_set_the_selection_bias_and_the_tokenizer():

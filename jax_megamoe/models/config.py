@@ -36,8 +36,9 @@ class Qwen3MoeConfig:
     (models.update_selection_biases; examples/train_qwen3_moe.py does). Not in HF's
     config.json: a loaded checkpoint has no bias and routes exactly as in transformers.
   router_bias_update_rule: how that step is sized (jax_megamoe.router.update_selection_bias):
-    "sign" (DeepSeek-V3's fixed step, the default) or "proportional" (the expert's relative
-    deficit 1 - E * load times the rate).
+    "sign" (DeepSeek-V3's fixed step, the default), "proportional" (the expert's relative
+    deficit 1 - E * load times the rate) or "center" (moves the biased mean logits toward
+    their mean over the experts by the rate: cancels the logit profile every token shares).
   init_std [initializer_range]: std of the weight matrices at initialisation, N(0, init_std^2),
     but for the two below.
   embed_init_std: std of the token embedding at initialisation. depth_scaled_init: the last

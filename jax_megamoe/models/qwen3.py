@@ -51,11 +51,13 @@ class ModelAux(NamedTuple):
   load_balancing_loss: [M] float32, 1.0 when balanced (jax_megamoe.RouterAux).
   z_loss: [M] float32.
   expert_load: [M, E] float32, fraction of routed slots per expert (rows sum to one).
+  mean_logits: [M, E] float32, each expert's router logit averaged over the tokens.
   """
 
   load_balancing_loss: jax.Array
   z_loss: jax.Array
   expert_load: jax.Array
+  mean_logits: jax.Array
 
 
 class RMSNorm(nnx.Module):
@@ -268,7 +270,7 @@ class Qwen3Moe(nnx.Module):
       return out
     if not auxes:  # a model without MoE layers: empty statistics, still well-typed
       e = self.config.num_experts
-      return out, ModelAux(jnp.zeros((0,)), jnp.zeros((0,)), jnp.zeros((0, e)))
+      return out, ModelAux(jnp.zeros((0,)), jnp.zeros((0,)), jnp.zeros((0, e)), jnp.zeros((0, e)))
     return out, ModelAux(*(jnp.stack(field) for field in zip(*auxes)))
 
   def head(self) -> jax.Array:
@@ -292,11 +294,13 @@ def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array
 
 
 def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: float,
-                            rule: str = "sign") -> nnx.State:
+                            rule: str = "sign", mean_logits: jax.Array | None = None
+                            ) -> nnx.State:
   """params with every MoE layer's selection bias moved one step of auxiliary-loss-free
   balancing (jax_megamoe.router.update_selection_bias with `rule`: the config's
   router_bias_update_rule) from that layer's row of `expert_load`
-  (ModelAux.expert_load [M, E] of the step, rows in layer order). params: the nnx.State of
+  (ModelAux.expert_load [M, E] of the step, rows in layer order; rule "center" also reads
+  ModelAux.mean_logits [M, E] as `mean_logits`). params: the nnx.State of
   the model's Params (nnx.split(model, nnx.Param)); a model without selection biases (rate 0)
   is returned unchanged. Traceable: call it inside the jitted train step, after the update."""
   flat = list(nnx.to_flat_state(params))
@@ -309,7 +313,8 @@ def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: flo
                      f"{len(biased)} MoE layers with a selection bias")
   for row, (_, i) in enumerate(biased):
     path, variable = flat[i]
-    new = update_selection_bias(variable.get_value(), expert_load[row], rate, rule)
+    new = update_selection_bias(variable.get_value(), expert_load[row], rate, rule,
+                                None if mean_logits is None else mean_logits[row])
     flat[i] = (path, variable.replace(new.astype(variable.get_value().dtype)))
   return nnx.from_flat_state(flat)
 
