@@ -1,0 +1,151 @@
+"""Backend "fused" with recipes "fp8" / "fp8_pow2", the Python side (runs on a CPU: traced and
+lowered, never executed; the kernel itself is checked on a GPU by test_fused_moe.py).
+
+What is checked: the forward is one fused custom call whose row and weight operands are e4m3
+with their fp32 scales (x quantised 1x128 before it travels, the weights K-major in 128x128
+blocks), the h scratch is e4m3 with its scale matrix; the weights are quantised once per step
+(the backward's recomputed cuda FP8 layer reads the same blocks); the backward runs backend
+cuda's FP8 kernels; a virtual group's stacked operands keep their rank axis; the recipes the
+backend admits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_megamoe.backends import cuda_ep, fused
+from jax_megamoe.validation import check_layer_args
+
+T, H, F, E, K = 64, 256, 128, 8, 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TracedWorkspace:
+  """Stands in for a symmetric workspace: tracing needs its id and rank count only."""
+  num_ranks: int = 1
+  virtual: bool = False
+  id: int = 7
+  closed: bool = False
+
+  def fits(self, **_) -> bool:
+    return True
+
+
+def _inputs(lead=()):
+  ids = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], 1).astype(np.int32)
+  x = jnp.ones((*lead, T, H), jnp.bfloat16)
+  ids = jnp.broadcast_to(jnp.asarray(ids), (*lead, T, K))
+  w = jnp.ones((*lead, T, K), jnp.float32)
+  el = E // (lead[0] if lead else 1)
+  wgu = jnp.ones((*lead, el, H, 2 * F), jnp.bfloat16)
+  wd = jnp.ones((*lead, el, F, H), jnp.bfloat16)
+  return x, ids, w, wgu, wd
+
+
+def _config(recipe, num_ranks=1):
+  x, ids, w, wgu, wd = _inputs()
+  shape = check_layer_args(x, ids, w, wgu.reshape(E, H, 2 * F), wd.reshape(E, F, H))
+  plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
+  ws = _TracedWorkspace(num_ranks=num_ranks, virtual=num_ranks > 1)
+  return fused.FusedConfig(ws, E, plan, 0, local=num_ranks == 1, recipe=recipe)
+
+
+def _fused_calls(text: str) -> list[str]:
+  return [line for line in text.splitlines() if f"@{fused.TARGET}(" in line]
+
+
+def _signature(call: str) -> tuple[list[str], list[str]]:
+  """(operand types, result types) of a custom call line of the lowered StableHLO."""
+  ins, outs = call.rsplit(" : (", 1)[1].split(") -> ", 1)
+  split = lambda s: re.findall(r"tensor<[^>]*>", s)
+  return split(ins), split(outs)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
+def test_forward_is_one_fused_call_on_e4m3_operands(recipe):
+  cfg = _config(recipe)
+  x, ids, w, wgu, wd = _inputs()
+  text = jax.jit(lambda x, w, a, b: fused.fused_layer(x, ids, w, a, b, cfg)).lower(
+      x, w, wgu, wd).as_text()
+  calls = _fused_calls(text)
+  assert len(calls) == 1, calls
+  assert f"pow2 = {int(recipe == 'fp8_pow2')}" in calls[0]
+  ins, outs = _signature(calls[0])
+  assert ins == [f"tensor<{T}x{H}xf8E4M3FN>", f"tensor<{T}x{K}xi32>", f"tensor<{T}x{K}xf32>",
+                 f"tensor<{E}x{2 * F}x{H}xf8E4M3FN>", f"tensor<{E}x{H}x{F}xf8E4M3FN>",
+                 f"tensor<{T}x{H // 128}xf32>", f"tensor<{E}x{H // 128}x{2 * F // 128}xf32>",
+                 f"tensor<{E}x{F // 128}x{H // 128}xf32>"], ins
+  n_cap = cfg.plan.n_cap
+  assert outs[0] == f"tensor<{T}x{H}xbf16>"  # y
+  assert outs[1] == f"tensor<{n_cap}x{F}xf8E4M3FN>"  # h, L2's A
+  assert outs[-1] == f"tensor<{F // 128}x{fused.scale_pitch(n_cap)}xf32>"  # h's scales
+  assert all(o == "tensor<0xbf16>" for o in outs[8:11]), outs  # no residuals
+
+
+def test_training_step_quantises_weights_once_and_runs_cuda_fp8_backward():
+  cfg = _config("fp8")
+  x, ids, w, wgu, wd = _inputs()
+
+  def loss(x, w, a, b):
+    return jnp.sum(fused.fused_layer(x, ids, w, a, b, cfg).astype(jnp.float32) ** 2)
+  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
+  assert len(_fused_calls(text)) == 1
+  # w_gate_up and w_down quantised once each (the recomputed forward reuses the blocks).
+  assert text.count("@megamoe_fp8_quantize_weights(") == 2
+  # Backward: the recomputed cuda FP8 forward (2 GEMMs) and its dgrad (2) and wgrad (2) GEMMs.
+  assert text.count("@megamoe_grouped_gemm_fp8(") == 4
+  assert text.count("@megamoe_grouped_wgrad_fp8(") == 2
+
+
+def test_virtual_group_keeps_the_rank_axis():
+  num_ranks = 2
+  cfg = _config("fp8", num_ranks)
+  x, ids, w, wgu, wd = _inputs((num_ranks,))
+  text = jax.jit(lambda x, w, a, b: fused.fused_layer(x, ids, w, a, b, cfg)).lower(
+      x, w, wgu, wd).as_text()
+  (call,) = _fused_calls(text)
+  ins, outs = _signature(call)
+  el = E // num_ranks
+  assert ins[0] == f"tensor<{num_ranks}x{T}x{H}xf8E4M3FN>"
+  assert ins[3] == f"tensor<{num_ranks}x{el}x{2 * F}x{H}xf8E4M3FN>"
+  assert ins[5] == f"tensor<{num_ranks}x{T}x{H // 128}xf32>"
+  assert ins[7] == f"tensor<{num_ranks}x{el}x{F // 128}x{H // 128}xf32>"
+  assert outs[-1] == f"tensor<{num_ranks}x{F // 128}x{fused.scale_pitch(cfg.plan.n_cap)}xf32>"
+
+  # Backward: backend cuda's EP FP8 layer on the same (stacked) weight blocks, rows in FP8.
+  def loss(x, w, a, b):
+    return jnp.sum(fused.fused_layer(x, ids, w, a, b, cfg).astype(jnp.float32) ** 2)
+  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
+  assert len(_fused_calls(text)) == 1
+  assert text.count("@megamoe_fp8_quantize_weights(") == 2
+  assert "@megamoe_ep_dispatch_fwd(" in text and "@megamoe_ep_dispatch_bwd(" in text
+
+
+def test_bf16_call_is_unchanged_apart_from_empty_scales():
+  cfg = _config(None)
+  x, ids, w, wgu, wd = _inputs()
+  text = jax.jit(lambda x, w, a, b: fused.fused_layer(x, ids, w, a, b, cfg)).lower(
+      x, w, wgu, wd).as_text()
+  (call,) = _fused_calls(text)
+  ins, outs = _signature(call)
+  assert ins[:5] == [f"tensor<{T}x{H}xbf16>", f"tensor<{T}x{K}xi32>", f"tensor<{T}x{K}xf32>",
+                     f"tensor<{E}x{H}x{2 * F}xbf16>", f"tensor<{E}x{F}x{H}xbf16>"]
+  assert ins[5:] == ["tensor<0xf32>"] * 3 and outs[-1] == "tensor<0xf32>"
+  assert outs[1] == f"tensor<{cfg.plan.n_cap}x{F}xbf16>"
+
+
+def test_recipes_the_backend_admits():
+  for recipe in ("fp8", "fp8_pow2"):
+    reason = fused.unavailable_reason(recipe)
+    # On a GPU machine with the CUDA build: None; elsewhere: the same reason as for bf16.
+    assert reason == fused.unavailable_reason(None), reason
+  reason = fused.unavailable_reason("mxfp8")
+  assert reason is not None
+  assert fused.scale_pitch(1) == 128 and fused.scale_pitch(128) == 128
+  assert fused.scale_pitch(129) == 256
