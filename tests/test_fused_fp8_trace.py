@@ -3,10 +3,11 @@ lowered, never executed; the kernel itself is checked on a GPU by test_fused_moe
 
 What is checked: the forward is one fused custom call whose row and weight operands are e4m3
 with their fp32 scales (x quantised 1x128 before it travels, the weights K-major in 128x128
-blocks), the h scratch is e4m3 with its scale matrix; the weights are quantised once per step
-(the backward's recomputed cuda FP8 layer reads the same blocks); the backward runs backend
-cuda's FP8 kernels; a virtual group's stacked operands keep their rank axis; the recipes the
-backend admits.
+blocks), the h scratch is e4m3 with its scale matrix; the weights are quantised once per step;
+at one rank the backward reads the kernel's residuals (gate_up, y_sorted) and runs backend
+cuda's FP8 backward kernels with no forward GEMM again; with several (virtual) ranks it runs
+cuda's FP8 layer again on the same weight blocks; stacked operands keep their rank axis; the
+recipes the backend admits.
 """
 
 from __future__ import annotations
@@ -88,19 +89,28 @@ def test_forward_is_one_fused_call_on_e4m3_operands(recipe):
   assert all(o == "tensor<0xbf16>" for o in outs[8:11]), outs  # no residuals
 
 
-def test_training_step_quantises_weights_once_and_runs_cuda_fp8_backward():
+def test_one_rank_training_step_reads_the_residuals():
   cfg = _config("fp8")
+  assert cfg.keeps_residuals
   x, ids, w, wgu, wd = _inputs()
 
   def loss(x, w, a, b):
     return jnp.sum(fused.fused_layer(x, ids, w, a, b, cfg).astype(jnp.float32) ** 2)
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
-  assert len(_fused_calls(text)) == 1
-  # w_gate_up and w_down quantised once each (the recomputed forward reuses the blocks).
+  (call,) = _fused_calls(text)
+  _, outs = _signature(call)
+  n_cap = cfg.plan.n_cap
+  # Residuals: no x_sorted (the pool holds e4m3 rows), gate_up and y_sorted kept.
+  assert outs[8:11] == ["tensor<0xbf16>", f"tensor<{n_cap}x{2 * F}xbf16>",
+                        f"tensor<{n_cap}x{H}xbf16>"], outs
+  # The weights quantised once each; the backward: h again from gate_up (SwiGLU kernel), the
+  # two dgrad and two wgrad GEMMs, cuda's combine and dispatch VJPs, no forward GEMM.
   assert text.count("@megamoe_fp8_quantize_weights(") == 2
-  # Backward: the recomputed cuda FP8 forward (2 GEMMs) and its dgrad (2) and wgrad (2) GEMMs.
-  assert text.count("@megamoe_grouped_gemm_fp8(") == 4
+  assert text.count("@megamoe_fp8_swiglu_quantize(") == 1
+  assert text.count("@megamoe_grouped_gemm_fp8(") == 2
   assert text.count("@megamoe_grouped_wgrad_fp8(") == 2
+  assert "@megamoe_ep_combine_bwd(" in text and "@megamoe_ep_dispatch_bwd(" in text
+  assert "@megamoe_ep_dispatch_fwd(" not in text
 
 
 def test_virtual_group_keeps_the_rank_axis():
@@ -118,13 +128,16 @@ def test_virtual_group_keeps_the_rank_axis():
   assert ins[7] == f"tensor<{num_ranks}x{el}x{F // 128}x{H // 128}xf32>"
   assert outs[-1] == f"tensor<{num_ranks}x{F // 128}x{fused.scale_pitch(cfg.plan.n_cap)}xf32>"
 
-  # Backward: backend cuda's EP FP8 layer on the same (stacked) weight blocks, rows in FP8.
+  # Backward: backend cuda's EP FP8 layer again on the same (stacked) weight blocks, rows in
+  # FP8 (no residuals kept across ranks).
   def loss(x, w, a, b):
     return jnp.sum(fused.fused_layer(x, ids, w, a, b, cfg).astype(jnp.float32) ** 2)
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
-  assert len(_fused_calls(text)) == 1
+  (call,) = _fused_calls(text)
+  assert all(o == "tensor<0xbf16>" for o in _signature(call)[1][8:11])
   assert text.count("@megamoe_fp8_quantize_weights(") == 2
   assert "@megamoe_ep_dispatch_fwd(" in text and "@megamoe_ep_dispatch_bwd(" in text
+  assert text.count("@megamoe_grouped_gemm_fp8(") == 2 * 4  # per rank: forward 2, dgrad 2
 
 
 def test_bf16_call_is_unchanged_apart_from_empty_scales():

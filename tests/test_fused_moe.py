@@ -7,7 +7,8 @@ the inputs), bitwise run to run; odd token counts, more than one tile per expert
 and 1 rows, skewed and masked routing, capacity overflow raised, an absent rank timing out.
 Recipes "fp8" / "fp8_pow2" (end of the file): against the FP8 emulation (2e-2, as backend
 cuda's FP8 MLP), without a mesh, under a one-GPU mesh and at R = 2, 4 virtual ranks, odd sizes
-and stage counts, empty experts, bitwise run to run, gradients through the recomputing backward.
+and stage counts, empty experts, bitwise run to run, gradients (from the kernel's residuals at
+one rank, through cuda's FP8 layer recomputed with several ranks).
 Outputs land in device memory filled with NaN beforehand. GPU only; skipped (reported as not
 run) elsewhere (the Python side of FP8 is checked on the CPU by test_fused_fp8_trace.py).
 """
@@ -314,6 +315,24 @@ def test_fp8_published_hidden_sizes_and_bitwise_reproducible(recipe):
   _assert_bitwise(first, _value_and_grads(layer, *args))
 
 
+def test_fp8_one_rank_backward_reads_the_residuals():
+  """At one rank the FP8 kernel keeps gate_up and y_sorted: the gradient program runs the fused
+  kernel once, no forward GEMM of backend cuda (only its 2 dgrad GEMMs), and is bitwise the
+  same run to run."""
+  x, ids, w, wgu, wd, dy = _inputs(3, 700, 16, 4, "masked")
+  layer = lambda *a: jm.moe(*a, backend="fused", recipe="fp8")
+  def loss(x, w, wgu, wd):
+    return jnp.sum(layer(x, ids, w, wgu, wd).astype(jnp.float32) * dy)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
+  assert hlo.count(fused.TARGET) == 1, hlo.count(fused.TARGET)
+  assert hlo.count("megamoe_grouped_gemm_fp8") == 2, hlo.count("megamoe_grouped_gemm_fp8")
+  for forward in ("megamoe_ep_dispatch_fwd", "megamoe_ep_combine_fwd"):
+    assert forward not in hlo, f"the backward recomputes the forward ({forward})"
+  first = _value_and_grads(layer, x, ids, w, wgu, wd, dy)
+  _poison()
+  _assert_bitwise(first, _value_and_grads(layer, x, ids, w, wgu, wd, dy))
+
+
 def test_fp8_runs_the_fused_kernel_with_e4m3_operands():
   """The fused call is in the program with e4m3 rows and weights (no fallback to cuda)."""
   x, ids, w, wgu, wd, _ = _inputs(3, 256, 16, 4)
@@ -328,9 +347,8 @@ def test_fp8_one_gpu_mesh(recipe):
   gpu = jax.devices("gpu")[:1]
   mesh = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,), devices=gpu)
   args = _inputs(21, 640, 16, 4, "masked")
-  # Under a mesh the backward is cuda's EP FP8 backward: dW_gate_up from the FP8 rows.
-  _check_fp8(lambda *a: jm.moe(*a, mesh=mesh, backend="fused", recipe=recipe), recipe, args,
-             x_rows_for_wgrad=True)
+  # One rank: the backward reads the residuals, dW_gate_up from x's bf16 rows.
+  _check_fp8(lambda *a: jm.moe(*a, mesh=mesh, backend="fused", recipe=recipe), recipe, args)
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])

@@ -91,7 +91,8 @@
 // 1 x 128 blocks: a row's 128 h columns sit in the 4 lanes of a quad, amax by two shuffles,
 // scale = Fp8BlockScale (ffi/layout/fp8_blocks.h), e4m3 = satfinite(h / scale), the rule of
 // ffi/impls/fp8_quantize.cu bit for bit; h stored as e4m3 rows [rows, F] and its scales into
-// h_scale [F/128, pitch] (L2's A and A scales). A tile whose K is one stage (K = 128) still
+// h_scale [F/128, pitch] (L2's A and A scales), and, when gate_up is given (residuals), the
+// bf16 gate_up rows as bf16's epilogue stores them. A tile whose K is one stage (K = 128) still
 // takes two stages of the ring (the second carries no data) so that the epilogue has its two
 // staging stages.
 #pragma once
@@ -179,7 +180,7 @@ struct alignas(128) EngineParams {
   int32_t bench_skip_epilogue;  // benchmark only: 1 = compute, store nothing (mainloop rate)
   RowDest l2_dest;        // L2 output rows
   // FP8 only: L1 stores h as e4m3 rows h_q [rows, f] and its 1 x 128 scales
-  // h_scale[(c / 128) * h_scale_pitch + row] (h and gate_up are not stored).
+  // h_scale[(c / 128) * h_scale_pitch + row] (h is not stored in bf16; gate_up is when given).
   uint8_t* h_q;
   float* h_scale;
   int64_t h_scale_pitch;
@@ -576,12 +577,16 @@ struct Sm90MoeTileEngine {
 
   // FP8 L1 epilogue of one consumer warpgroup: h (hv: this thread's bf16 pairs, as the bf16
   // epilogue stages them) quantised in 1 x 128 blocks (the tile's 128 h columns of a row sit in
-  // one quad of lanes), e4m3 staged in `slot` (64 rows x 128 B at a 256 B pitch, 16-byte chunks
-  // XOR-swizzled by row % 8), the scales stored, the stage s_w handed back, the rows stored.
+  // one quad of lanes), e4m3 staged in slot 0 (64 rows x 128 B at a 256 B pitch, 16-byte chunks
+  // XOR-swizzled by row % 8), the scales stored; with p.gate_up (residuals) the bf16 gate and up
+  // staged by the caller in slots 1 and 2 are stored first (slot by slot, as bf16's three-slot
+  // epilogue); then the stage s_w is handed back and the h rows stored.
   template <class Params>
   __device__ static void epilogue_h_fp8(SharedStorage& ss, const Params& p, const ExpertTile& job,
-                                        const uint32_t (&hv)[32], uint32_t slot, int s_w, int wg,
-                                        int warp_in_wg, int lane, int t) {
+                                        const uint32_t (&hv)[32], const uint32_t (&slot_base)[3],
+                                        int s_w, int wg, int warp_in_wg, int lane, int t,
+                                        int rd_row0, int rd_chunk, uint32_t rd_off) {
+    const uint32_t slot = slot_base[0];
     float scale[2];
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -619,6 +624,20 @@ struct Sm90MoeTileEngine {
         p.h_scale[int64_t(job.n_block) * p.h_scale_pitch + job.row_begin + r] = s;
     }
     detail::named_barrier_sync(kFirstWgBarrier + wg, 128);
+    if (p.gate_up != nullptr) {
+      // gate_up row r: gate at n_block * 128, up at F + n_block * 128 (bf16 staging layout).
+      for (int sl = 1; sl < 3; ++sl) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const uint4 val = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
+          const int r = 64 * wg + rd_row0 + 8 * k;
+          if (r < job.rows)
+            detail::st_global_v4(p.gate_up + int64_t(job.row_begin + r) * 2 * p.f +
+                                     (sl == 2 ? p.f : 0) + job.n_block * 128 + rd_chunk * 8,
+                                 val);
+        }
+      }
+    }
     // 8 lanes per 128-byte row (chunk t % 8), rows t / 8 + 16 k.
     const int chunk = t & 7, row0 = t >> 3;
     uint4 v[4];
@@ -673,7 +692,7 @@ struct Sm90MoeTileEngine {
       // producer pads a one-stage tile to two).
       if (!kFp8 && num_kb < 2) __trap();
       const bool l1 = job.kind == kL1GateUp;
-      const bool l1_fp8 = kFp8 && l1;  // h quantised and stored as e4m3 (no gate_up)
+      const bool l1_fp8 = kFp8 && l1;  // h quantised and stored as e4m3 (own epilogue)
       const int nslots =
           p.bench_skip_epilogue ? 0 : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1) : 2;
       // Destination of each row of the tile (looked up before the mainloop so that the row
@@ -799,7 +818,12 @@ struct Sm90MoeTileEngine {
               }
             }
             if constexpr (kFp8) {
-              epilogue_h_fp8(ss, p, job, hv, slot_base[0], s_w, wg, warp_in_wg, lane, t);
+              if (p.gate_up != nullptr) {  // residual gate_up, staged beside h (slots 1, 2)
+                put(1, [&](int ii, int hh) { return acc_pair(ii, hh); });
+                put(2, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
+              }
+              epilogue_h_fp8(ss, p, job, hv, slot_base, s_w, wg, warp_in_wg, lane, t, rd_row0,
+                             rd_chunk, rd_off);
               Barrier::arrive(&ss.stored[slot]);
               continue;
             }

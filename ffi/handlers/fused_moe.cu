@@ -1,10 +1,10 @@
 // XLA FFI handler of the fused MoE forward (backend "fused"): binding and validation only; the
 // kernel is ffi/impls/sm90_fused_moe_fwd.cu. Attributes: workspace_id (int64, a workspace with
 // fused regions), num_experts (global E), n_cap (pool rows per rank), max_ctas (CTAs of the
-// launch: > 0 at most that many, <= 0 every SM but -max_ctas). On a virtual-rank workspace
-// every operand carries a leading axis of one entry per rank. The residual outputs (x_sorted,
-// gate_up, y_sorted) are either all [0] (none kept) or all full-sized, which only a workspace of
-// one rank takes (bf16 only).
+// launch: > 0 at most that many, <= 0 every SM but -max_ctas), pow2 (FP8 h scales). On a
+// virtual-rank workspace every operand carries a leading axis of one entry per rank. The
+// residual outputs (x_sorted, gate_up, y_sorted) are either all [0] (none kept) or all
+// full-sized (FP8: x_sorted stays [0]), which only a workspace of one rank takes.
 //
 // Element types, from x's: bfloat16 (recipe None; x_scale, w_gate_up_scale, w_down_scale and
 // h_scale [0]) or float8_e4m3fn (recipes "fp8" / "fp8_pow2", attribute pow2; jax_megamoe/fp8.py):
@@ -156,25 +156,24 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   if (std::string why = FusedForwardUnsupported(problem, v0.layout, v0.num_ranks); !why.empty())
     return Fail(why);
   // Residuals: [0] each (none), or x_sorted / y_sorted [n_cap, H] and gate_up [n_cap, 2F] of a
-  // rank alone.
-  const bool residuals = x_sorted->element_count() > 0;
+  // rank alone; FP8 keeps y_sorted and gate_up only (x_sorted [0]: the pool holds e4m3 rows).
+  const bool residuals = y_sorted->element_count() > 0;
+  const auto dims = [](const ffi::AnyBuffer& b) {
+    auto d = b.dimensions();
+    return std::vector<int64_t>(d.begin(), d.end());
+  };
   if (residuals) {
-    if (fp8)
-      return Fail("residuals (x_sorted, gate_up, y_sorted) are kept for bfloat16 only (the FP8 "
-                  "backward recomputes the forward)");
     if (ranks.count != 1 || v0.num_ranks != 1)
       return Fail("residuals (x_sorted, gate_up, y_sorted) are kept by a workspace of one rank "
                   "only, this one has " + n(v0.num_ranks));
-    const auto dims = [](const ffi::AnyBuffer& b) {
-      auto d = b.dimensions();
-      return std::vector<int64_t>(d.begin(), d.end());
-    };
-    if (dims(*x_sorted) != std::vector<int64_t>{n_cap, H} ||
+    if ((!fp8 && dims(*x_sorted) != std::vector<int64_t>{n_cap, H}) ||
+        (fp8 && x_sorted->element_count() != 0) ||
         dims(*y_sorted) != std::vector<int64_t>{n_cap, H} ||
         dims(*gate_up) != std::vector<int64_t>{n_cap, 2 * F})
-      return Fail("x_sorted and y_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) +
+      return Fail(std::string(fp8 ? "x_sorted must be [0] (FP8), " : "x_sorted and ") +
+                  "y_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) +
                   "] and gate_up [n_cap, 2F=" + n(2 * F) + "]");
-  } else if (y_sorted->element_count() != 0 || gate_up->element_count() != 0) {
+  } else if (x_sorted->element_count() != 0 || gate_up->element_count() != 0) {
     return Fail("x_sorted, gate_up and y_sorted must be all kept or all [0]");
   }
   std::vector<FusedRankOperands> ops;
@@ -185,7 +184,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                    fp8 ? odns.at<float>(r) : nullptr, oy.at(r), oh.at(r),
                    fp8 ? ohs.at<float>(r) : nullptr, occ.at<int32_t>(r), orows.at<int32_t>(r),
                    odest.at<int32_t>(r), ogs.at<int32_t>(r),
-                   residuals ? x_sorted->untyped_data() : nullptr,
+                   residuals && !fp8 ? x_sorted->untyped_data() : nullptr,
                    residuals ? gate_up->untyped_data() : nullptr,
                    residuals ? y_sorted->untyped_data() : nullptr, ost.at<int32_t>(r),
                    oph.at<int32_t>(r)});

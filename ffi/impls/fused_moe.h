@@ -32,9 +32,9 @@ struct FusedRankOperands {
   int32_t* slot_rows;      // [T, k] scratch: each slot's row in this rank's comb (-1: none)
   int32_t* slot_dest;      // [T, k] scratch: each slot's row in its expert rank's pool (-1)
   int32_t* group_sizes;    // [E/R]: pool rows of each local expert (after capacity)
-  // Residuals for the backward, one rank alone (nullptr: none; else all three): the pool rows
-  // in expert order, L1's output before SwiGLU, and L2's output rows (slot (t, j)'s row is
-  // slot_dest[t, j] in all of them).
+  // Residuals for the backward, one rank alone (nullptr: none; else all three, FP8 all but
+  // x_sorted): the pool rows in expert order, L1's output before SwiGLU, and L2's output rows
+  // (slot (t, j)'s row is slot_dest[t, j] in all of them).
   void* x_sorted;          // [n_cap, H] bf16
   void* gate_up;           // [n_cap, 2F] bf16
   void* y_sorted;          // [n_cap, H] bf16
@@ -55,7 +55,7 @@ struct FusedForwardProblem {
   int num_experts;  // E (global) <= ep::kFusedMaxExperts, a multiple of R
   int n_cap;        // pool rows per rank (<= the workspace's fused_rows)
   int max_ctas;     // CTAs of the launch: > 0 at most that many, <= 0 every SM but -max_ctas
-  int fp8;          // 1: recipe "fp8" / "fp8_pow2" (e4m3 operands, no residuals), 0: bf16
+  int fp8;          // 1: recipe "fp8" / "fp8_pow2" (e4m3 operands), 0: bf16
   int pow2;         // FP8: power-of-two scales for h (recipe "fp8_pow2")
 };
 

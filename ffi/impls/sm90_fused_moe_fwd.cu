@@ -27,7 +27,8 @@
 //
 // Residuals (one rank alone, for the backward; FusedRankOperands): the pool is x_sorted and the
 // comb buffer y_sorted, XLA buffers instead of the workspace's regions (at one rank a slot's
-// comb row is its pool row), and L1 also stores its gate_up.
+// comb row is its pool row), and L1 also stores its gate_up. FP8: y_sorted and gate_up only (the
+// pool holds e4m3 rows; the backward scatters x's bf16 rows itself).
 //
 // Safety: the launch is cooperative (every CTA co-resident before any waits); every wait is
 // bounded and reports rank, stage and counters; a rank that timed out writes NaN into y.
@@ -733,10 +734,11 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     rp.slot_rows = o.slot_rows;
     rp.slot_dest = o.slot_dest;
     rp.group_sizes = o.group_sizes;
-    // One rank alone (the handler checks it); bf16 only (the handler rejects FP8 residuals).
-    const bool residuals = o.x_sorted != nullptr;
+    // Residuals, one rank alone (the handler checks it): the results' rows (y_sorted, the comb
+    // buffer) and gate_up; bf16 also the pool rows (x_sorted, the pool itself).
+    const bool residuals = o.y_sorted != nullptr;
     for (int q = 0; q < R; ++q) rp.pool[q] = o.view->base[q] + L.fpool;
-    if (residuals) rp.pool[0] = static_cast<char*>(o.x_sorted);
+    if (o.x_sorted != nullptr) rp.pool[0] = static_cast<char*>(o.x_sorted);
     rp.comb = residuals ? static_cast<const __nv_bfloat16*>(o.y_sorted)
                         : reinterpret_cast<const __nv_bfloat16*>(o.view->base[o.view->rank] +
                                                                  L.fcomb);
@@ -782,7 +784,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
       l2.b_scale = o.w_down_scale;
       l2.n = static_cast<int32_t>(H);
       ep_.h = nullptr;
-      ep_.gate_up = nullptr;
+      ep_.gate_up = static_cast<__nv_bfloat16*>(o.gate_up);  // nullptr: not stored
       ep_.h_q = static_cast<uint8_t*>(o.h);
       ep_.h_scale = o.h_scale;
       ep_.h_scale_pitch = h_scale_pitch;

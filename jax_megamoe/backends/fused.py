@@ -29,8 +29,14 @@ outside the VJP (cuda_fp8.quantize_expert_weights, named fp8.QUANTIZED_WEIGHTS_N
 policies); both GEMMs run on the e4m3 tile engine (fp32 accumulation promoted every 128 of K
 with the blocks' scales), L1's epilogue quantises h (after SwiGLU, from its bf16 rounding, as
 the definition does) into e4m3 + 1 x 128 scales for L2; combine stays bf16. Backward: backend
-"cuda"'s FP8 layer run again from the inputs and the same weight blocks, then its FP8 backward
-(no residuals kept yet: one forward recomputed per backward, at one rank too).
+"cuda"'s FP8 backward (cuda_fp8.mlp_backward, the dgrad GEMMs on the forward's weight blocks):
+- one rank: from residuals the kernel keeps (gate_up and y_sorted; the bf16 x_sorted is
+  scattered from x by slot_dest and h recomputed from gate_up by cuda_fp8.swiglu_quantize, both
+  in the backward): no forward GEMM recomputed; dW_gate_up from the bf16 rows, as backend cuda
+  without a mesh computes it.
+- several ranks: backend cuda's FP8 layer run again from the inputs and the same weight blocks
+  (rows in FP8 across ranks, so dW_gate_up from the FP8 rows, as backend cuda's EP path), then
+  its backward.
 
 What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, recipe
 None, "fp8" or "fp8_pow2". Other layers (and meshes the NVLink kernels cannot serve) run on
@@ -163,9 +169,8 @@ class FusedConfig:
 
   @property
   def keeps_residuals(self) -> bool:
-    """The forward keeps FusedResiduals (bf16, one rank alone); else the backward recomputes
-    it."""
-    return self.workspace.num_ranks == 1 and not self.stacked and self.recipe is None
+    """The forward keeps FusedResiduals (one rank alone); else the backward recomputes it."""
+    return self.workspace.num_ranks == 1 and not self.stacked
 
   def mlp(self):
     """Backend cuda's expert MLP of this recipe (the backward's path; its LayerPlan)."""
@@ -179,10 +184,11 @@ class FusedConfig:
 
 class FusedResiduals(NamedTuple):
   """What the forward keeps for the backward on one rank (rows in the pool's expert order;
-  slot (t, j) of the token-major input is row slot_dest[t, j], -1 for none)."""
-  x_sorted: jax.Array     # [n_cap, H] the dispatched rows
+  slot (t, j) of the token-major input is row slot_dest[t, j], -1 for none). FP8: x_sorted and
+  h are None (the pool and h hold e4m3 rows; the backward rebuilds their bf16 values)."""
+  x_sorted: jax.Array | None  # [n_cap, H] the dispatched rows
   gate_up: jax.Array      # [n_cap, 2F] L1's output before SwiGLU
-  h: jax.Array            # [n_cap, F] SwiGLU's output, L2's input
+  h: jax.Array | None     # [n_cap, F] SwiGLU's output, L2's input
   y_sorted: jax.Array     # [n_cap, H] L2's output rows
   slot_dest: jax.Array    # [T, k] int32
   group_sizes: jax.Array  # [E] int32 pool rows per expert
@@ -203,7 +209,8 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
   """The custom call: (y, stats [.., 4], phase clock [.., len(PHASES)], FusedResiduals or
   None). bf16: x, w_gate_up [.., E/R, H, 2F], w_down [.., E/R, F, H] bf16. FP8 (fp8_scales =
   (x_scale, w_gate_up_scale, w_down_scale)): x e4m3 [.., T, H], the weights e4m3 and K-major
-  as cuda_fp8.QuantizedWeights ([.., E/R, 2F, H], [.., E/R, H, F]); no residuals."""
+  as cuda_fp8.QuantizedWeights ([.., E/R, 2F, H], [.., E/R, H, F]); residuals without
+  x_sorted and h."""
   fp8 = fp8_scales is not None
   lead = (cfg.workspace.num_ranks,) if cfg.stacked else ()
   tokens, hidden = x.shape[-2:]
@@ -211,8 +218,8 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
   ffn = w_down.shape[-1] if fp8 else w_down.shape[-2]
   n_cap = cfg.plan.n_cap
   n_chunks = -(-tokens // CHUNK)
-  kept = lambda *shape: jax.ShapeDtypeStruct((*lead, *shape) if residuals else (0,),
-                                             jnp.bfloat16)
+  kept = lambda *shape, keep=True: jax.ShapeDtypeStruct(
+      (*lead, *shape) if residuals and keep else (0,), jnp.bfloat16)
   none = jnp.zeros((0,), jnp.float32)
   scales = fp8_scales if fp8 else (none, none, none)
   out_types = (
@@ -224,7 +231,7 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
       jax.ShapeDtypeStruct((*lead, w_gate_up.shape[-3]), jnp.int32),  # group_sizes
       jax.ShapeDtypeStruct((*lead, 4), jnp.int32),
       jax.ShapeDtypeStruct((*lead, len(PHASES)), jnp.int32),
-      kept(n_cap, hidden), kept(n_cap, 2 * ffn), kept(n_cap, hidden),
+      kept(n_cap, hidden, keep=not fp8), kept(n_cap, 2 * ffn), kept(n_cap, hidden),
       jax.ShapeDtypeStruct((*lead, ffn // cuda_fp8.BLOCK, scale_pitch(n_cap)) if fp8 else (0,),
                            jnp.float32),  # h_scale (scratch)
   )
@@ -233,8 +240,10 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
           x, ids, w, w_gate_up, w_down, *scales, workspace_id=np.int64(cfg.workspace.id),
           num_experts=np.int64(cfg.num_experts), n_cap=np.int64(n_cap),
           max_ctas=np.int64(cfg.max_ctas), pow2=np.int64(cfg.pow2)))
-  kept_res = (FusedResiduals(x_sorted, gate_up, h, y_sorted, slot_dest, group_sizes)
-              if residuals else None)
+  kept_res = None
+  if residuals:
+    kept_res = FusedResiduals(None if fp8 else x_sorted, gate_up, None if fp8 else h, y_sorted,
+                              slot_dest, group_sizes)
   return y, stats, phases, kept_res
 
 
@@ -317,34 +326,58 @@ def quantized_weights(w_gate_up, w_down, cfg: FusedConfig) -> cuda_fp8.ExpertWei
   return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]), blocks)
 
 
-def _fp8_call(x, ids, w, blocks: cuda_fp8.ExpertWeightBlocks, cfg: FusedConfig):
-  """The custom call on rows quantised here (1 x 128, before they travel) and `blocks`."""
+def _fp8_call(x, ids, w, blocks: cuda_fp8.ExpertWeightBlocks, cfg: FusedConfig,
+              residuals: bool = False):
+  """The custom call on rows quantised here (1 x 128, before they travel) and `blocks`:
+  (y, FusedResiduals or None)."""
   rows = _over_ranks(lambda a: cuda_fp8.quantize_rows(a, pow2=cfg.pow2), x, cfg)
-  y, stats, _, _ = _fused_call(
-      rows.q, ids, w, blocks.w_gate_up.q, blocks.w_down.q, cfg,
+  y, stats, _, kept = _fused_call(
+      rows.q, ids, w, blocks.w_gate_up.q, blocks.w_down.q, cfg, residuals=residuals,
       fp8_scales=(rows.scale, blocks.w_gate_up.scale, blocks.w_down.scale))
   if cfg.plan.check_capacity:
     jax.debug.callback(cuda_ep.raise_on_bad_stats, stats)
-  return y
+  return y, kept
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _fused_fp8_layer(x, ids, w, w_gate_up, w_down, blocks, cfg):
   """w_gate_up / w_down take the weights' gradients; the kernel reads `blocks`."""
   del w_gate_up, w_down
-  return _fp8_call(x, ids, w, blocks, cfg)
+  return _fp8_call(x, ids, w, blocks, cfg)[0]
 
 
 def _fused_fp8_layer_fwd(x, ids, w, w_gate_up, w_down, blocks, cfg):
-  return _fp8_call(x, ids, w, blocks, cfg), (x, ids, w, w_gate_up, w_down, blocks)
+  y, kept = _fp8_call(x, ids, w, blocks, cfg, residuals=cfg.keeps_residuals)
+  return y, (x, ids, w, w_gate_up, w_down, blocks, kept)
+
+
+def _pool_rows(x, slot_dest, n_cap: int):
+  """x's bf16 rows where the kernel put their FP8 copies: row slot_dest[t, j] = x[t], rows no
+  slot fills zero."""
+  tokens, top_k = slot_dest.shape
+  dest = jnp.where(slot_dest >= 0, slot_dest, n_cap).reshape(-1)
+  rows = x[jnp.arange(tokens * top_k) // top_k]
+  return jnp.zeros((n_cap, x.shape[1]), x.dtype).at[dest].set(rows, mode="drop")
 
 
 def _fused_fp8_layer_bwd(cfg, residuals, dy):
-  """Backend cuda's FP8 layer again (same rows, same weight blocks), then its backward."""
-  x, ids, w, w_gate_up, w_down, blocks = residuals
-  layer = lambda x, w, wgu, wd: _cuda_layer(x, ids, w, wgu, wd, cfg, blocks)
-  _, vjp = jax.vjp(layer, x, w, w_gate_up, w_down)
-  dx, dw, dwgu, dwd = vjp(dy.astype(x.dtype))
+  x, ids, w, w_gate_up, w_down, blocks, kept = residuals
+  dy = dy.astype(x.dtype)
+  if kept is None:  # several ranks: cuda's FP8 layer again (same rows, same blocks), backward
+    layer = lambda x, w, wgu, wd: _cuda_layer(x, ids, w, wgu, wd, cfg, blocks)
+    _, vjp = jax.vjp(layer, x, w, w_gate_up, w_down)
+    dx, dw, dwgu, dwd = vjp(dy)
+    return dx, None, dw, dwgu, dwd, cuda_fp8.zero_cotangent(blocks)
+  # One rank: cuda's EP backward with its FP8 MLP backward, from the kept rows.
+  ep = cfg.ep_config()
+  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, kept.slot_dest, w, ids,
+                                                  kept.group_sizes, ep)
+  x_sorted = _pool_rows(x, kept.slot_dest, cfg.plan.n_cap)
+  hidden, _ = cuda_fp8.swiglu_quantize(kept.gate_up, kept.group_sizes, pow2=cfg.pow2)
+  mlp_res = cuda_fp8.MlpResiduals(kept.gate_up, hidden, blocks)
+  dx_sorted, dwgu, dwd = cuda_fp8.mlp_backward(dy_sorted, x_sorted, kept.group_sizes, mlp_res,
+                                               cfg.pow2)
+  dx, dw = cuda_ep.dispatch_backward(dx_sorted, d_w_slots, kept.slot_dest, ids, ep)
   return dx, None, dw, dwgu, dwd, cuda_fp8.zero_cotangent(blocks)
 
 
