@@ -162,3 +162,99 @@ def test_recipes_the_backend_admits():
   assert reason is not None
   assert fused.scale_pitch(1) == 128 and fused.scale_pitch(128) == 128
   assert fused.scale_pitch(129) == 256
+
+
+# --- the one-rank residual backward, run on the CPU with stand-ins ------------------------------
+# The kernel and the EP kernels' VJPs (CUDA only) are replaced by pure-JAX functions with their
+# contracts (pool rows in expert then token order, slot_dest, gate_up / y_sorted residuals); the
+# FP8 quantisers and GEMMs of the backward are the real ones (their CPU handlers). Checks the
+# Python side's wiring of the residuals (x_sorted rebuilt from x, h from gate_up, routing-weight
+# gradients) against the FP8 emulation.
+
+
+def _dequantized_weights(q, scale):
+  """cuda_fp8.QuantizedWeights q [E, N, K], scale [E, K/128, N/128] -> w [E, K, N] f32."""
+  w = jnp.swapaxes(q.astype(jnp.float32), 1, 2)
+  return w * jnp.repeat(jnp.repeat(scale, 128, axis=1), 128, axis=2)
+
+
+def _kernel_stand_in(xq, ids, w, wgu_q, wd_q, cfg, *, residuals=False, fp8_scales=None):
+  from jax_megamoe import token_layout
+  from jax_megamoe.backends import cuda_fp8
+  x_scale, wgu_s, wd_s = fp8_scales
+  tokens, top_k = ids.shape
+  n_cap, num_experts = cfg.plan.n_cap, cfg.num_experts
+  slots = token_layout.sort_by_expert(ids.reshape(-1), num_experts)
+  total = jnp.sum(slots.group_sizes)
+  x = cuda_fp8.dequantize_rows(cuda_fp8.QuantizedRows(xq, x_scale), jnp.float32)
+  rows = jnp.zeros((n_cap, x.shape[1])).at[:tokens * top_k].set(x[slots.order // top_k])
+  mm = lambda a, b: jax.lax.ragged_dot(a, b, slots.group_sizes,
+                                       precision=jax.lax.Precision.HIGHEST,
+                                       preferred_element_type=jnp.float32)
+  gate_up = mm(rows, _dequantized_weights(wgu_q, wgu_s)).astype(jnp.bfloat16)
+  g = gate_up.astype(jnp.float32)
+  ffn = g.shape[1] // 2
+  h = (jax.nn.silu(g[:, :ffn]) * g[:, ffn:]).astype(jnp.bfloat16)
+  h_rows = cuda_fp8.quantize_rows(h, pow2=cfg.pow2)  # as the L1 epilogue
+  y_sorted = mm(cuda_fp8.dequantize_rows(h_rows, jnp.float32),
+                _dequantized_weights(wd_q, wd_s)).astype(jnp.bfloat16)
+  in_use = (jnp.arange(n_cap) < total)[:, None]
+  gate_up, y_sorted = jnp.where(in_use, gate_up, 0), jnp.where(in_use, y_sorted, 0)
+  slot_dest = jnp.where(slots.inverse < total, slots.inverse, -1).reshape(tokens, top_k)
+  weights = token_layout.masked_weights(ids, w, num_experts)
+  y = token_layout.combine_slots(y_sorted[jnp.maximum(slot_dest, 0)], weights, jnp.bfloat16)
+  kept = (fused.FusedResiduals(None, gate_up, None, y_sorted, slot_dest, slots.group_sizes)
+          if residuals else None)
+  return y, jnp.zeros((4,), jnp.int32), None, kept
+
+
+def _combine_backward_stand_in(d_out, y_sorted, slot_pos, recv_w, ids, group_sizes, cfg):
+  valid = slot_pos >= 0
+  w = jnp.where(valid, recv_w, 0.0)
+  rows = jnp.where(valid, slot_pos, y_sorted.shape[0])
+  d32 = d_out.astype(jnp.float32)
+  dy_sorted = jnp.zeros(y_sorted.shape, jnp.float32).at[rows].set(
+      w[:, :, None] * d32[:, None, :], mode="drop")
+  d_w = jnp.einsum("th,tjh->tj", d32, y_sorted[jnp.maximum(slot_pos, 0)].astype(jnp.float32))
+  return dy_sorted.astype(y_sorted.dtype), jnp.where(valid, d_w, 0.0)
+
+
+def _dispatch_backward_stand_in(dx_sorted, d_recv_w, slot_pos, ids, cfg):
+  valid = (slot_pos >= 0)[:, :, None]
+  parts = jnp.where(valid, dx_sorted[jnp.maximum(slot_pos, 0)].astype(jnp.float32), 0.0)
+  return parts.sum(axis=1).astype(dx_sorted.dtype), d_recv_w
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
+def test_one_rank_residual_backward_matches_emulation(recipe, monkeypatch):
+  import jax_megamoe as jm
+  monkeypatch.setattr(fused, "_fused_call", _kernel_stand_in)
+  monkeypatch.setattr(cuda_ep, "combine_backward", _combine_backward_stand_in)
+  monkeypatch.setattr(cuda_ep, "dispatch_backward", _dispatch_backward_stand_in)
+  rng = np.random.default_rng(5)
+  tokens, experts, top_k, hidden, ffn = 96, 8, 2, 256, 128
+  ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
+  ids[rng.random(ids.shape) < 0.2] = -1  # masked slots
+  ids = jnp.asarray(ids)
+  x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+  w = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
+  wgu = jnp.asarray(rng.standard_normal((experts, hidden, 2 * ffn)) / 16, jnp.bfloat16)
+  wd = jnp.asarray(rng.standard_normal((experts, ffn, hidden)) / 11, jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+  shape = check_layer_args(x, ids, w, wgu, wd)
+  plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
+  cfg = fused.FusedConfig(_TracedWorkspace(), experts, plan, 0, local=True, recipe=recipe)
+
+  def grads(layer):
+    def loss(x, w, a, b):
+      y = layer(x, ids, w, a, b)
+      return jnp.sum(y.astype(jnp.float32) * dy), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w, wgu, wd)
+  (_, y), g = grads(lambda *a: fused.fused_layer(*a, cfg))
+  (_, y_ref), g_ref = grads(lambda *a: jm.moe(*a, backend="reference", recipe=recipe))
+  rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
+                           / max(np.linalg.norm(np.asarray(b, np.float32)), 1e-30))
+  errs = {n: rel(a, b) for n, a, b in zip(("y", "dx", "dw", "dwgu", "dwd"), (y, *g),
+                                          (y_ref, *g_ref))}
+  print(recipe, errs)
+  assert max(errs.values()) < 2e-2, errs
