@@ -5,7 +5,8 @@
 // (ffi/layout/fp8_blocks.h, satfinite e4m3), laid out as the fused kernel reads them (weights
 // K-major [E, N, K], scales K-block-major [K/128, pitch]). Checked on sampled rows (every
 // expert's first and last row among them) against a host reference in double: L1's h
-// (dequantised, and its e4m3 bytes and scales against the host's quantisation of the host h),
+// (its e4m3 bytes and scales, and their dequantised values, against the host's quantisation of
+// the host h),
 // L2's y from the kernel's own h (so that L2 is checked alone); outputs poisoned first; bitwise
 // run to run. Timed with CUDA events (median). CUDA C++ only, no JAX.
 //
@@ -313,10 +314,13 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
       if (ks != s) ++scale_diff;
       for (int i = 0; i < 128; ++i) {
         const int64_t c = b * 128 + i;
-        if (ToE4m3(hrow[c] / s) != hq[r * F + c]) ++h_byte_diff;
+        const uint8_t want_q = ToE4m3(hrow[c] / s);
+        if (want_q != hq[r * F + c]) ++h_byte_diff;
+        // Both sides quantised (e4m3 itself is off by up to 2^-4 of a value: not measured here).
+        const double want = double(FromE4m3(want_q)) * s;
         const double got = double(FromE4m3(hq[r * F + c])) * ks;
-        h_d2 += (got - hrow[c]) * (got - hrow[c]);
-        h_r2 += double(hrow[c]) * hrow[c];
+        h_d2 += (got - want) * (got - want);
+        h_r2 += want * want;
         ++checked_h;
       }
     }
@@ -350,7 +354,7 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
                     memcmp(Download(d_y, rows * H).data(), y.data(), rows * H * 2) == 0;
 
   // h bytes may differ where an fp32 accumulation order flips a bf16 rounding of gate/up.
-  const bool ok = nonfinite == 0 && h_err < 3e-2 && y_err < 1e-2 && same &&
+  const bool ok = nonfinite == 0 && h_err < 1e-2 && y_err < 1e-2 && same &&
                   h_byte_diff <= checked_h / 50 + 2;
   printf("%-28s %s rows %7lld  h rel %.2e (bytes off %lld/%lld, scales off %lld)  y rel %.2e  "
          "non-finite %lld  bitwise %s  -> %s\n",
