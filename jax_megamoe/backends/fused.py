@@ -396,19 +396,27 @@ def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
   return _fused_fp8_layer(x, ids, w, w_gate_up, w_down, blocks, cfg)
 
 
-def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
+def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=None):
   """One device, no mesh (for the breakdown benchmark): (y, phase clock [8] int32: ns from the
-  kernel's start to the end of each of PHASES, on its CTA 0). Forward only."""
+  kernel's start to the end of each of PHASES, on its CTA 0). Forward only; FP8 recipes: the
+  kernel alone (rows and weights quantised before it, outside the clock)."""
   from jax_megamoe.validation import check_layer_args
   shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down)
-  reason = layer_unavailable_reason(shape) or unavailable_reason()
+  reason = layer_unavailable_reason(shape) or unavailable_reason(recipe)
   if reason is not None:
     raise ValueError(f"the fused kernel cannot take this layer: {reason}")
-  plan = cuda_ep.LayerPlan.of(shape, cuda_bf16.grouped_mlp)
+  plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(recipe))
   cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
-                    max_ctas(False), local=True)
-  y, _, phases, _ = _fused_call(x, topk_ids.astype(jnp.int32),
-                                topk_weights.astype(jnp.float32), w_gate_up, w_down, cfg)
+                    max_ctas(False), local=True, recipe=recipe)
+  ids, w = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
+  if recipe is None:
+    y, _, phases, _ = _fused_call(x, ids, w, w_gate_up, w_down, cfg)
+    return y, phases
+  rows = cuda_fp8.quantize_rows(x, pow2=cfg.pow2)
+  blocks = quantized_weights(w_gate_up, w_down, cfg)
+  y, _, phases, _ = _fused_call(
+      rows.q, ids, w, blocks.w_gate_up.q, blocks.w_down.q, cfg,
+      fp8_scales=(rows.scale, blocks.w_gate_up.scale, blocks.w_down.scale))
   return y, phases
 
 
