@@ -101,9 +101,17 @@ static float Bf16Round(float v) { return __bfloat162float(__float2bfloat16_rn(v)
 static uint8_t ToE4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
-static float FromE4m3(uint8_t q) {
+static float E4m3Value(uint8_t q) {
   const __half_raw h = __nv_cvt_fp8_to_halfraw(q, __NV_E4M3);
   return __half2float(__half(h));
+}
+static float FromE4m3(uint8_t q) {  // a table: the reference loops decode billions of bytes
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = E4m3Value(uint8_t(i));
+    return t;
+  }();
+  return table[q];
 }
 
 struct Rng {
