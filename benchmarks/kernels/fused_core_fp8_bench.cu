@@ -341,7 +341,8 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
           const int64_t k = kb * 128 + i;
           part += double(FromE4m3(hq[r * F + k])) * FromE4m3(wdq[(e * H + n) * F + k]);
         }
-        acc += part * hs[kb * Pitch(pool_rows) + r] * wds[(e * (F / 128) + kb) * (H / 128) + n / 128];
+        acc += part * hs[kb * Pitch(pool_rows) + r] *
+               wds[(e * (F / 128) + kb) * (H / 128) + n / 128];
       }
       const float got = __bfloat162float(y[r * H + n]);
       if (!std::isfinite(got)) ++nonfinite;
@@ -358,8 +359,9 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
   run(kL1GateUp);
   run(kL2Down);
   CK(cudaDeviceSynchronize());
-  const bool same = Download(d_hq, rows * F) == std::vector<uint8_t>(hq.begin(), hq.begin() + rows * F) &&
-                    memcmp(Download(d_y, rows * H).data(), y.data(), rows * H * 2) == 0;
+  const bool same =
+      Download(d_hq, rows * F) == std::vector<uint8_t>(hq.begin(), hq.begin() + rows * F) &&
+      memcmp(Download(d_y, rows * H).data(), y.data(), rows * H * 2) == 0;
 
   // h bytes may differ where an fp32 accumulation order flips a bf16 rounding of gate/up.
   const bool ok = nonfinite == 0 && h_err < 1e-2 && y_err < 1e-2 && same &&

@@ -665,7 +665,8 @@ struct Sm90MoeTileEngine {
     const int warp_in_wg = t >> 5;
     const int lane = t & 31;
     float acc[128];
-    [[maybe_unused]] float tmp[kFp8 ? 64 : 1];  // FP8: one 128-column half of a stage, before its promotion
+    // FP8: one 128-column half of a stage, before its promotion.
+    [[maybe_unused]] float tmp[kFp8 ? 64 : 1];
     uint32_t it = 0, jn = 0;
     // Fragment writes: rows warp_in_wg * 16 + lane / 4 (+ 8), row % 8 = lane / 4.
     const uint32_t frag_off = uint32_t(warp_in_wg * 16 + (lane >> 2)) * kSlotRowBytes +

@@ -563,7 +563,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int t = gwarp; t < T; t += nwarps) {
     uint4* dst = reinterpret_cast<uint4*>(A.y + static_cast<size_t>(t) * H);
     if (failed) {
-      for (int c = lane; c < row_vecs_bf16; c += 32) dst[c] = ep::NanVec16(static_cast<const __nv_bfloat16*>(nullptr));
+      for (int c = lane; c < row_vecs_bf16; c += 32)
+        dst[c] = ep::NanVec16(static_cast<const __nv_bfloat16*>(nullptr));
       continue;
     }
     const size_t s0 = static_cast<size_t>(t) * K;
@@ -595,7 +596,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
         const int c = c0 + u * 32 + lane;
-        if (c < row_vecs_bf16) dst[c] = ep::Pack(acc[u], static_cast<const __nv_bfloat16*>(nullptr));
+        if (c < row_vecs_bf16)
+          dst[c] = ep::Pack(acc[u], static_cast<const __nv_bfloat16*>(nullptr));
       }
     }
   }

@@ -40,8 +40,9 @@ the definition does) into e4m3 + 1 x 128 scales for L2; combine stays bf16. Back
 
 What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, recipe
 None, "fp8" or "fp8_pow2". Other layers (and meshes the NVLink kernels cannot serve) run on
-backend "cuda", the same function. Memory of the workspace's fused regions per GPU (R ranks, T tokens per GPU,
-n_cap = R * T * min(k, E / R) pool rows by default, dropless):
+backend "cuda", the same function. Memory of the workspace's fused regions per GPU (R ranks,
+T tokens per GPU, n_cap = R * T * min(k, E / R) pool rows by default, dropless; FP8 rows and
+their scales fit in the same pool):
   n_cap * H * 2 (pool) + T * k * H * 2 (comb) + 16 * (n_cap / 128 + 1024) + 65 KB
 e.g. 30B shape at EP=1 (T=16,384, k=8, H=2048): 0.54 + 0.54 GB.
 """
