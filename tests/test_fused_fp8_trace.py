@@ -54,7 +54,7 @@ def _config(recipe, num_ranks=1):
   shape = check_layer_args(x, ids, w, wgu.reshape(E, H, 2 * F), wd.reshape(E, F, H))
   plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
   ws = _TracedWorkspace(num_ranks=num_ranks, virtual=num_ranks > 1)
-  return fused.FusedConfig(ws, E, plan, 0, local=num_ranks == 1, recipe=recipe)
+  return fused.FusedConfig(ws, E, plan, 0, recipe=recipe)
 
 
 def _fused_calls(text: str) -> list[str]:
@@ -91,7 +91,7 @@ def test_forward_is_one_fused_call_on_e4m3_operands(recipe):
 
 def test_one_rank_training_step_reads_the_residuals():
   cfg = _config("fp8")
-  assert cfg.keeps_residuals
+  assert cfg.one_rank
   x, ids, w, wgu, wd = _inputs()
 
   def loss(x, w, a, b):
@@ -203,7 +203,7 @@ def _kernel_stand_in(xq, ids, w, wgu_q, wd_q, cfg, *, residuals=False, fp8_scale
   slot_dest = jnp.where(slots.inverse < total, slots.inverse, -1).reshape(tokens, top_k)
   weights = token_layout.masked_weights(ids, w, num_experts)
   y = token_layout.combine_slots(y_sorted[jnp.maximum(slot_dest, 0)], weights, jnp.bfloat16)
-  kept = (fused.FusedResiduals(None, gate_up, None, y_sorted, slot_dest, slots.group_sizes)
+  kept = (fused.FusedResiduals(gate_up, None, y_sorted, slots.group_sizes, slot_dest=slot_dest)
           if residuals else None)
   return y, jnp.zeros((4,), jnp.int32), None, kept
 
@@ -243,7 +243,7 @@ def test_one_rank_residual_backward_matches_emulation(recipe, monkeypatch):
   dy = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
   shape = check_layer_args(x, ids, w, wgu, wd)
   plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
-  cfg = fused.FusedConfig(_TracedWorkspace(), experts, plan, 0, local=True, recipe=recipe)
+  cfg = fused.FusedConfig(_TracedWorkspace(), experts, plan, 0, recipe=recipe)
 
   def grads(layer):
     def loss(x, w, a, b):
