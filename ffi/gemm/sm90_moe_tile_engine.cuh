@@ -78,11 +78,13 @@
 // FP8 (Elems = E4m3Operands; recipes "fp8" / "fp8_pow2", jax_megamoe/fp8.py defines them): e4m3
 // operands with fp32 scales, A (rows) in 1 x 128 blocks along K, B (weights) in 128 x 128 blocks.
 // A stage is 128 of K (128 bytes per row: one scale block, the same 128B swizzle and the same
-// bytes per stage as bf16's 64 of K: A 16 KB, B 32 KB), plus the stage's A scales (128 fp32,
-// one TMA box from a K-block-major [K/128, rows] scale matrix) and B scales (2 fp32, written by
-// the producer from [E, K/128, N/128]). B is K-major (FP8 wgmma takes no transposed operand):
-// the quantised weights [E, N, K], two TMA boxes of {128 K, 128 N rows} per stage (L1: the gate
-// block and the up block of the tile; L2: the tile's two 128-column blocks). Each consumer
+// bytes per stage as bf16's 64 of K: A 16 KB, B 32 KB), plus the stage's A scales (one TMA box
+// of 132 fp32 from a K-block-major [K/128, rows] scale matrix, starting at the tile's first row
+// rounded down to a multiple of 4: a 16-byte aligned start, see load_tile_fp8) and B scales
+// (2 fp32, written by the producer from [E, K/128, N/128]). B is K-major (FP8 wgmma takes no
+// transposed operand): the quantised weights [E, N, K], two TMA boxes of {128 K, 128 N rows} per
+// stage (L1: the gate block and the up block of the tile; L2: the tile's two 128-column
+// blocks). Each consumer
 // warpgroup runs, per stage and per 128-column half, 4 x wgmma m64n128k32 e4m3 into a
 // temporary fragment (64 fp32), waits for it and promotes it: acc += tmp * (sa[row] * sb[half]).
 // The promoted accumulator holds the same columns in the same registers as bf16's m64n256
@@ -146,9 +148,12 @@ struct alignas(128) GemmOperands {
   int32_t a_load;            // ALoad (FP8: kTmaBlock only)
   // FP8 only (E4m3Operands): a_map / b_map are then e4m3 (box {128, 128}; b_map over the
   // K-major weights [E * N, K]), and the scales:
-  CUtensorMap sa_map;        // A's scales, fp32 [K/128, pitch] (K-block-major), box {128, 1}
+  CUtensorMap sa_map;        // A's scales, fp32 [K/128, pitch] (K-block-major), box {132, 1}
   const float* b_scale;      // B's 128 x 128 block scales [E, K/128, N/128]
   int32_t n;                 // N: B rows per expert (L1 2F, L2 H)
+  // Debug only (0 normally): 1 = the A-scale box starts at the tile's first row itself, not at
+  // it rounded down to 16 bytes (the first build's unaligned start, kept to A/B it on a GPU).
+  int32_t sa_unaligned;
 };
 
 // Per-row destination of L2 results for the plain standalone GEMM: row r of the tile goes to
@@ -339,7 +344,11 @@ struct Sm90MoeTileEngine {
   static constexpr int kBBytes = kBlockK * kBlockN * kElemBytes;  // 32 KB
   static constexpr int kBBoxBytes = kBlockK * 64 * 2;    // bf16: 8 KB, 64 K-rows x 64 N
   static constexpr int kBHalfBytes = kBBytes / 2;        // FP8: 16 KB, 128 N-rows x 128 K
-  static constexpr int kAScaleBytes = kBlockM * 4;       // FP8: a stage's A scales
+  // FP8: a stage's A scales, one TMA box of kAScaleBox fp32 from the tile's first row rounded
+  // down to a multiple of 4 (16 bytes): the 128 rows of the tile start at offset row_begin % 4.
+  static constexpr int kAScaleBox = kBlockM + 4;          // 132 rows, 528 B
+  static constexpr int kAScaleBytes = kAScaleBox * 4;
+  static constexpr int kAScaleStride = 160;               // floats per stage: 640 B, 128-aligned
   static_assert(kABytes == 16384 && kBBytes == 32768, "both element types share the stage sizes");
   static constexpr int kSlotRowBytes = 256;              // 128 bf16 columns per staging slot
   static constexpr int kSlotBytes = 64 * kSlotRowBytes;  // 16 KB
@@ -354,7 +363,7 @@ struct Sm90MoeTileEngine {
     uint64_t stored[kJobSlots];
     uint64_t job_full[kJobSlots], job_empty[kJobSlots];
     struct Fp8Scales {
-      alignas(128) float a[kStages][kBlockM];  // a stage's A scales (TMA)
+      alignas(128) float a[kStages][kAScaleStride];  // a stage's A scales (TMA, kAScaleBox)
       float b[kStages][2];                     // its two B blocks' scales (producer stores)
     };
     struct NoScales {};
@@ -526,8 +535,17 @@ struct Sm90MoeTileEngine {
       if (loads && lane == 0) {
         cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], 0ull, ss.a[s], kb * kBlockK,
                                      job.row_begin);
-        cute::SM90_TMA_LOAD_2D::copy(&op.sa_map, &ss.full[s], 0ull, ss.scales.a[s],
-                                     job.row_begin, kb);
+        // The scale box's innermost coordinate is a row index (fp32 elements) and experts'
+        // rows sit in the pool at any offset, so row_begin * 4 bytes is in general not 16-byte
+        // aligned: a TMA whose innermost start address is not 16-byte aligned faults on Hopper
+        // (illegal instruction, sticky; reported in triton-lang/triton#7385 and
+        // tile-ai/tilelang#2681), the likely fault of the first GPU run (every other TMA box of
+        // this engine, bf16's too, starts at a multiple of 128 bytes). So the box starts at
+        // row_begin rounded down to 4 rows, 132 rows, the tile's at row_begin % 4
+        // (mainloop_fp8). Compiled here, NOT run on a GPU.
+        const int sa_row0 = op.sa_unaligned ? job.row_begin : (job.row_begin & ~3);
+        cute::SM90_TMA_LOAD_2D::copy(&op.sa_map, &ss.full[s], 0ull, ss.scales.a[s], sa_row0,
+                                     kb);
       }
       Barrier::arrive(&ss.full[s]);
     }
@@ -537,17 +555,19 @@ struct Sm90MoeTileEngine {
   // One FP8 tile's mainloop (a consumer warpgroup): per stage and per 128-column half, 4 x
   // wgmma m64n128k32 into tmp, wait, then acc[half] += tmp * (sa[row] * sb[half]); each stage
   // is released once read, except the tile's last two (the epilogue's staging).
-  __device__ static void mainloop_fp8(SharedStorage& ss, int num_kb, int wg, int warp_in_wg,
-                                      int lane, uint32_t& it, float (&acc)[128],
+  // sa_off: where the tile's first row sits in a stage's A-scale box (load_tile_fp8).
+  __device__ static void mainloop_fp8(SharedStorage& ss, int num_kb, int sa_off, int wg,
+                                      int warp_in_wg, int lane, uint32_t& it, float (&acc)[128],
                                       float (&tmp)[kFp8 ? 64 : 1]) {
     if constexpr (kFp8) {
       const int num_stages = num_kb < 2 ? 2 : num_kb;
       const int row = 64 * wg + warp_in_wg * 16 + (lane >> 2);  // fragment rows row, row + 8
+      const int sa_row = sa_off + row;
       for (int kb = 0; kb < num_stages; ++kb, ++it) {
         const int s = it % kStages;
         Barrier::wait(&ss.full[s], (it / kStages) & 1);
         if (kb < num_kb) {
-          const float sa0 = ss.scales.a[s][row], sa1 = ss.scales.a[s][row + 8];
+          const float sa0 = ss.scales.a[s][sa_row], sa1 = ss.scales.a[s][sa_row + 8];
           const uint32_t a_addr = detail::smem_u32(ss.a[s]) + wg * (64 * 128);
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
@@ -726,7 +746,8 @@ struct Sm90MoeTileEngine {
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
       if constexpr (kFp8) {
-        mainloop_fp8(ss, num_kb, wg, warp_in_wg, lane, it, acc, tmp);
+        mainloop_fp8(ss, num_kb, op.sa_unaligned ? 0 : (job.row_begin & 3), wg, warp_in_wg,
+                     lane, it, acc, tmp);
       } else {
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
         const int s = it % kStages;

@@ -57,14 +57,15 @@ inline std::string MakeRowMajorTensorMap(CUtensorMap* map, const void* base, int
 }
 
 // FP8 scales, K-block-major: fp32 [blocks, pitch] (row b holds K-block b's scale of every row),
-// `rows` of each in use, box {128 rows, 1 block}, no swizzle. "" or what failed.
+// `rows` of each in use, box {132 rows, 1 block}, no swizzle (the engine starts each box at a
+// 16-byte aligned row: Sm90MoeTileEngine::kAScaleBox). "" or what failed.
 inline std::string MakeScaleTensorMap(CUtensorMap* map, const void* base, int64_t blocks,
                                       int64_t pitch, int64_t rows) {
   EncodeTiledFn encode = GetEncodeTiled();
   if (encode == nullptr) return "cuTensorMapEncodeTiled not available";
   const cuuint64_t dims[2] = {cuuint64_t(rows), cuuint64_t(blocks)};
   const cuuint64_t strides[1] = {cuuint64_t(pitch * 4)};
-  const cuuint32_t box[2] = {128, 1};
+  const cuuint32_t box[2] = {132, 1};  // Sm90MoeTileEngine<.., E4m3Operands>::kAScaleBox
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<void*>(base),
                             dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
