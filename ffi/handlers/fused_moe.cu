@@ -15,6 +15,7 @@
 // [F/128, FusedScalePitch(n_cap)]; y bf16.
 #include <cuda_bf16.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -150,10 +151,14 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   if (ost.dims[0] != 4) return Fail("stats must be [4] per rank");
   if (oph.dims[0] != kFusedPhases)
     return Fail("phases must be [" + n(kFusedPhases) + "] per rank");
+  // MEGAMOE_FUSED_DEBUG (fused_moe.h: kFusedDebug*): fault localisation only, unset normally.
+  const char* debug_env = std::getenv("MEGAMOE_FUSED_DEBUG");
+  const int debug = debug_env != nullptr ? std::atoi(debug_env) : 0;
   const FusedForwardProblem problem{static_cast<int>(T), static_cast<int>(H),
                                     static_cast<int>(F), static_cast<int>(K),
                                     static_cast<int>(num_experts), static_cast<int>(n_cap),
-                                    static_cast<int>(max_ctas), fp8 ? 1 : 0, pow2 ? 1 : 0};
+                                    static_cast<int>(max_ctas), fp8 ? 1 : 0, pow2 ? 1 : 0,
+                                    debug};
   if (std::string why = FusedForwardUnsupported(problem, v0.layout, v0.num_ranks); !why.empty())
     return Fail(why);
   const auto dims = [](const ffi::AnyBuffer& b) {

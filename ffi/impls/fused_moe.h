@@ -59,7 +59,22 @@ struct FusedForwardProblem {
   int max_ctas;     // CTAs of the launch: > 0 at most that many, <= 0 every SM but -max_ctas
   int fp8;          // 1: recipe "fp8" / "fp8_pow2" (e4m3 operands), 0: bf16
   int pow2;         // FP8: power-of-two scales for h (recipe "fp8_pow2")
+  int debug = 0;    // kFusedDebug* bits (MEGAMOE_FUSED_DEBUG, read by the handler); 0 normally
 };
+
+// Debug knob (environment variable MEGAMOE_FUSED_DEBUG, an integer of these bits, read by the
+// handler at every call; 0 or unset: the normal kernel). Fault localisation only: with bits
+// 1 / 2 / 4 the results are wrong by construction (y is not the layer's), the kernel still
+// runs every other phase and never waits on work it skipped.
+constexpr int kFusedDebugNoL2 = 1;       // compute no L2 tile (L1 still runs and stores h)
+constexpr int kFusedDebugNoGemm = 2;     // compute no GEMM tile at all (route, dispatch, combine)
+constexpr int kFusedDebugNoGateUp = 4;   // store no gate_up residual (the epilogue without it)
+constexpr int kFusedDebugSync = 8;       // synchronise the stream after the launch and report a
+                                         // kernel fault as this call's error (needs XLA command
+                                         // buffers off: --xla_gpu_enable_command_buffer=)
+constexpr int kFusedDebugUnalignedScales = 16;  // FP8: A-scale TMA boxes start at the tile's
+                                                // first row itself (the first build's unaligned
+                                                // start) instead of at it rounded down to 16 B
 
 // Rows of a K-block-major scale matrix [K/128, pitch] over `rows` rows (FP8: the pool's and h's
 // scales; a multiple of 128 rows, which keeps TMA's 16-byte row stride).

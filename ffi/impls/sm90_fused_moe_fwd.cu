@@ -106,6 +106,10 @@ static_assert(sizeof(RoutingScratch) <= sizeof(Engine::SharedStorage::a) +
                                             sizeof(Engine::SharedStorage::b),
               "the routing scratch must fit in the stage ring");
 static_assert(sizeof(RankTables) % 1024 == 0, "the engine's storage follows the tables");
+// 227 KB of dynamic shared memory per block on sm_90, less the 1 KB ptxas reports as static.
+static_assert(sizeof(FusedSmem<Engine>) <= 232448 - 1024 &&
+                  sizeof(FusedSmem<Fp8Engine>) <= 232448 - 1024,
+              "the fused kernel's shared memory exceeds what an sm_90 block may take");
 
 __device__ __forceinline__ uint8_t* SmemBase() {
   extern __shared__ __align__(1024) uint8_t fused_smem[];
@@ -170,6 +174,7 @@ struct KernelParams {
   // FP8: the pool holds e4m3 rows [fused_rows, H], then their scales [H/128, pitch] fp32.
   int64_t pool_scale_offset;  // bytes from a pool's start to its scales
   int64_t pool_scale_pitch;   // FusedScalePitch(fused_rows)
+  int32_t debug;              // FusedForwardProblem::debug (kFusedDebug* bits; 0 normally)
 };
 // Kernel parameters may take 32,764 bytes (CUDA 12.1+, sm_70+).
 static_assert(sizeof(KernelParams) <= 32764, "the fused kernel's parameters are too large");
@@ -523,8 +528,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       sched.walk.num_experts = El;
       sched.tile = cta;
       sched.stride = G;
-      sched.l1_tiles = routed ? S.total_blocks * l1_n : 0;
-      sched.l2_tiles = routed ? S.total_blocks * l2_n : 0;
+      // Debug knob (fused_moe.h): no L2 tiles, or no GEMM tiles at all. Nothing waits on a
+      // skipped tile (L2 waits on L1, never the reverse), so the kernel still completes.
+      const bool l1_on = routed && !(P.debug & kFusedDebugNoGemm);
+      const bool l2_on = l1_on && !(P.debug & kFusedDebugNoL2);
+      sched.l1_tiles = l1_on ? S.total_blocks * l1_n : 0;
+      sched.l2_tiles = l2_on ? S.total_blocks * l2_n : 0;
       sched.l1_blocks_n = l1_n;
       sched.l2_blocks_n = l2_n;
       const TileHooks hooks{&v, rows_arrived, l1_done, l1_n};
@@ -717,6 +726,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   params.top_k = p.top_k;
   params.num_experts = p.num_experts;
   params.n_cap = p.n_cap;
+  params.debug = p.debug;
   const int R = ranks[0].view->num_ranks;
   const int64_t El = p.num_experts / R, H = p.hidden, F = p.ffn;
   const bool fp8 = p.fp8 != 0;
@@ -764,7 +774,9 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
         return "fused forward: " + err;
       }
       ep_.h = static_cast<__nv_bfloat16*>(o.h);
-      ep_.gate_up = static_cast<__nv_bfloat16*>(o.gate_up);  // nullptr: not stored
+      // nullptr: not stored (debug knob kFusedDebugNoGateUp: not stored even when kept).
+      ep_.gate_up = (p.debug & kFusedDebugNoGateUp) ? nullptr
+                                                    : static_cast<__nv_bfloat16*>(o.gate_up);
     } else {
       // e4m3, K-major: A rows [rows, K], B the quantised weights [E/R * N, K]; boxes of 128 K
       // bytes x 128 rows; the scales K-block-major, boxes of 128 rows.
@@ -782,12 +794,16 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
                .empty()) {
         return "fused forward: " + err;
       }
+      // Debug knob: the first build's unaligned A-scale box starts (A/B of the aligned ones).
+      l1.sa_unaligned = l2.sa_unaligned = (p.debug & kFusedDebugUnalignedScales) ? 1 : 0;
       l1.b_scale = o.w_gate_up_scale;
       l1.n = static_cast<int32_t>(2 * F);
       l2.b_scale = o.w_down_scale;
       l2.n = static_cast<int32_t>(H);
       ep_.h = nullptr;
-      ep_.gate_up = static_cast<__nv_bfloat16*>(o.gate_up);  // nullptr: not stored
+      // nullptr: not stored (debug knob kFusedDebugNoGateUp: not stored even when kept).
+      ep_.gate_up = (p.debug & kFusedDebugNoGateUp) ? nullptr
+                                                    : static_cast<__nv_bfloat16*>(o.gate_up);
       ep_.h_q = static_cast<uint8_t*>(o.h);
       ep_.h_scale = o.h_scale;
       ep_.h_scale_pitch = h_scale_pitch;
@@ -812,8 +828,16 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     if (cudaError_t e = cudaMemsetAsync(o.stats, 0, 4 * sizeof(int32_t), stream); e != cudaSuccess)
       return std::string("fused forward: stats memset: ") + cudaGetErrorString(e);
   }
-  return fp8 ? LaunchKernel<Fp8Engine>(params, per_rank * count, stream)
-             : LaunchKernel<Engine>(params, per_rank * count, stream);
+  std::string err = fp8 ? LaunchKernel<Fp8Engine>(params, per_rank * count, stream)
+                         : LaunchKernel<Engine>(params, per_rank * count, stream);
+  if (err.empty() && (p.debug & kFusedDebugSync)) {
+    // Debug knob: name a fault of this kernel here instead of at some later XLA operation.
+    if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
+      return std::string(fp8 ? "FP8" : "bf16") + " fused forward kernel failed (debug sync): " +
+             cudaGetErrorString(e);
+    }
+  }
+  return err;
 }
 
 }  // namespace megamoe::fused
