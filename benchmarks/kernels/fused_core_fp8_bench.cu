@@ -11,8 +11,13 @@
 // run to run. Timed with CUDA events (median). CUDA C++ only, no JAX.
 //
 // Build: benchmarks/kernels/build_fused_core_bench.sh (builds both harnesses).
-// Run: ./fused_core_fp8_bench [--pow2] [--timing] (--timing adds the 30B shape, E = 128 x 1024
-// rows, H 2048, F 768: ~1 GB of host memory and a few seconds of host quantisation).
+// Run: ./fused_core_fp8_bench [--pow2] [--timing] [--gate-up] [--unaligned-scales]
+// (--unaligned-scales: A-scale TMA boxes start at the tile's first row itself, the first
+// build's unaligned start, instead of at it rounded down to 16 bytes; --timing adds the 30B shape,
+// E = 128 x 1024 rows, H 2048, F 768: ~1 GB of host memory and a few seconds of host
+// quantisation; --gate-up also stores and checks L1's bf16 gate_up, the residual the fused
+// kernel keeps at one rank: the three-slot FP8 epilogue). Each launch is synchronised and
+// named, so a kernel fault reports which GEMM raised it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -45,6 +50,15 @@ using Engine = Sm90MoeTileEngine<4, 4, E4m3Operands>;
       exit(2);                                                                           \
     }                                                                                    \
   } while (0)
+
+// A fault of the launch just made, named (a sticky error would otherwise surface later).
+static void SyncOrDie(const char* what) {
+  const cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    fprintf(stderr, "CUDA error after %s: %s\n", what, cudaGetErrorString(e));
+    exit(2);
+  }
+}
 
 static void CheckStr(const std::string& s) {
   if (!s.empty()) {
@@ -188,7 +202,8 @@ struct Problem {
 
 static int64_t Pitch(int64_t rows) { return (rows + 127) / 128 * 128; }
 
-static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
+static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool keep_gate_up,
+                       bool unaligned_scales) {
   const int64_t H = pb.h, F = pb.f, E = int64_t(pb.sizes.size());
   std::vector<int32_t> offsets(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + pb.sizes[e];
@@ -232,6 +247,8 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
   CK(cudaMalloc(&d_hq, pool_rows * F));
   CK(cudaMalloc(&d_hs, (F / 128) * Pitch(pool_rows) * 4));
   CK(cudaMalloc(&d_y, pool_rows * H * 2));
+  bf16* d_gu = nullptr;  // --gate-up: L1's bf16 gate_up [rows, 2F]
+  if (keep_gate_up) CK(cudaMalloc(&d_gu, pool_rows * 2 * F * 2));
 
   Params prm;
   memset(&prm, 0, sizeof(prm));
@@ -241,6 +258,7 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
   CheckStr(MakeScaleTensorMap(&l1.sa_map, d_xs, H / 128, Pitch(pool_rows), pool_rows));
   CheckStr(MakeRowMajorTensorMap(&l1.b_map, d_wguq, E * 2 * F, H, H, 128, 128, 1));
   l1.b_scale = d_wgus;
+  l1.sa_unaligned = unaligned_scales ? 1 : 0;
   l1.n = int(2 * F);
   l1.k = int(H);
   l1.a_load = int32_t(ALoad::kTmaBlock);
@@ -248,6 +266,7 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
   CheckStr(MakeScaleTensorMap(&l2.sa_map, d_hs, F / 128, Pitch(pool_rows), pool_rows));
   CheckStr(MakeRowMajorTensorMap(&l2.b_map, d_wdq, E * H, F, F, 128, 128, 1));
   l2.b_scale = d_wds;
+  l2.sa_unaligned = unaligned_scales ? 1 : 0;
   l2.n = int(H);
   l2.k = int(F);
   l2.a_load = int32_t(ALoad::kTmaBlock);
@@ -257,6 +276,7 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
   prm.h_scale_pitch = Pitch(pool_rows);
   prm.pow2 = pow2 ? 1 : 0;
   prm.l2_dest = IndexedRowDest{d_y, d_dest, H};
+  prm.gate_up = d_gu;
 
   const size_t smem = sizeof(KernelStorage);
   CK(cudaFuncSetAttribute(Fp8CoreKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -270,10 +290,16 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
   CK(cudaMemset(d_y, 0xff, pool_rows * H * 2));
   CK(cudaMemset(d_hq, 0xff, pool_rows * F));
   CK(cudaMemset(d_hs, 0xff, (F / 128) * Pitch(pool_rows) * 4));
+  if (d_gu != nullptr) CK(cudaMemset(d_gu, 0xff, pool_rows * 2 * F * 2));
+  printf("%-28s launching L1 then L2 ...\n", pb.name.c_str());
+  fflush(stdout);
   run(kL1GateUp);
+  SyncOrDie("the L1 launch");
   run(kL2Down);
-  CK(cudaDeviceSynchronize());
+  SyncOrDie("the L2 launch");
   std::vector<uint8_t> hq = Download(d_hq, pool_rows * F);
+  std::vector<bf16> gu_k;
+  if (d_gu != nullptr) gu_k = Download(d_gu, pool_rows * 2 * F);
   std::vector<float> hs = Download(d_hs, (F / 128) * Pitch(pool_rows));
   std::vector<bf16> y = Download(d_y, pool_rows * H);
 
@@ -288,7 +314,7 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
   std::sort(sample.begin(), sample.end());
   sample.erase(std::unique(sample.begin(), sample.end()), sample.end());
 
-  double h_d2 = 0, h_r2 = 0, y_d2 = 0, y_r2 = 0;
+  double h_d2 = 0, h_r2 = 0, y_d2 = 0, y_r2 = 0, gu_d2 = 0, gu_r2 = 0;
   int64_t h_byte_diff = 0, scale_diff = 0, nonfinite = 0, checked_h = 0;
   std::vector<float> gu(2 * F), hrow(F);
   for (int64_t r : sample) {
@@ -307,6 +333,12 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
                wgus[(e * (H / 128) + kb) * (2 * F / 128) + n / 128];
       }
       gu[n] = Bf16Round(float(acc));
+      if (d_gu != nullptr) {  // the kernel's stored gate_up against the host's
+        const float got = __bfloat162float(gu_k[r * 2 * F + n]);
+        if (!std::isfinite(got)) ++nonfinite;
+        gu_d2 += double(got - gu[n]) * (got - gu[n]);
+        gu_r2 += double(gu[n]) * gu[n];
+      }
     }
     for (int64_t c = 0; c < F; ++c) {
       const float g = gu[c], u = gu[F + c];
@@ -352,25 +384,28 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
   }
   const double h_err = std::sqrt(h_d2 / std::max(h_r2, 1e-30));
   const double y_err = std::sqrt(y_d2 / std::max(y_r2, 1e-30));
+  const double gu_err = std::sqrt(gu_d2 / std::max(gu_r2, 1e-30));
 
   // Bitwise run to run.
   CK(cudaMemset(d_y, 0xff, pool_rows * H * 2));
   CK(cudaMemset(d_hq, 0xff, pool_rows * F));
   run(kL1GateUp);
+  SyncOrDie("the second L1 launch");
   run(kL2Down);
-  CK(cudaDeviceSynchronize());
+  SyncOrDie("the second L2 launch");
   const bool same =
       Download(d_hq, rows * F) == std::vector<uint8_t>(hq.begin(), hq.begin() + rows * F) &&
       memcmp(Download(d_y, rows * H).data(), y.data(), rows * H * 2) == 0;
 
   // h bytes may differ where an fp32 accumulation order flips a bf16 rounding of gate/up.
   const bool ok = nonfinite == 0 && h_err < 1e-2 && y_err < 1e-2 && same &&
-                  h_byte_diff <= checked_h / 50 + 2;
+                  h_byte_diff <= checked_h / 50 + 2 && gu_err < 1e-2;
   printf("%-28s %s rows %7lld  h rel %.2e (bytes off %lld/%lld, scales off %lld)  y rel %.2e  "
          "non-finite %lld  bitwise %s  -> %s\n",
          pb.name.c_str(), pow2 ? "pow2" : "fp8 ", (long long)rows, h_err, (long long)h_byte_diff,
          (long long)checked_h, (long long)scale_diff, y_err, (long long)nonfinite,
          same ? "yes" : "NO", ok ? "PASS" : "FAIL");
+  if (d_gu != nullptr) printf("    gate_up rel %.2e\n", gu_err);
 
   if (time_it && rows > 0) {
     cudaEvent_t a, b;
@@ -395,21 +430,26 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it) {
   }
   for (void* p : {(void*)d_xq, (void*)d_xs, (void*)d_wguq, (void*)d_wgus, (void*)d_wdq,
                   (void*)d_wds, (void*)d_off, (void*)d_dest, (void*)d_hq, (void*)d_hs,
-                  (void*)d_y})
+                  (void*)d_y, (void*)d_gu})
     CK(cudaFree(p));
   return ok;
 }
 
 int main(int argc, char** argv) {
-  bool pow2 = false, timing = false;
+  bool pow2 = false, timing = false, gate_up = false, unaligned_scales = false;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--pow2")) pow2 = true;
     if (!strcmp(argv[i], "--timing")) timing = true;
+    if (!strcmp(argv[i], "--gate-up")) gate_up = true;
+    if (!strcmp(argv[i], "--unaligned-scales")) unaligned_scales = true;
   }
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   std::vector<Problem> problems = {
+      // Every expert's rows at a multiple of 128 (aligned tile starts): first, so that a fault
+      // only in the odd layouts below points at unaligned row offsets.
+      {"aligned groups H256 F128", 256, 128, {128, 256, 0, 384}},
       {"odd groups H256 F128", 256, 128, {0, 1, 127, 128, 129, 255, 300, 0, 513, 2}},
       {"odd groups H512 F384", 512, 384, {5, 0, 200, 1, 129, 64, 0, 300}},
       {"one row H768 F256", 768, 256, {1, 0, 0, 0}},
@@ -417,7 +457,8 @@ int main(int argc, char** argv) {
   };
   if (timing) problems.push_back({"30B E128 x 1024 rows", 2048, 768, std::vector<int>(128, 1024)});
   bool ok = true;
-  for (const Problem& p : problems) ok = RunProblem(p, pow2, sms, timing) && ok;
+  for (const Problem& p : problems)
+    ok = RunProblem(p, pow2, sms, timing, gate_up, unaligned_scales) && ok;
   printf("%s\n", ok ? "ALL PASS" : "SOME FAILED");
   return ok ? 0 : 1;
 }
