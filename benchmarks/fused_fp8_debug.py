@@ -35,6 +35,8 @@ import time
 
 STAGES = ("quantize", "forward", "forward_residuals", "grad")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script from anywhere: the package at the repo root
+  sys.path.insert(0, REPO)
 
 
 def _inputs(args):
