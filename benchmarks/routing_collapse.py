@@ -34,6 +34,7 @@ for p in (str(REPO), str(REPO / "examples")):
 
 
 def parse_args(argv=None):
+  from jax_megamoe.router import SELECTION_BIAS_RULES  # noqa: PLC0415  (imports jax)
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--config", default="qwen3-30b-a3b")
   p.add_argument("--layers", type=int, default=2)
@@ -55,7 +56,7 @@ def parse_args(argv=None):
   p.add_argument("--router-lr-mult", type=float, default=1.0)
   p.add_argument("--bias-rate", type=float, default=None,
                  help="selection-bias update rate (default: the config's)")
-  p.add_argument("--bias-rule", choices=("sign", "proportional"), default=None,
+  p.add_argument("--bias-rule", choices=SELECTION_BIAS_RULES, default=None,
                  help="selection-bias update rule (default: the config's)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--backend", default="reference", help="MoE backend (cuda on a GPU)")

@@ -55,6 +55,7 @@ from jax_megamoe.models.hf_import import load_hf_checkpoint, read_hf_config  # n
 from jax_megamoe.models.attention_impl import ATTENTION_CHOICES, resolve_attention  # noqa: E402
 from jax_megamoe.models.losses import auto_ce_chunk, chunked_cross_entropy  # noqa: E402
 from jax_megamoe.models.sharding import param_shardings  # noqa: E402
+from jax_megamoe.router import SELECTION_BIAS_RULES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoints as checkpoints_lib  # noqa: E402
@@ -108,7 +109,7 @@ _FLAGS = (
      "(Qwen3MoeConfig.router_bias_update_rate; default: the config's, 0 = off)", {}),
     ("enum", "router_bias_rule", None,
      "how that update is sized (Qwen3MoeConfig.router_bias_update_rule; default: the "
-     "config's, sign)", dict(enum_values=["sign", "proportional"])),
+     "config's, sign)", dict(enum_values=list(SELECTION_BIAS_RULES))),
     ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
     ("integer", "ce_chunk", None,
      "compute the cross-entropy this many positions at a time, never holding the full "

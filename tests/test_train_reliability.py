@@ -296,6 +296,8 @@ HISTORICAL_DEFAULTS = {
     "--out": "runs/qwen3_moe", "--checkpoint-every": 100, "--resume": False, "--stop-at": None,
     "--seed": 0, "--log-every": 25, "--peak-tflops": None, "--no-progress": False,
     "--compute-copy": None,  # new (issue 15): None = on with bfloat16, off with float32
+    # New (issue 15, balance): None = the config's selection bias (off); byte tokens as before.
+    "--router-bias-rate": None, "--router-bias-rule": None, "--tokenizer": "bytes",
 }
 
 
