@@ -257,6 +257,12 @@ def test_virtual_absent_rank_times_out_and_poisons():
 # the tolerance the cuda FP8 MLP is held to (tests/test_grouped_mlp_ffi.py: 2e-2).
 
 FP8_TOLERANCE = 2e-2
+# One token leaves four 1-row experts: y is 4 x 256 values and dtopk_weights 4, so a few h
+# elements rounding to the neighbouring e4m3 value move the relative error by ~1e-2. Perturbing
+# the emulation's own stored intermediates by 1e-4 relative (benchmarks/fp8_emulation_noise.py)
+# gives y 1.0e-2 and dtopk_weights up to 2.2e-2 there, 4.8e-3 at 1,000 tokens: what the kernel
+# measured on the H200 (1.0e-2 / 2.2e-2 and 5.1e-3). An indexing or scale bug errs by O(1).
+FP8_TOLERANCE_ONE_TOKEN = 4e-2
 
 
 def _on_cpu(fn, *args):
@@ -281,14 +287,14 @@ def _fp8_emulation(recipe, x, ids, w, wgu, wd, dy, *, x_rows_for_wgrad=False):
   return y, g
 
 
-def _check_fp8(layer, recipe, args, **kw):
+def _check_fp8(layer, recipe, args, tolerance=FP8_TOLERANCE, **kw):
   want = _fp8_emulation(recipe, *args, **kw)
   _poison()
   got = _value_and_grads(layer, *args)
   assert np.all(np.isfinite(np.asarray(got[0], np.float32))), "y has non-finite rows"
   errs = _errors(got, want)
   print(recipe, errs)
-  assert max(errs.values()) < FP8_TOLERANCE, errs
+  assert max(errs.values()) < tolerance, errs
   return got
 
 
@@ -307,7 +313,8 @@ def _assert_bitwise(first, second):
 ])
 def test_fp8_one_gpu_matches_emulation(recipe, tokens, experts, top_k, kind, hidden, ffn):
   args = _inputs(tokens + experts + hidden, tokens, experts, top_k, kind, hidden, ffn)
-  _check_fp8(lambda *a: jm.moe(*a, backend="fused", recipe=recipe), recipe, args)
+  tolerance = FP8_TOLERANCE_ONE_TOKEN if tokens == 1 else FP8_TOLERANCE
+  _check_fp8(lambda *a: jm.moe(*a, backend="fused", recipe=recipe), recipe, args, tolerance)
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])

@@ -397,8 +397,11 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
       Download(d_hq, rows * F) == std::vector<uint8_t>(hq.begin(), hq.begin() + rows * F) &&
       memcmp(Download(d_y, rows * H).data(), y.data(), rows * H * 2) == 0;
 
-  // h bytes may differ where an fp32 accumulation order flips a bf16 rounding of gate/up.
-  const bool ok = nonfinite == 0 && h_err < 1e-2 && y_err < 1e-2 && same &&
+  // h bytes may differ where the e4m3 wgmma's accumulation (not the host's double) flips a bf16
+  // rounding of gate/up: up to 2% of them, each by one e4m3 step (<= 2^-3 of the value), which
+  // bounds h's relative error near sqrt(0.02) * 2^-3 = 1.8e-2 (measured on the H200: 3e-3 to
+  // 1.5e-2 at 1.3-1.9% of the bytes off).
+  const bool ok = nonfinite == 0 && h_err < 2.5e-2 && y_err < 1e-2 && same &&
                   h_byte_diff <= checked_h / 50 + 2 && gu_err < 1e-2;
   printf("%-28s %s rows %7lld  h rel %.2e (bytes off %lld/%lld, scales off %lld)  y rel %.2e  "
          "non-finite %lld  bitwise %s  -> %s\n",
