@@ -16,7 +16,7 @@ import pytest
 from fake_workspace_lib import (FakeDevice, FakeMesh, FakeStore, FakeWorkspaceLib, UnusableStore,
                                 fake_handle)
 from jax_megamoe import ipc_exchange, symmetric
-from subprocesses import free_port, run_all
+from subprocesses import TESTS, free_port, run_all
 
 SIZES = dict(max_tokens=32, hidden=64, top_k=2, dtype="float32", comm_blocks=8, timeout_s=1.0)
 
@@ -231,14 +231,13 @@ def test_distributed_store_needs_jax_distributed():
 def test_two_real_processes_exchange_inside_jit_through_jax_distributed():
   """jax.distributed on CPU (2 processes x 1 device): workspace_for called while jax.jit traces,
   the handles through jax's key-value store, data=2, expert=1 without exchange, close_all."""
-  tests = os.path.dirname(os.path.abspath(__file__))
   port = free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests),
+             PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent),
                                          os.environ.get("PYTHONPATH", "")]))
   env.pop("XLA_FLAGS", None)  # one CPU device per process
   procs, outs = run_all([[sys.executable, "-m", "ipc_exchange_worker", str(i), str(port)]
-                         for i in range(2)], [env, env], timeout=180, cwd=tests)
+                         for i in range(2)], [env, env], timeout=180, cwd=str(TESTS))
   for i, (p, out) in enumerate(zip(procs, outs)):
     assert p.returncode == 0 and f"IPC-EXCHANGE-OK {i}" in out, f"process {i}:\n{out[-4000:]}"
 
