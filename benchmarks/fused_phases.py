@@ -2,7 +2,8 @@
 phases (backends.fused.PHASES); this prints the median duration of each phase over repeated
 calls of the layer benchmark's problem (EP=1, one GPU), beside the whole call's time.
 
-  python3 benchmarks/fused_phases.py [--shapes 30b,235b] [--tokens 16384] [--reps 20] [--out F]
+  python3 benchmarks/fused_phases.py [--shapes 30b,235b] [--tokens 16384] [--reps 20]
+      [--recipe bf16|fp8|fp8_pow2] [--out F]
 
 The phases are seen from CTA 0 (the other CTAs' work overlaps the boundaries: "rows copied" is
 CTA 0's share of the copy, "GEMM tiles done" waits for every CTA's tiles).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import statistics
 import sys
@@ -74,6 +76,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--experts", type=int, default=128)
   ap.add_argument("--top-k", type=int, default=8)
   ap.add_argument("--reps", type=int, default=20)
+  ap.add_argument("--recipe", default="bf16", choices=("bf16", "fp8", "fp8_pow2"),
+                  help="the kernel's recipe (FP8: rows and weights quantised before the call)")
   ap.add_argument("--out", default="")
   ap.add_argument("--overhead", action="store_true",
                   help="also measure host/launch overhead of fused and cuda (see the doc)")
@@ -87,7 +91,8 @@ def main(argv=None) -> dict:
     wgu = (jax.random.normal(ks[1], (args.experts, hidden, 2 * ffn)) * 0.02).astype(jnp.bfloat16)
     wd = (jax.random.normal(ks[2], (args.experts, ffn, hidden)) * 0.02).astype(jnp.bfloat16)
     ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
-    fn = jax.jit(fused.forward_with_phases)
+    fn = jax.jit(functools.partial(fused.forward_with_phases,
+                                   recipe=None if args.recipe == "bf16" else args.recipe))
     jax.block_until_ready(fn(x, ids, w, wgu, wd))
     walls, phases = [], []
     for _ in range(args.reps):
@@ -97,7 +102,8 @@ def main(argv=None) -> dict:
       phases.append(np.asarray(ph, np.int64))
     phases = np.stack(phases)  # [reps, len(PHASES)] ns from the start
     steps = np.diff(phases, axis=1)
-    row = {"shape": shape, "tokens": args.tokens, "wall_ms": statistics.median(walls),
+    row = {"shape": shape, "recipe": args.recipe, "tokens": args.tokens,
+           "wall_ms": statistics.median(walls),
            "kernel_ms": float(np.median(phases[:, -1])) * 1e-6,
            "phases_ms": {name: float(np.median(steps[:, i])) * 1e-6
                          for i, name in enumerate(fused.PHASES[1:])}}
@@ -108,7 +114,8 @@ def main(argv=None) -> dict:
     if args.overhead:
       for backend in ("fused", "cuda"):
         layer = jax.jit(lambda x, ids, w, wgu, wd, b=backend: jax_megamoe.moe(
-            x, ids, w, wgu, wd, backend=b))
+            x, ids, w, wgu, wd, backend=b,
+            recipe=None if args.recipe == "bf16" else args.recipe))
         o = {"shape": shape, "backend": backend,
              **call_overhead(layer, (x, ids, w, wgu, wd), args.reps)}
         overhead.append(o)

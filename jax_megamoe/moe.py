@@ -34,8 +34,8 @@ def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: j
       arrive with any sharding.
     expert_axis: the mesh axis that shards experts.
     backend: "auto" (best available: "cuda", else "reference"), "reference" (pure JAX),
-      "cuda" (FFI kernels), "fused" (the forward as one overlapping kernel; its backward runs
-      "cuda"'s kernels from the inputs, so "auto" does not pick it yet).
+      "cuda" (FFI kernels), "fused" (the forward as one overlapping kernel, recipes None,
+      "fp8" and "fp8_pow2"; its backward runs "cuda"'s kernels, so "auto" does not pick it yet).
     recipe: None (matmuls in x's dtype, fp32 accumulation), "fp8" / "fp8_pow2" (blockwise FP8,
       Hopper) or "mxfp8" (MXFP8, Blackwell).
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_megamoe import symmetric
-from jax_megamoe.backends import cuda_bf16, cuda_ep, fused
+from jax_megamoe.backends import cuda_ep, fused
 from jax_megamoe.validation import check_layer_args
 
 
@@ -138,19 +138,22 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *,
 
 def fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *,
               workspace: symmetric.SymmetricWorkspace, capacity_factor: float | None = None,
-              check_capacity: bool | None = None, max_ctas: int = 0) -> jax.Array:
+              check_capacity: bool | None = None, max_ctas: int = 0,
+              recipe: str | None = None) -> jax.Array:
   """The same layer on the fused kernel (backend "fused"; one launch runs all R ranks, its CTAs
-  split into R groups): arguments as in expert_parallel_moe, bf16; the workspace needs fused
-  regions (create_workspace(..., fused_rows=n_cap)). Differentiable (backward on the separate
-  kernels, as backend "fused" does)."""
+  split into R groups): arguments as in expert_parallel_moe, bf16 (recipe None, "fp8" or
+  "fp8_pow2"); the workspace needs fused regions (create_workspace(..., fused_rows=n_cap)).
+  Differentiable (backward on the separate kernels, as backend "fused" does)."""
+  if recipe is not None and recipe not in fused.FP8_RECIPES:
+    raise ValueError(f"recipe must be None or one of {fused.FP8_RECIPES}, got {recipe!r}")
   shape, plan, w_gu, w_dn = _virtual_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down,
-                                                workspace, cuda_bf16.grouped_mlp,
-                                                capacity_factor, check_capacity, False)
+                                                workspace, fused.cuda_mlp(recipe),
+                                                capacity_factor, check_capacity, None)
   reason = fused.layer_unavailable_reason(shape)
   if reason is not None:
     raise ValueError(f"the fused kernel cannot take this layer: {reason}")
   if workspace.fused_rows < plan.n_cap:
     raise ValueError(f"workspace {workspace.id} has fused_rows={workspace.fused_rows}, the layer "
                      f"needs {plan.n_cap} pool rows per rank")
-  cfg = fused.FusedConfig(workspace, shape.num_experts, plan, max_ctas)
+  cfg = fused.FusedConfig(workspace, shape.num_experts, plan, max_ctas, recipe=recipe)
   return fused.fused_layer(x, topk_ids, topk_weights, w_gu, w_dn, cfg)

@@ -7,6 +7,10 @@
   python -m fused_multigpu_worker two_process <process_id> <port>
       one of two processes (jax.distributed on localhost), one GPU each: forward and gradients
       against the oracle, 20 repeated forwards bitwise equal
+  python -m fused_multigpu_worker fp8 <recipe>
+      one process, two GPUs, recipe "fp8" / "fp8_pow2": forward and gradients against the FP8
+      emulation (backend reference on the CPU; dW_gate_up from x as the sender quantises it,
+      since the rows cross GPUs in FP8), 20 repeated forwards bitwise equal
 Prints "FUSED-WORKER-OK <id>" when every check passed, else exits non-zero saying what failed.
 """
 
@@ -14,6 +18,7 @@ import sys
 
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 2 * 160, 256, 128, 8, 2
 TOL = 1e-2  # bf16 against the float32 oracle (DESIGN.md)
+FP8_TOL = 2e-2  # FP8 against its emulation (as backend cuda's FP8 MLP)
 
 
 def problem():
@@ -32,7 +37,7 @@ def problem():
   return x, ids, w, wgu, wd, probe
 
 
-def fused_layer(mesh):
+def fused_layer(mesh, recipe=None):
   """The layer on backend fused over `mesh` (experts on axis "expert"); fails if a jit of it
   would not run the fused kernel (a fallback to backend cuda would test nothing)."""
   import jax
@@ -41,7 +46,8 @@ def fused_layer(mesh):
   from jax_megamoe.backends import fused
 
   def layer(x, ids, w, wgu, wd):
-    return jm.moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert", backend="fused")
+    return jm.moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert", backend="fused",
+                  recipe=recipe)
 
   def check_lowering(*args):
     text = jax.jit(layer).lower(*args).as_text()
@@ -51,13 +57,29 @@ def fused_layer(mesh):
   return layer, check_lowering
 
 
-def oracle(x, ids, w, wgu, wd, probe):
-  """(y, loss, grads of sum(y * probe) in x, w, wgu, wd) in float32 on one device."""
+def oracle(x, ids, w, wgu, wd, probe, recipe=None):
+  """(y, loss, grads of sum(y * probe) in x, w, wgu, wd) in float32 on one device; with a
+  recipe, its emulation (backend reference) on the CPU, dW_gate_up from x quantised as the
+  sender quantises it."""
   import jax
   import jax.numpy as jnp
 
   import ep_helpers
   f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+  if recipe is not None:
+    import jax_megamoe as jm
+    from jax_megamoe import fp8
+    spec = fp8.get_recipe(recipe)
+    with jax.default_device(jax.devices("cpu")[0]):
+      ref = lambda x, w, wgu, wd: jm.moe(x, ids, w, wgu, wd, backend="reference",  # noqa: E731
+                                         recipe=recipe)
+      loss = lambda *a: jnp.sum(ref(*a).astype(jnp.float32) * probe)  # noqa: E731
+      args = [jnp.asarray(a) for a in (x, w, wgu, wd)]
+      y = ref(*args)
+      value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*args)
+      x_q = fp8.quantize_activation(args[0], spec).astype(args[0].dtype)
+      _, grads_q = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x_q, *args[1:])
+      return y, value, (grads[0], grads[1], grads_q[2], grads[3])
 
   def loss(x, w, wgu, wd):
     return jnp.sum(ep_helpers.dense_moe(x, ids, w, wgu, wd) * probe)
@@ -68,7 +90,7 @@ def oracle(x, ids, w, wgu, wd, probe):
   return y, value, grads
 
 
-def check_layer(layer, mesh, arrays, process_id: int) -> None:
+def check_layer(layer, mesh, arrays, process_id: int, recipe=None) -> None:
   """Forward and gradients of `layer` on the global arrays (x, ids, w, w_gate_up, w_down, probe,
   rows over "expert") against the oracle on this process's shards, and 20 repeated forwards
   bitwise equal; exits saying what failed."""
@@ -93,7 +115,7 @@ def check_layer(layer, mesh, arrays, process_id: int) -> None:
       if not np.array_equal(np.asarray(a.data), np.asarray(b.data)):
         raise SystemExit(f"FUSED-WORKER-FAIL {process_id}: forward call {call} differs")
   with jax.default_device(jax.local_devices()[0]):
-    ref_y, ref_value, ref_grads = oracle(*arrays)
+    ref_y, ref_value, ref_grads = oracle(*arrays, recipe=recipe)
 
   def worst(a, ref):  # the largest error over this process's shards
     ref = np.asarray(ref, np.float32)
@@ -105,7 +127,8 @@ def check_layer(layer, mesh, arrays, process_id: int) -> None:
   for name, g, r in zip(("dx", "dtopk_weights", "dw_gate_up", "dw_down"), grads, ref_grads):
     errors[name] = worst(g, r)
   print(f"process {process_id}: rel errors {errors}", flush=True)
-  bad = {k: v for k, v in errors.items() if not v < TOL}
+  tol = TOL if recipe is None else FP8_TOL
+  bad = {k: v for k, v in errors.items() if not v < tol}
   if bad:
     raise SystemExit(f"FUSED-WORKER-FAIL {process_id}: {bad}")
 
@@ -178,9 +201,27 @@ def two_process(process_id: int, port: int) -> None:
   jax.distributed.shutdown()
 
 
+def fp8_two_gpus(recipe: str) -> None:
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  if len(jax.devices()) < 2:
+    raise SystemExit(f"FUSED-WORKER-FAIL: needs 2 GPUs, has {jax.devices()}")
+  mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+  x, ids, w, wgu, wd, probe = problem()
+  rows = NamedSharding(mesh, P("expert"))
+  layer, check_lowering = fused_layer(mesh, recipe)
+  check_lowering(*[jax.device_put(a, rows) for a in (x, ids, w, wgu, wd)])
+  check_layer(layer, mesh, (x, ids, w, wgu, wd, probe), 0, recipe)
+  print("FUSED-WORKER-OK 0", flush=True)
+
+
 if __name__ == "__main__":
   if sys.argv[1] == "all_gather":
     all_gather_beside()
+  elif sys.argv[1] == "fp8":
+    fp8_two_gpus(sys.argv[2])
   elif sys.argv[1] == "two_process":
     two_process(int(sys.argv[2]), int(sys.argv[3]))
   else:

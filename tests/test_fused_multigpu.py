@@ -1,9 +1,9 @@
 """Backend "fused" with its EP group across two GPUs (EP = 2), in both process models: one
 process driving both GPUs (forward and gradients against the oracle, bitwise run to run; and
 beside an all_gather that XLA may run on another stream at the same time), and one process per
-GPU (jax.distributed on localhost). The workers run as subprocesses with a time limit, so a hang
-fails the test instead of stalling the suite. Two GPUs; skipped (reported as not run) with
-fewer."""
+GPU (jax.distributed on localhost); and recipes fp8 / fp8_pow2 from one process. The workers run
+as subprocesses with a time limit, so a hang fails the test instead of stalling the suite. Two
+GPUs; skipped (reported as not run) with fewer."""
 
 import sys
 
@@ -39,3 +39,14 @@ def test_two_processes_one_gpu_each():
   procs, outs = run_all(commands, [env, env], timeout=300, cwd=str(TESTS.parent))
   for i, (p, out) in enumerate(zip(procs, outs)):
     assert p.returncode == 0 and f"FUSED-WORKER-OK {i}" in out, _report(procs, outs)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
+def test_one_process_two_gpus_fp8(recipe):
+  """Recipes fp8 / fp8_pow2 with the EP group across the two GPUs: e4m3 rows + scales over
+  NVLink into the peer's pool, both GEMMs in FP8; forward and gradients against the FP8
+  emulation, 20 calls bitwise equal."""
+  env = gpu_worker_env(MEGAMOE_EP_TIMEOUT_S=str(EP_TIMEOUT_S))
+  procs, outs = run_all([[sys.executable, "-m", "fused_multigpu_worker", "fp8", recipe]], [env],
+                        timeout=300, cwd=str(TESTS.parent))
+  assert procs[0].returncode == 0 and "FUSED-WORKER-OK 0" in outs[0], _report(procs, outs)

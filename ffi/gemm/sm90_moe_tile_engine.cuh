@@ -1,4 +1,5 @@
-// The GEMM roles of the fused MoE kernel on sm_90a (bf16): a persistent, warp-specialised tile
+// The GEMM roles of the fused MoE kernel on sm_90a (bf16, or blockwise FP8: see "FP8" below): a
+// persistent, warp-specialised tile
 // engine that runs the two expert GEMMs of a SwiGLU MLP over tiles that the caller hands it,
 // one tile after another, with one shared-memory ring that keeps running across tiles.
 //
@@ -73,12 +74,37 @@
 //     acquired it and ran fence.acq_rel.{gpu,sys} (Hooks::kStoreFence = 1, 2; 0: no fence):
 //     the CUTLASS pattern of a CTA barrier followed by one thread's fenced release. Bump a
 //     counter with a red.release / red.relaxed after that fence.
+//
+// FP8 (Elems = E4m3Operands; recipes "fp8" / "fp8_pow2", jax_megamoe/fp8.py defines them): e4m3
+// operands with fp32 scales, A (rows) in 1 x 128 blocks along K, B (weights) in 128 x 128 blocks.
+// A stage is 128 of K (128 bytes per row: one scale block, the same 128B swizzle and the same
+// bytes per stage as bf16's 64 of K: A 16 KB, B 32 KB), plus the stage's A scales (one TMA box
+// of 132 fp32 from a K-block-major [K/128, rows] scale matrix, starting at the tile's first row
+// rounded down to a multiple of 4: a 16-byte aligned start, see load_tile_fp8) and B scales
+// (2 fp32, written by the producer from [E, K/128, N/128]). B is K-major (FP8 wgmma takes no
+// transposed operand): the quantised weights [E, N, K], two TMA boxes of {128 K, 128 N rows} per
+// stage (L1: the gate block and the up block of the tile; L2: the tile's two 128-column
+// blocks). Each consumer
+// warpgroup runs, per stage and per 128-column half, 4 x wgmma m64n128k32 e4m3 into a
+// temporary fragment (64 fp32), waits for it and promotes it: acc += tmp * (sa[row] * sb[half]).
+// The promoted accumulator holds the same columns in the same registers as bf16's m64n256
+// fragment (half h = acc[64 h ..]), so the epilogues are shared: 128 + 64 accumulator registers.
+// L1's epilogue quantises h = silu(g) * u (its bf16 rounding, as the reference stores it) in
+// 1 x 128 blocks: a row's 128 h columns sit in the 4 lanes of a quad, amax by two shuffles,
+// scale = Fp8BlockScale (ffi/layout/fp8_blocks.h), e4m3 = satfinite(h / scale), the rule of
+// ffi/impls/fp8_quantize.cu bit for bit; h stored as e4m3 rows [rows, F] and its scales into
+// h_scale [F/128, pitch] (L2's A and A scales), and, when gate_up is given (residuals), the
+// bf16 gate_up rows as bf16's epilogue stores them. A tile whose K is one stage (K = 128) still
+// takes two stages of the ring (the second carries no data) so that the epilogue has its two
+// staging stages.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/arch/copy_sm90_tma.hpp"
@@ -87,6 +113,7 @@
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 #include "ffi/common/swiglu_math.cuh"
+#include "ffi/layout/fp8_blocks.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
 
 namespace megamoe::fused::sm90 {
@@ -97,6 +124,17 @@ enum class ALoad : int32_t { kTmaBlock = 0, kTmaRows = 1, kCpAsyncRows = 2 };
 // The two GEMMs of the MLP (ExpertTile::kind).
 enum GemmKind : int32_t { kL1GateUp = 0, kL2Down = 1 };
 
+// The operands' element type: bf16 (64 of K per stage), or e4m3 with blockwise fp32 scales (128
+// of K per stage, one scale block).
+struct Bf16Operands {
+  static constexpr bool kFp8 = false;
+  static constexpr int kBlockK = 64;
+};
+struct E4m3Operands {
+  static constexpr bool kFp8 = true;
+  static constexpr int kBlockK = 128;
+};
+
 // Operands of one GEMM kind. Lives in the caller's __grid_constant__ kernel parameters (TMA
 // descriptors must sit in param, const or global memory).
 struct alignas(128) GemmOperands {
@@ -106,8 +144,16 @@ struct alignas(128) GemmOperands {
   const __nv_bfloat16* a_ptr;  // kCpAsyncRows: source rows, row stride lda elements
   int64_t lda;
   const int32_t* row_index;  // kTmaRows / kCpAsyncRows: source row of group row r
-  int32_t k;                 // K, a multiple of 64
-  int32_t a_load;            // ALoad
+  int32_t k;                 // K, a multiple of 64 (FP8: of 128)
+  int32_t a_load;            // ALoad (FP8: kTmaBlock only)
+  // FP8 only (E4m3Operands): a_map / b_map are then e4m3 (box {128, 128}; b_map over the
+  // K-major weights [E * N, K]), and the scales:
+  CUtensorMap sa_map;        // A's scales, fp32 [K/128, pitch] (K-block-major), box {132, 1}
+  const float* b_scale;      // B's 128 x 128 block scales [E, K/128, N/128]
+  int32_t n;                 // N: B rows per expert (L1 2F, L2 H)
+  // Debug only (0 normally): 1 = the A-scale box starts at the tile's first row itself, not at
+  // it rounded down to 16 bytes (the first build's unaligned start, kept to A/B it on a GPU).
+  int32_t sa_unaligned;
 };
 
 // Per-row destination of L2 results for the plain standalone GEMM: row r of the tile goes to
@@ -142,6 +188,12 @@ struct alignas(128) EngineParams {
   // l2_copy_ld (nullptr: none). The fused forward keeps L2's rows there for the backward.
   __nv_bfloat16* l2_copy = nullptr;
   int64_t l2_copy_ld = 0;
+  // FP8 only: L1 stores h as e4m3 rows h_q [rows, f] and its 1 x 128 scales
+  // h_scale[(c / 128) * h_scale_pitch + row] (h is not stored in bf16; gate_up is when given).
+  uint8_t* h_q;
+  float* h_scale;
+  int64_t h_scale_pitch;
+  int32_t pow2;           // power-of-two scales (recipe "fp8_pow2")
 };
 
 namespace detail {
@@ -165,6 +217,15 @@ __device__ __forceinline__ uint64_t gmma_desc_sw128(uint32_t smem_addr, uint32_t
 using Wgmma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                               cute::SM90::GMMA::Major::MN>;
 
+using WgmmaFp8 = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+
+template <size_t... I>
+__device__ __forceinline__ void wgmma_fp8_call(uint64_t da, uint64_t db, float (&d)[64], bool acc,
+                                               cute::index_sequence<I...>) {
+  WgmmaFp8::fma(da, db, d[I]...,
+                acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
 template <size_t... I>
 __device__ __forceinline__ void wgmma_call(uint64_t da, uint64_t db, float (&d)[128], bool acc,
                                            cute::index_sequence<I...>) {
@@ -175,6 +236,20 @@ __device__ __forceinline__ void wgmma_call(uint64_t da, uint64_t db, float (&d)[
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
+
+__device__ __forceinline__ void st_shared_b16(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(v) : "memory");
+}
+
+// Two values as e4m3 bytes (lo first), the conversion of ffi/impls/fp8_quantize.cu.
+__device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
+  const uint32_t a = __nv_cvt_float_to_fp8(lo, __NV_SATFINITE, __NV_E4M3);
+  const uint32_t b = __nv_cvt_float_to_fp8(hi, __NV_SATFINITE, __NV_E4M3);
+  return static_cast<uint16_t>(a | (b << 8));
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
 
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
@@ -244,11 +319,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, boo
 
 }  // namespace detail
 
-template <int kStages_ = 4, int kJobSlots_ = 4>
+template <int kStages_ = 4, int kJobSlots_ = 4, class Elems = Bf16Operands>
 struct Sm90MoeTileEngine {
+  static constexpr bool kFp8 = Elems::kFp8;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
-  static constexpr int kBlockK = 64;
+  static constexpr int kBlockK = Elems::kBlockK;
+  static constexpr int kElemBytes = kFp8 ? 1 : 2;
   static constexpr int kStages = kStages_;
   static constexpr int kJobSlots = kJobSlots_;
   static_assert(kStages >= 3, "two stages hold the staged tile; at least one must stream");
@@ -263,9 +340,16 @@ struct Sm90MoeTileEngine {
   static constexpr uint32_t kBothWgBarrier = 1;   // named barrier ids used by the consumers
   static constexpr uint32_t kFirstWgBarrier = 2;  // 2, 3
 
-  static constexpr int kABytes = kBlockM * kBlockK * 2;  // 16 KB
-  static constexpr int kBBytes = kBlockK * kBlockN * 2;  // 32 KB
-  static constexpr int kBBoxBytes = kBlockK * 64 * 2;    // 8 KB: 64 K-rows x 64 N
+  static constexpr int kABytes = kBlockM * kBlockK * kElemBytes;  // 16 KB
+  static constexpr int kBBytes = kBlockK * kBlockN * kElemBytes;  // 32 KB
+  static constexpr int kBBoxBytes = kBlockK * 64 * 2;    // bf16: 8 KB, 64 K-rows x 64 N
+  static constexpr int kBHalfBytes = kBBytes / 2;        // FP8: 16 KB, 128 N-rows x 128 K
+  // FP8: a stage's A scales, one TMA box of kAScaleBox fp32 from the tile's first row rounded
+  // down to a multiple of 4 (16 bytes): the 128 rows of the tile start at offset row_begin % 4.
+  static constexpr int kAScaleBox = kBlockM + 4;          // 132 rows, 528 B
+  static constexpr int kAScaleBytes = kAScaleBox * 4;
+  static constexpr int kAScaleStride = 160;               // floats per stage: 640 B, 128-aligned
+  static_assert(kABytes == 16384 && kBBytes == 32768, "both element types share the stage sizes");
   static constexpr int kSlotRowBytes = 256;              // 128 bf16 columns per staging slot
   static constexpr int kSlotBytes = 64 * kSlotRowBytes;  // 16 KB
 
@@ -278,6 +362,12 @@ struct Sm90MoeTileEngine {
     uint64_t full[kStages], empty[kStages];
     uint64_t stored[kJobSlots];
     uint64_t job_full[kJobSlots], job_empty[kJobSlots];
+    struct Fp8Scales {
+      alignas(128) float a[kStages][kAScaleStride];  // a stage's A scales (TMA, kAScaleBox)
+      float b[kStages][2];                     // its two B blocks' scales (producer stores)
+    };
+    struct NoScales {};
+    std::conditional_t<kFp8, Fp8Scales, NoScales> scales;
   };
 
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
@@ -308,6 +398,7 @@ struct Sm90MoeTileEngine {
         if (p.op[g].a_load != int32_t(ALoad::kCpAsyncRows))
           cute::prefetch_tma_descriptor(&p.op[g].a_map);
         cute::prefetch_tma_descriptor(&p.op[g].b_map);
+        if constexpr (kFp8) cute::prefetch_tma_descriptor(&p.op[g].sa_map);
       }
     }
     uint32_t it = 0, jn = 0;
@@ -325,6 +416,10 @@ struct Sm90MoeTileEngine {
       if (!more) break;
 
       const GemmOperands& op = p.op[job.kind];
+      if constexpr (kFp8) {
+        load_tile_fp8(ss, p, op, job, it, lane, hooks);
+        continue;
+      }
       const ALoad mode = static_cast<ALoad>(op.a_load);
       // Source rows of this tile (the index list is read once per tile).
       int32_t src[4];
@@ -398,7 +493,195 @@ struct Sm90MoeTileEngine {
     }
   }
 
+  // One FP8 tile's stages (producer warp, all lanes): per 128 of K the two B blocks (lanes 0, 1),
+  // their scales, A and A's scales (lane 0); at least two stages (see the header: staging).
+  template <class Params, class Hooks>
+  __device__ static void load_tile_fp8(SharedStorage& ss, const Params& p, const GemmOperands& op,
+                                       const ExpertTile& job, uint32_t& it, int lane,
+                                       const Hooks& hooks) {
+    const int num_kb = op.k / kBlockK;
+    const int num_stages = num_kb < 2 ? 2 : num_kb;
+    const int nbs = op.n / 128;
+    // 128-column block of B half h (lane & 1): L1 gate [c, c + 128) and up [F + c, ...),
+    // L2 the tile's two blocks.
+    const int half = lane & 1;
+    const int bcol = job.kind == kL1GateUp ? (half == 0 ? job.n_block : p.f / 128 + job.n_block)
+                                           : 2 * job.n_block + half;
+    const int b_row = job.expert * op.n + bcol * 128;
+    const float* b_scale = op.b_scale + int64_t(job.expert) * num_kb * nbs + bcol;
+    // B scales of the first 16 K-blocks, lane 2 kb + h holding (kb, h): loaded once per tile.
+    const float b_scale_first = lane / 2 < num_kb ? __ldg(b_scale + int64_t(lane / 2) * nbs) : 0.f;
+    for (int kb = 0; kb < num_stages; ++kb, ++it) {
+      const int s = it % kStages;
+      const bool loads = kb < num_kb;
+      const float sb = kb < 16 ? __shfl_sync(0xffffffffu, b_scale_first, 2 * kb + half)
+                               : (loads && lane < 2 ? __ldg(b_scale + int64_t(kb) * nbs) : 0.f);
+      Barrier::wait(&ss.empty[s], ((it / kStages) & 1) ^ 1);
+      if (lane == 0 && loads)
+        Barrier::expect_transaction(&ss.full[s], kBBytes + kABytes + kAScaleBytes);
+      __syncwarp();
+      if (loads && lane < 2) {
+        cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
+                                     ss.b[s] + lane * kBHalfBytes, kb * kBlockK, b_row);
+        ss.scales.b[s][lane] = sb;  // published by this lane's arrive (release) below
+      }
+      if (kb == 0) {
+        // B of the first stage is already on its way; now wait for the tile's rows (and, for
+        // L2, their scales: written by the L1 tiles beside h).
+        if (lane == 0) hooks.wait_rows_ready(job);
+        __syncwarp();
+        detail::fence_proxy_async_global();
+      }
+      if (loads && lane == 0) {
+        cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], 0ull, ss.a[s], kb * kBlockK,
+                                     job.row_begin);
+        // The scale box's innermost coordinate is a row index (fp32 elements) and experts'
+        // rows sit in the pool at any offset, so row_begin * 4 bytes is in general not 16-byte
+        // aligned: a TMA whose innermost start address is not 16-byte aligned faults on Hopper
+        // (illegal instruction, sticky; reported in triton-lang/triton#7385 and
+        // tile-ai/tilelang#2681), the likely fault of the first GPU run (every other TMA box of
+        // this engine, bf16's too, starts at a multiple of 128 bytes). So the box starts at
+        // row_begin rounded down to 4 rows, 132 rows, the tile's at row_begin % 4
+        // (mainloop_fp8). Compiled here, NOT run on a GPU.
+        const int sa_row0 = op.sa_unaligned ? job.row_begin : (job.row_begin & ~3);
+        cute::SM90_TMA_LOAD_2D::copy(&op.sa_map, &ss.full[s], 0ull, ss.scales.a[s], sa_row0,
+                                     kb);
+      }
+      Barrier::arrive(&ss.full[s]);
+    }
+  }
+
   // ---------------------------------------------------------------- math (two warpgroups)
+  // One FP8 tile's mainloop (a consumer warpgroup): per stage and per 128-column half, 4 x
+  // wgmma m64n128k32 into tmp, wait, then acc[half] += tmp * (sa[row] * sb[half]); each stage
+  // is released once read, except the tile's last two (the epilogue's staging).
+  // sa_off: where the tile's first row sits in a stage's A-scale box (load_tile_fp8).
+  __device__ static void mainloop_fp8(SharedStorage& ss, int num_kb, int sa_off, int wg,
+                                      int warp_in_wg, int lane, uint32_t& it, float (&acc)[128],
+                                      float (&tmp)[kFp8 ? 64 : 1]) {
+    if constexpr (kFp8) {
+      const int num_stages = num_kb < 2 ? 2 : num_kb;
+      const int row = 64 * wg + warp_in_wg * 16 + (lane >> 2);  // fragment rows row, row + 8
+      const int sa_row = sa_off + row;
+      for (int kb = 0; kb < num_stages; ++kb, ++it) {
+        const int s = it % kStages;
+        Barrier::wait(&ss.full[s], (it / kStages) & 1);
+        if (kb < num_kb) {
+          const float sa0 = ss.scales.a[s][sa_row], sa1 = ss.scales.a[s][sa_row + 8];
+          const uint32_t a_addr = detail::smem_u32(ss.a[s]) + wg * (64 * 128);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t b_addr = detail::smem_u32(ss.b[s]) + half * kBHalfBytes;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(tmp[i]);
+            cute::warpgroup_arrive();
+#pragma unroll
+            for (int k = 0; k < kBlockK / 32; ++k) {
+              // A and B K-major, 128 B rows (128B swizzle): +32 B per 32 of K; SBO = 8 rows.
+              const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
+              const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 32, 16, 1024);
+              detail::wgmma_fp8_call(da, db, tmp, k > 0, cute::make_index_sequence<64>{});
+            }
+            cute::warpgroup_commit_batch();
+            cute::warpgroup_wait<0>();
+#pragma unroll
+            for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(tmp[i]);
+            const float sb = ss.scales.b[s][half];
+            const float s0 = sa0 * sb, s1 = sa1 * sb;
+            // tmp[i]: row + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2 of the half.
+#pragma unroll
+            for (int i = 0; i < 64; ++i)
+              acc[64 * half + i] = fmaf(tmp[i], (i & 2) ? s1 : s0, acc[64 * half + i]);
+          }
+        }
+        if (kb < num_stages - 2 && lane == 0) Barrier::arrive(&ss.empty[s]);
+      }
+    }
+  }
+
+  // FP8 L1 epilogue of one consumer warpgroup: h (hv: this thread's bf16 pairs, as the bf16
+  // epilogue stages them) quantised in 1 x 128 blocks (the tile's 128 h columns of a row sit in
+  // one quad of lanes), e4m3 staged in slot 0 (64 rows x 128 B at a 256 B pitch, 16-byte chunks
+  // XOR-swizzled by row % 8), the scales stored; with p.gate_up (residuals) the bf16 gate and up
+  // staged by the caller in slots 1 and 2 are stored first (slot by slot, as bf16's three-slot
+  // epilogue); then the stage s_w is handed back and the h rows stored.
+  template <class Params>
+  __device__ static void epilogue_h_fp8(SharedStorage& ss, const Params& p, const ExpertTile& job,
+                                        const uint32_t (&hv)[32], const uint32_t (&slot_base)[3],
+                                        int s_w, int wg, int warp_in_wg, int lane, int t,
+                                        int rd_row0, int rd_chunk, uint32_t rd_off) {
+    const uint32_t slot = slot_base[0];
+    float scale[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int ii = 0; ii < 16; ++ii) {
+        const uint32_t v = hv[2 * ii + hh];
+        amax = fmaxf(amax, fmaxf(fabsf(detail::bf16_lo(v)), fabsf(detail::bf16_hi(v))));
+      }
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      scale[hh] = Fp8BlockScale(amax, p.pow2 != 0);
+    }
+    const int frag_row = warp_in_wg * 16 + (lane >> 2);
+    const uint32_t frag_base = slot + uint32_t(frag_row) * kSlotRowBytes + uint32_t(lane & 3) * 2;
+    const uint32_t frag_sw = uint32_t(lane >> 2);  // frag_row % 8
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      // q = satfinite(h / s) as fp8_quantize.cu; a power-of-two s divides exactly as a product
+      // with its (exact) reciprocal.
+      const float s = scale[hh], inv = 1.0f / s;
+#pragma unroll
+      for (int ii = 0; ii < 16; ++ii) {
+        const uint32_t v = hv[2 * ii + hh];
+        const float lo = detail::bf16_lo(v), hi = detail::bf16_hi(v);
+        const uint16_t q = p.pow2 ? detail::e4m3x2(lo * inv, hi * inv)
+                                  : detail::e4m3x2(lo / s, hi / s);
+        // byte column c = 8 ii + 2 (lane % 4): chunk c / 16 = ii / 2, offset 8 (ii % 2) + ..
+        detail::st_shared_b16(frag_base + hh * 8 * kSlotRowBytes +
+                                  (((uint32_t(ii >> 1) ^ frag_sw) << 4) | (uint32_t(ii & 1) << 3)),
+                              q);
+      }
+      const int r = 64 * wg + frag_row + 8 * hh;
+      if ((lane & 3) == 0 && r < job.rows)
+        p.h_scale[int64_t(job.n_block) * p.h_scale_pitch + job.row_begin + r] = s;
+    }
+    detail::named_barrier_sync(kFirstWgBarrier + wg, 128);
+    if (p.gate_up != nullptr) {
+      // gate_up row r: gate at n_block * 128, up at F + n_block * 128 (bf16 staging layout).
+      for (int sl = 1; sl < 3; ++sl) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const uint4 val = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
+          const int r = 64 * wg + rd_row0 + 8 * k;
+          if (r < job.rows)
+            detail::st_global_v4(p.gate_up + int64_t(job.row_begin + r) * 2 * p.f +
+                                     (sl == 2 ? p.f : 0) + job.n_block * 128 + rd_chunk * 8,
+                                 val);
+        }
+      }
+    }
+    // 8 lanes per 128-byte row (chunk t % 8), rows t / 8 + 16 k.
+    const int chunk = t & 7, row0 = t >> 3;
+    uint4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      v[k] = detail::ld_shared_v4(slot + uint32_t(row0 + 16 * k) * kSlotRowBytes +
+                                  ((uint32_t(chunk) ^ uint32_t(row0 & 7)) << 4));
+    cutlass::arch::fence_view_async_shared();
+    __syncwarp();
+    if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);  // 4 warps x 2 = 8
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int r = 64 * wg + row0 + 16 * k;
+      if (r < job.rows)
+        detail::st_global_v4(p.h_q + int64_t(job.row_begin + r) * p.f + job.n_block * 128 +
+                                 chunk * 16,
+                             v[k]);
+    }
+  }
+
   template <class Params>
   __device__ static void math(SharedStorage& ss, const Params& p) {
     const int wg = (threadIdx.x / 128) - kFirstMathWarp / 4;  // 0 or 1: rows 64 wg ..
@@ -406,6 +689,8 @@ struct Sm90MoeTileEngine {
     const int warp_in_wg = t >> 5;
     const int lane = t & 31;
     float acc[128];
+    // FP8: one 128-column half of a stage, before its promotion.
+    [[maybe_unused]] float tmp[kFp8 ? 64 : 1];
     uint32_t it = 0, jn = 0;
     // Fragment writes: rows warp_in_wg * 16 + lane / 4 (+ 8), row % 8 = lane / 4.
     const uint32_t frag_off = uint32_t(warp_in_wg * 16 + (lane >> 2)) * kSlotRowBytes +
@@ -428,14 +713,18 @@ struct Sm90MoeTileEngine {
       const GemmOperands& op = p.op[job.kind];
       const bool fence_a = op.a_load == int32_t(ALoad::kCpAsyncRows);
       const int num_kb = op.k / kBlockK;
-      if (num_kb < 2) __trap();  // K >= 128: the tile's last two stages become the staging
+      // bf16: K >= 128, the tile's last two stages become the staging (FP8: K >= 128 and the
+      // producer pads a one-stage tile to two).
+      if (!kFp8 && num_kb < 2) __trap();
       const bool l1 = job.kind == kL1GateUp;
-      const int nslots = p.bench_skip_epilogue ? 0 : l1 ? (p.gate_up != nullptr ? 3 : 1) : 2;
+      const bool l1_fp8 = kFp8 && l1;  // h quantised and stored as e4m3 (own epilogue)
+      const int nslots =
+          p.bench_skip_epilogue ? 0 : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1) : 2;
       // Destination of each row of the tile (looked up before the mainloop so that the row
       // functor's loads are long done at the epilogue; kept in smem, not in registers). Row
       // 64 wg + rd_row0 + 8 k is written by the thread of chunk 0 that later stores it.
       __syncwarp();  // the previous tile's stores of these rows (same warp) read the table
-      if (nslots > 0 && rd_chunk == 0) {
+      if (nslots > 0 && !l1_fp8 && rd_chunk == 0) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const int r = 64 * wg + rd_row0 + 8 * k;
@@ -456,6 +745,10 @@ struct Sm90MoeTileEngine {
       // the staging vectors spill).
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+      if constexpr (kFp8) {
+        mainloop_fp8(ss, num_kb, op.sa_unaligned ? 0 : (job.row_begin & 3), wg, warp_in_wg,
+                     lane, it, acc, tmp);
+      } else {
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
         const int s = it % kStages;
         Barrier::wait(&ss.full[s], (it / kStages) & 1);
@@ -485,6 +778,7 @@ struct Sm90MoeTileEngine {
       cute::warpgroup_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
+      }
 
       // Warpgroup wg stages into stage s_w (0: the tile's last, 1: the one before), once both
       // warpgroups are done reading the tile's stages.
@@ -512,7 +806,7 @@ struct Sm90MoeTileEngine {
       };
       if (nslots > 0) {
         if (l1) {
-          if (p.l1_raw_gate) {
+          if (!kFp8 && p.l1_raw_gate) {
             put(0, [&](int ii, int hh) { return acc_pair(ii, hh); });
           } else {
             // h = silu(g) * u from the bf16-rounded gate/up (what the stored gate_up holds, as
@@ -548,6 +842,16 @@ struct Sm90MoeTileEngine {
                   hv[2 * ii + hh] = detail::pack_bf16x2(o[0], o[1]);
                 }
               }
+            }
+            if constexpr (kFp8) {
+              if (p.gate_up != nullptr) {  // residual gate_up, staged beside h (slots 1, 2)
+                put(1, [&](int ii, int hh) { return acc_pair(ii, hh); });
+                put(2, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
+              }
+              epilogue_h_fp8(ss, p, job, hv, slot_base, s_w, wg, warp_in_wg, lane, t, rd_row0,
+                             rd_chunk, rd_off);
+              Barrier::arrive(&ss.stored[slot]);
+              continue;
             }
             put(0, [&](int ii, int hh) { return hv[2 * ii + hh]; });
           }

@@ -1,12 +1,21 @@
 // XLA FFI handler of the fused MoE forward (backend "fused"): binding and validation only; the
 // kernel is ffi/impls/sm90_fused_moe_fwd.cu. Attributes: workspace_id (int64, a workspace with
 // fused regions), num_experts (global E), n_cap (pool rows per rank), max_ctas (CTAs of the
-// launch: > 0 at most that many, <= 0 every SM but -max_ctas). On a virtual-rank workspace
-// every operand carries a leading axis of one entry per rank. Residual outputs, each [0] when
-// not kept: gate_up ([n_cap, 2F] per rank) and y_sorted ([n_cap, H] per rank), any workspace;
-// x_sorted ([n_cap, H]), a workspace of one rank only (it replaces the pool region).
+// launch: > 0 at most that many, <= 0 every SM but -max_ctas), pow2 (FP8 h scales). On a
+// virtual-rank workspace every operand carries a leading axis of one entry per rank. Residual
+// outputs, each [0] when not kept: gate_up ([n_cap, 2F] per rank) and y_sorted ([n_cap, H] per
+// rank), any workspace; x_sorted ([n_cap, H]), a workspace of one rank only, bf16 only (it
+// replaces the pool region; an FP8 pool holds e4m3 rows).
+//
+// Element types, from x's: bfloat16 (recipe None; x_scale, w_gate_up_scale, w_down_scale and
+// h_scale [0]) or float8_e4m3fn (recipes "fp8" / "fp8_pow2", attribute pow2; jax_megamoe/fp8.py):
+// x e4m3 [T, H] with x_scale [T, H/128], w_gate_up e4m3 [E/R, 2F, H] (K-major, as
+// cuda_fp8.quantize_weights lays it out) with w_gate_up_scale [E/R, H/128, 2F/128], w_down e4m3
+// [E/R, H, F] with w_down_scale [E/R, F/128, H/128]; h (scratch) e4m3 [n_cap, F] with h_scale
+// [F/128, FusedScalePitch(n_cap)]; y bf16.
 #include <cuda_bf16.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -33,9 +42,21 @@ ffi::Error RequireBf16(ffi::DataType dtype, const char* name) {
   return Fail(std::string(name) + " must be bfloat16");
 }
 
+ffi::Error RequireType(ffi::DataType dtype, ffi::DataType want, const char* name,
+                       const char* want_name) {
+  if (dtype == want) return ffi::Error::Success();
+  return Fail(std::string(name) + " must be " + want_name);
+}
+
+std::vector<int64_t> DimsOf(const RankOperand& o, int ndim) {
+  return std::vector<int64_t>(o.dims, o.dims + ndim);
+}
+
 ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                        ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                        ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                       ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::F32> w_gate_up_scale,
+                       ffi::Buffer<ffi::F32> w_down_scale,
                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
                        ffi::Result<ffi::Buffer<ffi::S32>> chunk_counts,
                        ffi::Result<ffi::Buffer<ffi::S32>> slot_rows,
@@ -44,18 +65,28 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                        ffi::Result<ffi::Buffer<ffi::S32>> stats,
                        ffi::Result<ffi::Buffer<ffi::S32>> phases,
                        ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::AnyBuffer> gate_up,
-                       ffi::Result<ffi::AnyBuffer> y_sorted, int64_t workspace_id,
-                       int64_t num_experts, int64_t n_cap, int64_t max_ctas) {
+                       ffi::Result<ffi::AnyBuffer> y_sorted,
+                       ffi::Result<ffi::Buffer<ffi::F32>> h_scale, int64_t workspace_id,
+                       int64_t num_experts, int64_t n_cap, int64_t max_ctas, int64_t pow2) {
   LocalRanks ranks;
   if (auto e = ep::ResolveRanks(workspace_id, ordinal, &ranks); e.failure()) return e;
+  const bool fp8 = x.element_type() == ffi::DataType::F8E4M3FN;
+  const ffi::DataType elem = fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
+  const char* elem_name = fp8 ? "float8_e4m3fn (x is)" : "bfloat16";
   for (auto [dtype, name] : {std::pair{x.element_type(), "x"},
                              {w_gate_up.element_type(), "w_gate_up"},
-                             {w_down.element_type(), "w_down"}, {y->element_type(), "y"},
-                             {h->element_type(), "h"}, {x_sorted->element_type(), "x_sorted"},
+                             {w_down.element_type(), "w_down"}, {h->element_type(), "h"}}) {
+    if (auto e = RequireType(dtype, elem, name, elem_name); e.failure()) return e;
+  }
+  for (auto [dtype, name] : {std::pair{y->element_type(), "y"},
+                             {x_sorted->element_type(), "x_sorted"},
                              {gate_up->element_type(), "gate_up"},
                              {y_sorted->element_type(), "y_sorted"}}) {
     if (auto e = RequireBf16(dtype, name); e.failure()) return e;
   }
+  if (!fp8 && (x_scale.element_count() != 0 || w_gate_up_scale.element_count() != 0 ||
+               w_down_scale.element_count() != 0 || h_scale->element_count() != 0))
+    return Fail("x_scale, w_gate_up_scale, w_down_scale and h_scale must be [0] for bfloat16");
   RankOperand ox, oids, ow, ogu, odn, oy, oh, occ, orows, odest, ogs, ost, oph;
   if (auto e = FirstFailure({SplitRanks(x, ranks, 2, "x", &ox),
                             SplitRanks(ids, ranks, 2, "topk_ids", &oids),
@@ -75,15 +106,40 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   }
   const ep::PeerView& v0 = *ranks.views[0];
   const int64_t T = ox.dims[0], H = ox.dims[1], K = oids.dims[1];
-  const int64_t El = ogu.dims[0], F = ogu.dims[2] / 2;
+  // bf16 weights [E/R, H, 2F] and [E/R, F, H]; FP8 K-major [E/R, 2F, H] and [E/R, H, F].
+  const int64_t El = ogu.dims[0], F = (fp8 ? ogu.dims[1] : ogu.dims[2]) / 2;
   const auto n = [](int64_t v) { return std::to_string(v); };
   if (oids.dims[0] != T || ow.dims[0] != T || ow.dims[1] != K)
     return Fail("topk_ids and topk_weights must be [T=" + n(T) + ", k]");
-  if (ogu.dims[1] != H || ogu.dims[2] != 2 * F || El * v0.num_ranks != num_experts)
-    return Fail("w_gate_up must be [E/R=" + n(num_experts / v0.num_ranks) + ", H=" + n(H) +
-                ", 2F] per rank");
-  if (odn.dims[0] != El || odn.dims[1] != F || odn.dims[2] != H)
-    return Fail("w_down must be [E/R, F=" + n(F) + ", H=" + n(H) + "] per rank");
+  if (El * v0.num_ranks != num_experts ||
+      (fp8 ? ogu.dims[1] != 2 * F || ogu.dims[2] != H : ogu.dims[1] != H || ogu.dims[2] != 2 * F))
+    return Fail("w_gate_up must be [E/R=" + n(num_experts / v0.num_ranks) +
+                (fp8 ? ", 2F, H=" + n(H) : ", H=" + n(H) + ", 2F") + "] per rank");
+  if (odn.dims[0] != El ||
+      (fp8 ? odn.dims[1] != H || odn.dims[2] != F : odn.dims[1] != F || odn.dims[2] != H))
+    return Fail("w_down must be [E/R, " + std::string(fp8 ? "H=" + n(H) + ", F=" + n(F)
+                                                          : "F=" + n(F) + ", H=" + n(H)) +
+                "] per rank");
+  RankOperand oxs, ogus, odns, ohs;
+  if (fp8) {
+    if (auto e = FirstFailure({SplitRanks(x_scale, ranks, 2, "x_scale", &oxs),
+                              SplitRanks(w_gate_up_scale, ranks, 3, "w_gate_up_scale", &ogus),
+                              SplitRanks(w_down_scale, ranks, 3, "w_down_scale", &odns),
+                              SplitRanks(*h_scale, ranks, 2, "h_scale", &ohs)});
+        e.failure()) {
+      return e;
+    }
+    if (H % 128 || F % 128) return Fail("FP8 needs H and F multiples of 128");
+    if (DimsOf(oxs, 2) != std::vector<int64_t>{T, H / 128})
+      return Fail("x_scale must be [T=" + n(T) + ", H/128=" + n(H / 128) + "] per rank");
+    if (DimsOf(ogus, 3) != std::vector<int64_t>{El, H / 128, 2 * F / 128})
+      return Fail("w_gate_up_scale must be [E/R, H/128, 2F/128] per rank");
+    if (DimsOf(odns, 3) != std::vector<int64_t>{El, F / 128, H / 128})
+      return Fail("w_down_scale must be [E/R, F/128, H/128] per rank");
+    if (DimsOf(ohs, 2) != std::vector<int64_t>{F / 128, FusedScalePitch(n_cap)})
+      return Fail("h_scale must be [F/128=" + n(F / 128) + ", " + n(FusedScalePitch(n_cap)) +
+                  "] per rank");
+  }
   if (oy.dims[0] != T || oy.dims[1] != H) return Fail("y must be [T, H] per rank");
   if (oh.dims[0] != n_cap || oh.dims[1] != F)
     return Fail("h must be [n_cap=" + n(n_cap) + ", F=" + n(F) + "] per rank");
@@ -95,10 +151,14 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   if (ost.dims[0] != 4) return Fail("stats must be [4] per rank");
   if (oph.dims[0] != kFusedPhases)
     return Fail("phases must be [" + n(kFusedPhases) + "] per rank");
+  // MEGAMOE_FUSED_DEBUG (fused_moe.h: kFusedDebug*): fault localisation only, unset normally.
+  const char* debug_env = std::getenv("MEGAMOE_FUSED_DEBUG");
+  const int debug = debug_env != nullptr ? std::atoi(debug_env) : 0;
   const FusedForwardProblem problem{static_cast<int>(T), static_cast<int>(H),
                                     static_cast<int>(F), static_cast<int>(K),
                                     static_cast<int>(num_experts), static_cast<int>(n_cap),
-                                    static_cast<int>(max_ctas)};
+                                    static_cast<int>(max_ctas), fp8 ? 1 : 0, pow2 ? 1 : 0,
+                                    debug};
   if (std::string why = FusedForwardUnsupported(problem, v0.layout, v0.num_ranks); !why.empty())
     return Fail(why);
   const auto dims = [](const ffi::AnyBuffer& b) {
@@ -121,6 +181,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   }
   const bool keep_x_rows = x_sorted->element_count() > 0;
   if (keep_x_rows) {
+    if (fp8) return Fail("x_sorted must be [0] with FP8 operands (the pool holds e4m3 rows)");
     if (ranks.count != 1 || v0.num_ranks != 1)
       return Fail("x_sorted (the pool) is kept by a workspace of one rank only, this one has " +
                   n(v0.num_ranks));
@@ -129,8 +190,11 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   }
   std::vector<FusedRankOperands> ops;
   for (int r = 0; r < ranks.count; ++r) {
-    ops.push_back({ranks.views[r], ox.at(r), oids.at<int32_t>(r), ow.at<float>(r), ogu.at(r),
-                   odn.at(r), oy.at(r), oh.at(r), occ.at<int32_t>(r), orows.at<int32_t>(r),
+    ops.push_back({ranks.views[r], ox.at(r), fp8 ? oxs.at<float>(r) : nullptr,
+                   oids.at<int32_t>(r), ow.at<float>(r), ogu.at(r),
+                   fp8 ? ogus.at<float>(r) : nullptr, odn.at(r),
+                   fp8 ? odns.at<float>(r) : nullptr, oy.at(r), oh.at(r),
+                   fp8 ? ohs.at<float>(r) : nullptr, occ.at<int32_t>(r), orows.at<int32_t>(r),
                    odest.at<int32_t>(r), ogs.at<int32_t>(r),
                    keep_x_rows ? x_sorted->untyped_data() : nullptr,
                    keep_gate_up ? ogate.at(r) : nullptr,
@@ -158,6 +222,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeFusedMoeFwd, megamoe::fused::FusedMoeFwd,
                                       .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights
                                       .Arg<ffi::AnyBuffer>()  // w_gate_up
                                       .Arg<ffi::AnyBuffer>()  // w_down
+                                      .Arg<ffi::Buffer<ffi::F32>>()  // x_scale (FP8, or [0])
+                                      .Arg<ffi::Buffer<ffi::F32>>()  // w_gate_up_scale
+                                      .Arg<ffi::Buffer<ffi::F32>>()  // w_down_scale
                                       .Ret<ffi::AnyBuffer>()  // y
                                       .Ret<ffi::AnyBuffer>()  // h (L1 output; a residual)
                                       .Ret<ffi::Buffer<ffi::S32>>()  // chunk_counts (scratch)
@@ -168,9 +235,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeFusedMoeFwd, megamoe::fused::FusedMoeFwd,
                                       .Ret<ffi::Buffer<ffi::S32>>()  // phases
                                       .Ret<ffi::AnyBuffer>()  // x_sorted (residual or [0])
                                       .Ret<ffi::AnyBuffer>()  // gate_up (residual or [0])
-                                      .Ret<ffi::AnyBuffer>())  // y_sorted (residual or [0])
+                                      .Ret<ffi::AnyBuffer>()  // y_sorted (residual or [0])
+                                      .Ret<ffi::Buffer<ffi::F32>>())  // h_scale (FP8, or [0])
                                   .Attr<int64_t>("n_cap")
-                                  .Attr<int64_t>("max_ctas"),
+                                  .Attr<int64_t>("max_ctas")
+                                  .Attr<int64_t>("pow2"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 MEGAMOE_REGISTER_FFI("megamoe_fused_moe_fwd", "CUDA", MegamoeFusedMoeFwd);

@@ -12,16 +12,22 @@
 
 namespace megamoe::fused {
 
-// One rank's operands: a GPU of a real EP group, or one rank of a virtual group.
+// One rank's operands: a GPU of a real EP group, or one rank of a virtual group. FP8
+// (FusedForwardProblem::fp8, recipes "fp8" / "fp8_pow2"; ffi/layout/fp8_blocks.h): the rows and
+// weights are e4m3 with fp32 block scales, quantised by the caller (cuda_fp8's quantisers).
 struct FusedRankOperands {
   const ep::PeerView* view;
-  const void* x;           // [T, H] bf16 tokens of this rank
+  const void* x;           // [T, H] bf16 tokens of this rank (FP8: e4m3)
+  const float* x_scale;    // FP8: [T, H/128] x's 1 x 128 scales (else nullptr)
   const int32_t* ids;      // [T, k] global expert ids, -1 masks a slot
   const float* weights;    // [T, k] routing weights
-  const void* w_gate_up;   // [E/R, H, 2F] bf16, this rank's experts
-  const void* w_down;      // [E/R, F, H] bf16
+  const void* w_gate_up;   // [E/R, H, 2F] bf16, this rank's experts (FP8: e4m3 [E/R, 2F, H])
+  const float* w_gate_up_scale;  // FP8: [E/R, H/128, 2F/128]
+  const void* w_down;      // [E/R, F, H] bf16 (FP8: e4m3 [E/R, H, F])
+  const float* w_down_scale;     // FP8: [E/R, F/128, H/128]
   void* y;                 // [T, H] bf16 result
-  void* h;                 // [n_cap, F] bf16 scratch: L1's output, L2's A
+  void* h;                 // [n_cap, F] bf16 scratch: L1's output, L2's A (FP8: e4m3)
+  float* h_scale;          // FP8: [F/128, FusedScalePitch(n_cap)] h's 1 x 128 scales (scratch)
   int32_t* chunk_counts;   // [E, ceil(T / 32)] scratch: slots per expert per 32-token chunk
   int32_t* slot_rows;      // [T, k] scratch: each slot's row in this rank's comb (-1: none)
   int32_t* slot_dest;      // [T, k] scratch: each slot's row in its expert rank's pool (-1)
@@ -29,8 +35,8 @@ struct FusedRankOperands {
   // Residuals for the backward (nullptr: not kept), rows in pool order (slot (t, j)'s row is
   // slot_dest[t, j] at one rank): gate_up, L1's output before SwiGLU; y_sorted, L2's output
   // rows (one rank: they replace the comb region, whose rows are the pool's there; several: a
-  // second store in L2's epilogue); x_sorted, the pool rows, one rank alone (they replace the
-  // pool region).
+  // second store in L2's epilogue); x_sorted, the pool rows, one rank and bf16 alone (they
+  // replace the pool region; an FP8 pool holds e4m3 rows, and the backward scatters x instead).
   void* x_sorted;          // [n_cap, H] bf16
   void* gate_up;           // [n_cap, 2F] bf16
   void* y_sorted;          // [n_cap, H] bf16
@@ -51,7 +57,28 @@ struct FusedForwardProblem {
   int num_experts;  // E (global) <= ep::kFusedMaxExperts, a multiple of R
   int n_cap;        // pool rows per rank (<= the workspace's fused_rows)
   int max_ctas;     // CTAs of the launch: > 0 at most that many, <= 0 every SM but -max_ctas
+  int fp8;          // 1: recipe "fp8" / "fp8_pow2" (e4m3 operands), 0: bf16
+  int pow2;         // FP8: power-of-two scales for h (recipe "fp8_pow2")
+  int debug = 0;    // kFusedDebug* bits (MEGAMOE_FUSED_DEBUG, read by the handler); 0 normally
 };
+
+// Debug knob (environment variable MEGAMOE_FUSED_DEBUG, an integer of these bits, read by the
+// handler at every call; 0 or unset: the normal kernel). Fault localisation only: with bits
+// 1 / 2 / 4 the results are wrong by construction (y is not the layer's), the kernel still
+// runs every other phase and never waits on work it skipped.
+constexpr int kFusedDebugNoL2 = 1;       // compute no L2 tile (L1 still runs and stores h)
+constexpr int kFusedDebugNoGemm = 2;     // compute no GEMM tile at all (route, dispatch, combine)
+constexpr int kFusedDebugNoGateUp = 4;   // store no gate_up residual (the epilogue without it)
+constexpr int kFusedDebugSync = 8;       // synchronise the stream after the launch and report a
+                                         // kernel fault as this call's error (needs XLA command
+                                         // buffers off: --xla_gpu_enable_command_buffer=)
+constexpr int kFusedDebugUnalignedScales = 16;  // FP8: A-scale TMA boxes start at the tile's
+                                                // first row itself (the first build's unaligned
+                                                // start) instead of at it rounded down to 16 B
+
+// Rows of a K-block-major scale matrix [K/128, pitch] over `rows` rows (FP8: the pool's and h's
+// scales; a multiple of 128 rows, which keeps TMA's 16-byte row stride).
+constexpr int64_t FusedScalePitch(int64_t rows) { return (rows + 127) / 128 * 128; }
 
 // Why this problem cannot run on the fused kernel ("" when it can).
 std::string FusedForwardUnsupported(const FusedForwardProblem& p, const ep::WorkspaceLayout& l,

@@ -27,8 +27,9 @@
 //
 // Residuals for the backward (FusedRankOperands): L1 also stores its gate_up, and L2's rows go
 // to y_sorted too (one rank alone: y_sorted is the comb buffer, a slot's comb row being its pool
-// row there; several: a second store in L2's epilogue); one rank alone can also keep its pool
-// rows: the pool is then x_sorted. Both XLA buffers instead of the workspace's regions.
+// row there; several: a second store in L2's epilogue); one rank alone, bf16, can also keep its
+// pool rows: the pool is then x_sorted (an FP8 pool holds e4m3 rows; the backward scatters x's
+// bf16 rows itself). XLA buffers instead of the workspace's regions.
 //
 // Safety: the launch is cooperative (every CTA co-resident before any waits); every wait is
 // bounded and reports rank, stage and counters; a rank that timed out writes NaN into y.
@@ -57,7 +58,13 @@ namespace {
 using ep::kFusedMaxExperts;
 using ep::kMaxRanks;
 using ep::PeerView;
+// One engine per element type (recipe None: bf16; "fp8" / "fp8_pow2": e4m3 + blockwise scales);
+// both have the same tile, threads and stage bytes.
 using Engine = sm90::Sm90MoeTileEngine<4, 4>;
+using Fp8Engine = sm90::Sm90MoeTileEngine<4, 4, sm90::E4m3Operands>;
+static_assert(Fp8Engine::kBlockM == Engine::kBlockM && Fp8Engine::kBlockN == Engine::kBlockN &&
+                  Fp8Engine::kThreads == Engine::kThreads,
+              "the kernel's phases other than the GEMMs are shared by both engines");
 using Walk = ExpertTileWalk<Engine::kBlockM, kFusedMaxExperts>;
 static_assert(Engine::kBlockM == ep::kFusedBlockM, "pool M-blocks are the tile engine's M");
 
@@ -74,10 +81,13 @@ struct alignas(16) RankTables {
   int32_t src_prefix[kFusedMaxExperts];  // [El][R]: that block's first row in the source's comb
 };
 
+// The tables come first (8 KB, a multiple of the engine's 1024-byte alignment) so that their
+// place does not depend on the engine (CombRowDest reads them).
+template <class Eng>
 struct alignas(1024) FusedSmem {
-  Engine::SharedStorage engine;  // its stage ring doubles as RoutingScratch until the GEMMs
-  Walk::SharedStorage walk;      // this rank's experts: clamped offsets, M-block prefix
   RankTables tables;
+  typename Eng::SharedStorage engine;  // its stage ring doubles as RoutingScratch until the GEMMs
+  Walk::SharedStorage walk;      // this rank's experts: clamped offsets, M-block prefix
   unsigned long long epoch;
   int32_t total_rows;            // rows routed to this rank's experts (before capacity)
   int32_t total_blocks;          // M-blocks of this rank's pool
@@ -95,10 +105,24 @@ struct RoutingScratch {
 static_assert(sizeof(RoutingScratch) <= sizeof(Engine::SharedStorage::a) +
                                             sizeof(Engine::SharedStorage::b),
               "the routing scratch must fit in the stage ring");
+static_assert(sizeof(RankTables) % 1024 == 0, "the engine's storage follows the tables");
+// 227 KB of dynamic shared memory per block on sm_90, less the 1 KB ptxas reports as static.
+static_assert(sizeof(FusedSmem<Engine>) <= 232448 - 1024 &&
+                  sizeof(FusedSmem<Fp8Engine>) <= 232448 - 1024,
+              "the fused kernel's shared memory exceeds what an sm_90 block may take");
 
-__device__ __forceinline__ FusedSmem& Smem() {
+__device__ __forceinline__ uint8_t* SmemBase() {
   extern __shared__ __align__(1024) uint8_t fused_smem[];
-  return *reinterpret_cast<FusedSmem*>(fused_smem);
+  return fused_smem;
+}
+
+template <class Eng>
+__device__ __forceinline__ FusedSmem<Eng>& Smem() {
+  return *reinterpret_cast<FusedSmem<Eng>*>(SmemBase());
+}
+
+__device__ __forceinline__ const RankTables& Tables() {
+  return *reinterpret_cast<const RankTables*>(SmemBase());
 }
 
 // ------------------------------------------------------------------------ parameters
@@ -111,7 +135,7 @@ struct CombRowDest {
   int32_t hidden;
 
   __device__ __forceinline__ __nv_bfloat16* row(const ExpertTile& t, int r) const {
-    const RankTables& tab = Smem().tables;
+    const RankTables& tab = Tables();
     const int p = t.row_begin + r;
     const int* start = tab.src_start + t.expert * num_ranks;
     int s = num_ranks - 1;
@@ -129,7 +153,8 @@ struct alignas(128) RankParams {
   char* pool[kMaxRanks];        // every rank's pool as mapped here (the dispatch's targets)
   const __nv_bfloat16* comb;    // this rank's comb buffer (the combine's source)
   int32_t* group_sizes;         // [E/R]: pool rows per local expert (after capacity)
-  const __nv_bfloat16* x;
+  const __nv_bfloat16* x;       // bf16 rows, or (FP8) e4m3 rows of H bytes
+  const float* x_scale;         // FP8: [T, H/128] the rows' 1 x 128 scales
   const int32_t* ids;
   const float* weights;
   __nv_bfloat16* y;
@@ -146,6 +171,10 @@ struct KernelParams {
   int32_t absent;         // a rank left out (-1: none)
   int32_t ctas_per_rank;  // G
   int32_t num_tokens, hidden, ffn, top_k, num_experts, n_cap;
+  // FP8: the pool holds e4m3 rows [fused_rows, H], then their scales [H/128, pitch] fp32.
+  int64_t pool_scale_offset;  // bytes from a pool's start to its scales
+  int64_t pool_scale_pitch;   // FusedScalePitch(fused_rows)
+  int32_t debug;              // FusedForwardProblem::debug (kFusedDebug* bits; 0 normally)
 };
 // Kernel parameters may take 32,764 bytes (CUDA 12.1+, sm_70+).
 static_assert(sizeof(KernelParams) <= 32764, "the fused kernel's parameters are too large");
@@ -236,6 +265,7 @@ __device__ __forceinline__ unsigned ChunkMasks(const int32_t* __restrict__ ids, 
 
 // ------------------------------------------------------------------------ the kernel
 
+template <class Eng>
 __global__ void __launch_bounds__(kThreads, 1)
     FusedMoeForwardKernel(const __grid_constant__ KernelParams P) {
   const int slot = blockIdx.x / P.ctas_per_rank;  // which local rank this CTA works for
@@ -244,7 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const RankParams& A = P.rank[slot];
   const PeerView& v = A.view;
   const ep::WorkspaceLayout& L = v.layout;
-  FusedSmem& S = Smem();
+  FusedSmem<Eng>& S = Smem<Eng>();
   RoutingScratch& RS = *reinterpret_cast<RoutingScratch*>(&S.engine.a[0][0]);
   ep::FusedSignals* sig = v.fused_signals(v.rank);
 
@@ -435,14 +465,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // (b) each token's row, read once, written to the pool row of each of its slots; then the
   // arrival of those rows counted on their M-blocks (release after the warp's stores).
-  const int nvec = H * static_cast<int>(sizeof(__nv_bfloat16)) / 16;
+  // A row's 16-byte vectors (bf16 or e4m3 values); FP8 rows also carry H/128 scales.
+  const int nvec = H * Eng::kElemBytes / 16;
+  const int row_vecs_bf16 = H * static_cast<int>(sizeof(__nv_bfloat16)) / 16;  // y, comb rows
+  const int nblk = H / 128;
   for (int t = routed ? gwarp : T; t < T; t += nwarps) {
     const size_t s0 = static_cast<size_t>(t) * K;
     const int p_j = lane < K ? __ldcg(A.slot_dest + s0 + lane) : -1;
     const int e_j = lane < K ? __ldg(A.ids + s0 + lane) : -1;
     const unsigned valid = __ballot_sync(0xffffffffu, p_j >= 0);
     if (valid == 0u) continue;
-    const uint4* src = reinterpret_cast<const uint4*>(A.x + static_cast<size_t>(t) * H);
+    const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(A.x) +
+                                                      static_cast<size_t>(t) * H * Eng::kElemBytes);
     ep::WarpCopyRow<kCopyUnroll>(
         nvec, [&](int c) { return __ldg(src + c); },
         [&](auto&& store) {
@@ -453,6 +487,21 @@ __global__ void __launch_bounds__(kThreads, 1)
             store(reinterpret_cast<uint4*>(A.pool[q]) + static_cast<size_t>(p) * nvec);
           }
         });
+    if constexpr (Eng::kFp8) {  // the row's scales, lane b: block b (then b + 32, ...)
+      for (int b0 = 0; b0 < nblk; b0 += 32) {
+        const int b = b0 + lane;
+        const float sc = b < nblk ? __ldg(A.x_scale + static_cast<size_t>(t) * nblk + b) : 0.f;
+        for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
+          const int j = __ffs(bits) - 1;
+          const int p = __shfl_sync(0xffffffffu, p_j, j);
+          const int q = __shfl_sync(0xffffffffu, e_j, j) / El;
+          if (b < nblk) {
+            reinterpret_cast<float*>(A.pool[q] + P.pool_scale_offset)
+                [static_cast<size_t>(b) * P.pool_scale_pitch + p] = sc;
+          }
+        }
+      }
+    }
     __syncwarp();
     sm90::detail::fence_proxy_async_global();  // the rows are read by TMA on the expert rank
     if (p_j >= 0) {
@@ -468,31 +517,35 @@ __global__ void __launch_bounds__(kThreads, 1)
   mark(4);
 
   // ---- 5 GEMMs on the tile engine.
-  if (threadIdx.x == 0) Engine::init(S.engine);
+  if (threadIdx.x == 0) Eng::init(S.engine);
   __syncthreads();
   const int l1_n = F / 128, l2_n = H / Engine::kBlockN;
-  if (warp < Engine::kFirstMathWarp) {
-    cutlass::arch::warpgroup_reg_dealloc<Engine::kProducerRegs>();
-    if (warp == Engine::kProducerWarp) {
+  if (warp < Eng::kFirstMathWarp) {
+    cutlass::arch::warpgroup_reg_dealloc<Eng::kProducerRegs>();
+    if (warp == Eng::kProducerWarp) {
       TileSchedule sched;
       sched.walk.s = &S.walk;
       sched.walk.num_experts = El;
       sched.tile = cta;
       sched.stride = G;
-      sched.l1_tiles = routed ? S.total_blocks * l1_n : 0;
-      sched.l2_tiles = routed ? S.total_blocks * l2_n : 0;
+      // Debug knob (fused_moe.h): no L2 tiles, or no GEMM tiles at all. Nothing waits on a
+      // skipped tile (L2 waits on L1, never the reverse), so the kernel still completes.
+      const bool l1_on = routed && !(P.debug & kFusedDebugNoGemm);
+      const bool l2_on = l1_on && !(P.debug & kFusedDebugNoL2);
+      sched.l1_tiles = l1_on ? S.total_blocks * l1_n : 0;
+      sched.l2_tiles = l2_on ? S.total_blocks * l2_n : 0;
       sched.l1_blocks_n = l1_n;
       sched.l2_blocks_n = l2_n;
       const TileHooks hooks{&v, rows_arrived, l1_done, l1_n};
-      Engine::producer(S.engine, A.engine, sched, hooks);
-    } else if (warp == Engine::kSignallerWarp) {
+      Eng::producer(S.engine, A.engine, sched, hooks);
+    } else if (warp == Eng::kSignallerWarp) {
       const TileHooks hooks{&v, rows_arrived, l1_done, l1_n};
-      Engine::signaller(S.engine, A.engine, hooks);
+      Eng::signaller(S.engine, A.engine, hooks);
     }
     cutlass::arch::warpgroup_reg_alloc<168>();
   } else {
-    cutlass::arch::warpgroup_reg_alloc<Engine::kMathRegs>();
-    Engine::math(S.engine, A.engine);
+    cutlass::arch::warpgroup_reg_alloc<Eng::kMathRegs>();
+    Eng::math(S.engine, A.engine);
     cutlass::arch::warpgroup_reg_dealloc<168>();
   }
 
@@ -520,14 +573,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int t = gwarp; t < T; t += nwarps) {
     uint4* dst = reinterpret_cast<uint4*>(A.y + static_cast<size_t>(t) * H);
     if (failed) {
-      for (int c = lane; c < nvec; c += 32) dst[c] = ep::NanVec16(static_cast<const __nv_bfloat16*>(nullptr));
+      for (int c = lane; c < row_vecs_bf16; c += 32)
+        dst[c] = ep::NanVec16(static_cast<const __nv_bfloat16*>(nullptr));
       continue;
     }
     const size_t s0 = static_cast<size_t>(t) * K;
     const int row_j = lane < K ? __ldcg(A.slot_rows + s0 + lane) : -1;
     const float w_j = lane < K ? __ldg(A.weights + s0 + lane) : 0.f;
     const unsigned valid = __ballot_sync(0xffffffffu, row_j >= 0);
-    for (int c0 = 0; c0 < nvec; c0 += 32 * kCopyUnroll) {
+    for (int c0 = 0; c0 < row_vecs_bf16; c0 += 32 * kCopyUnroll) {
       float acc[kCopyUnroll][8];
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u)
@@ -541,7 +595,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int u = 0; u < kCopyUnroll; ++u) {
           const int c = c0 + u * 32 + lane;
-          if (c < nvec) {
+          if (c < row_vecs_bf16) {
             float f[8];
             ep::Unpack(ep::LoadPeerWritten(src + c), f, static_cast<const __nv_bfloat16*>(nullptr));
 #pragma unroll
@@ -552,7 +606,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int u = 0; u < kCopyUnroll; ++u) {
         const int c = c0 + u * 32 + lane;
-        if (c < nvec) dst[c] = ep::Pack(acc[u], static_cast<const __nv_bfloat16*>(nullptr));
+        if (c < row_vecs_bf16)
+          dst[c] = ep::Pack(acc[u], static_cast<const __nv_bfloat16*>(nullptr));
       }
     }
   }
@@ -597,8 +652,48 @@ std::string FusedForwardUnsupported(const FusedForwardProblem& p, const ep::Work
            " ranks and at most " + num(kFusedMaxExperts);
   if (static_cast<int64_t>(num_ranks) * p.num_tokens * p.top_k > (int64_t{1} << 31) - 1)
     return "ranks * tokens * top_k overflows int32 (pool positions)";
+  if (p.fp8) {
+    // e4m3 rows and their scales in the pool region sized for bf16 rows of the workspace's H.
+    const int64_t need = l.fused_rows * int64_t(p.hidden) +
+                         int64_t(p.hidden / 128) * FusedScalePitch(l.fused_rows) * 4;
+    if (need > l.fused_rows * l.hidden * l.elem_bytes)
+      return "the pool of " + num(l.fused_rows) + " rows cannot hold FP8 rows with their scales "
+             "(fused_rows too small)";
+  }
   return "";
 }
+
+namespace {
+
+// The launch of one engine's kernel: cooperative (every CTA co-resident before any waits).
+template <class Eng>
+std::string LaunchKernel(const KernelParams& params, int grid, cudaStream_t stream) {
+  const size_t smem = sizeof(FusedSmem<Eng>);
+  // Per device (a function attribute of the current device's context); cheap to repeat.
+  if (cudaError_t e = cudaFuncSetAttribute(FusedMoeForwardKernel<Eng>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+      e != cudaSuccess) {
+    return std::string("fused forward: shared memory attribute: ") + cudaGetErrorString(e);
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  if (cudaError_t e = cudaLaunchKernelEx(&config, FusedMoeForwardKernel<Eng>, params);
+      e != cudaSuccess) {
+    return std::string("fused forward launch: ") + cudaGetErrorString(e);
+  }
+  return "";
+}
+
+}  // namespace
 
 std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int absent,
                                const FusedForwardProblem& p, cudaStream_t stream) {
@@ -631,13 +726,20 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   params.top_k = p.top_k;
   params.num_experts = p.num_experts;
   params.n_cap = p.n_cap;
+  params.debug = p.debug;
   const int R = ranks[0].view->num_ranks;
   const int64_t El = p.num_experts / R, H = p.hidden, F = p.ffn;
+  const bool fp8 = p.fp8 != 0;
+  // FP8 pool: e4m3 rows [fused_rows, H], then their scales [H/128, pitch] (fp32).
+  params.pool_scale_offset = fp8 ? L.fused_rows * H : 0;
+  params.pool_scale_pitch = FusedScalePitch(L.fused_rows);
+  const int64_t h_scale_pitch = FusedScalePitch(p.n_cap);
   for (int r = 0; r < count; ++r) {
     const FusedRankOperands& o = ranks[r];
     RankParams& rp = params.rank[r];
     rp.view = *o.view;
     rp.x = static_cast<const __nv_bfloat16*>(o.x);
+    rp.x_scale = o.x_scale;
     rp.ids = o.ids;
     rp.weights = o.weights;
     rp.y = static_cast<__nv_bfloat16*>(o.y);
@@ -645,7 +747,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     rp.slot_rows = o.slot_rows;
     rp.slot_dest = o.slot_dest;
     rp.group_sizes = o.group_sizes;
-    // Redirected to XLA buffers (the handler checks that x_sorted comes with one rank alone).
+    // Redirected to XLA buffers (the handler checks that x_sorted comes with one rank alone, bf16).
     const bool pool_is_x_sorted = o.x_sorted != nullptr;
     const bool comb_is_y_sorted = o.y_sorted != nullptr && R == 1 && count == 1;
     for (int q = 0; q < R; ++q) rp.pool[q] = o.view->base[q] + L.fpool;
@@ -659,22 +761,58 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     sm90::GemmOperands& l1 = ep_.op[sm90::kL1GateUp];
     sm90::GemmOperands& l2 = ep_.op[sm90::kL2Down];
     std::string err;
-    // Pool rows are packed with this call's H (the region holds fused_rows x layout.hidden).
-    if (!(err = MakeRowMajorTensorMap(&l1.a_map, rp.pool[o.view->rank],
-                                      pool_is_x_sorted ? p.n_cap : L.fused_rows, H, H, 64, 128))
-             .empty() ||
-        !(err = MakeRowMajorTensorMap(&l1.b_map, o.w_gate_up, El * H, 2 * F, 2 * F, 64, 64))
-             .empty() ||
-        !(err = MakeRowMajorTensorMap(&l2.a_map, o.h, p.n_cap, F, F, 64, 128)).empty() ||
-        !(err = MakeRowMajorTensorMap(&l2.b_map, o.w_down, El * F, H, H, 64, 64)).empty()) {
-      return "fused forward: " + err;
+    char* my_pool = rp.pool[o.view->rank];
+    if (!fp8) {
+      // Pool rows are packed with this call's H (the region holds fused_rows x layout.hidden).
+      if (!(err = MakeRowMajorTensorMap(&l1.a_map, my_pool, pool_is_x_sorted ? p.n_cap : L.fused_rows,
+                                        H, H, 64, 128))
+               .empty() ||
+          !(err = MakeRowMajorTensorMap(&l1.b_map, o.w_gate_up, El * H, 2 * F, 2 * F, 64, 64))
+               .empty() ||
+          !(err = MakeRowMajorTensorMap(&l2.a_map, o.h, p.n_cap, F, F, 64, 128)).empty() ||
+          !(err = MakeRowMajorTensorMap(&l2.b_map, o.w_down, El * F, H, H, 64, 64)).empty()) {
+        return "fused forward: " + err;
+      }
+      ep_.h = static_cast<__nv_bfloat16*>(o.h);
+      // nullptr: not stored (debug knob kFusedDebugNoGateUp: not stored even when kept).
+      ep_.gate_up = (p.debug & kFusedDebugNoGateUp) ? nullptr
+                                                    : static_cast<__nv_bfloat16*>(o.gate_up);
+    } else {
+      // e4m3, K-major: A rows [rows, K], B the quantised weights [E/R * N, K]; boxes of 128 K
+      // bytes x 128 rows; the scales K-block-major, boxes of 128 rows.
+      if (!(err = MakeRowMajorTensorMap(&l1.a_map, my_pool, L.fused_rows, H, H, 128, 128, 1))
+               .empty() ||
+          !(err = MakeScaleTensorMap(&l1.sa_map, my_pool + params.pool_scale_offset, H / 128,
+                                     params.pool_scale_pitch, L.fused_rows))
+               .empty() ||
+          !(err = MakeRowMajorTensorMap(&l1.b_map, o.w_gate_up, El * 2 * F, H, H, 128, 128, 1))
+               .empty() ||
+          !(err = MakeRowMajorTensorMap(&l2.a_map, o.h, p.n_cap, F, F, 128, 128, 1)).empty() ||
+          !(err = MakeScaleTensorMap(&l2.sa_map, o.h_scale, F / 128, h_scale_pitch, p.n_cap))
+               .empty() ||
+          !(err = MakeRowMajorTensorMap(&l2.b_map, o.w_down, El * H, F, F, 128, 128, 1))
+               .empty()) {
+        return "fused forward: " + err;
+      }
+      // Debug knob: the first build's unaligned A-scale box starts (A/B of the aligned ones).
+      l1.sa_unaligned = l2.sa_unaligned = (p.debug & kFusedDebugUnalignedScales) ? 1 : 0;
+      l1.b_scale = o.w_gate_up_scale;
+      l1.n = static_cast<int32_t>(2 * F);
+      l2.b_scale = o.w_down_scale;
+      l2.n = static_cast<int32_t>(H);
+      ep_.h = nullptr;
+      // nullptr: not stored (debug knob kFusedDebugNoGateUp: not stored even when kept).
+      ep_.gate_up = (p.debug & kFusedDebugNoGateUp) ? nullptr
+                                                    : static_cast<__nv_bfloat16*>(o.gate_up);
+      ep_.h_q = static_cast<uint8_t*>(o.h);
+      ep_.h_scale = o.h_scale;
+      ep_.h_scale_pitch = h_scale_pitch;
+      ep_.pow2 = p.pow2;
     }
     l1.k = static_cast<int32_t>(H);
     l1.a_load = static_cast<int32_t>(sm90::ALoad::kTmaBlock);
     l2.k = static_cast<int32_t>(F);
     l2.a_load = static_cast<int32_t>(sm90::ALoad::kTmaBlock);
-    ep_.h = static_cast<__nv_bfloat16*>(o.h);
-    ep_.gate_up = static_cast<__nv_bfloat16*>(o.gate_up);  // nullptr: not stored
     ep_.f = static_cast<int32_t>(F);
     for (int q = 0; q < kMaxRanks; ++q) ep_.l2_dest.base[q] = o.view->base[q];
     ep_.l2_dest.comb_offset = L.fcomb;
@@ -690,30 +828,16 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     if (cudaError_t e = cudaMemsetAsync(o.stats, 0, 4 * sizeof(int32_t), stream); e != cudaSuccess)
       return std::string("fused forward: stats memset: ") + cudaGetErrorString(e);
   }
-
-  const size_t smem = sizeof(FusedSmem);
-  // Per device (a function attribute of the current device's context); cheap to repeat.
-  if (cudaError_t e = cudaFuncSetAttribute(FusedMoeForwardKernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
-      e != cudaSuccess) {
-    return std::string("fused forward: shared memory attribute: ") + cudaGetErrorString(e);
+  std::string err = fp8 ? LaunchKernel<Fp8Engine>(params, per_rank * count, stream)
+                         : LaunchKernel<Engine>(params, per_rank * count, stream);
+  if (err.empty() && (p.debug & kFusedDebugSync)) {
+    // Debug knob: name a fault of this kernel here instead of at some later XLA operation.
+    if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
+      return std::string(fp8 ? "FP8" : "bf16") + " fused forward kernel failed (debug sync): " +
+             cudaGetErrorString(e);
+    }
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(per_rank * count);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;  // every CTA co-resident before any waits
-  attr[0].val.cooperative = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  if (cudaError_t e = cudaLaunchKernelEx(&config, FusedMoeForwardKernel, params);
-      e != cudaSuccess) {
-    return std::string("fused forward launch: ") + cudaGetErrorString(e);
-  }
-  return "";
+  return err;
 }
 
 }  // namespace megamoe::fused

@@ -342,15 +342,19 @@ class LayerPlan:
 
 
 def layer_on_local_ranks(x, ids, w, w_gate_up, w_down, *, workspace, num_experts: int,
-                         mlp: Callable, plan: LayerPlan):
+                         mlp: Callable, plan: LayerPlan,
+                         blocks: cuda_fp8.ExpertWeightBlocks | None = None):
   """dispatch -> mlp -> combine for this device's local ranks of `workspace`: one rank inside
   shard_map (x [T, H], ids / w [T, k], its experts' weights), or all R ranks of a virtual group
-  (every operand with a leading rank axis). The kernels are the same either way."""
+  (every operand with a leading rank axis). The kernels are the same either way. With FP8 rows,
+  `blocks` may give the weights as already quantised (mlp.quantize_weights of w_gate_up and
+  w_down, stacked like them), so that they are not quantised again."""
   cfg = _config(workspace, num_experts, x, ids)
   _check_inputs(x, ids, w, cfg.lead)
   if plan.fp8_rows:
     # The weight blocks outside the VJP, named for remat policies (cuda_fp8 module doc).
-    blocks = cfg.per_rank(mlp.quantize_weights, w_gate_up, w_down)
+    if blocks is None:
+      blocks = cfg.per_rank(mlp.quantize_weights, w_gate_up, w_down)
     y_sorted, group_sizes, slot_pos, recv_w, stats = _dispatch_mlp_fp8(
         x, ids, w, w_gate_up, w_down, blocks, cfg, plan.n_cap, mlp)
     d = Dispatched(None, group_sizes, slot_pos, recv_w, stats)

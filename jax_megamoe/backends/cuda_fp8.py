@@ -32,6 +32,8 @@ weight once, not twice.
                               a.q may have a row stride (dispatched rows are read in place)
   grouped_wgrad_quantized(a, group_sizes, b) -> [E, Ca, Cb] bf16: a_g^T b_g over group g's rows
                               (two WgradOperands), fp32 promoted per 128 rows; empty groups 0
+  grouped_mlp_from_blocks(x_sorted, group_sizes, w_gate_up, w_down, blocks) the FP8 MLP on weight
+                              blocks quantised by the caller (no second quantisation)
 Every op also has a CPU handler with the same contract (plain loops, ffi/handlers/fp8_cpu.cc):
 on a CPU the whole module runs, slowly, and CI checks it against jax_megamoe.fp8.
 """
@@ -325,6 +327,16 @@ def grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, pow2: bool = False):
   x_sorted, group_sizes, w_gate_up, w_down = varying.align_varying(x_sorted, group_sizes,
                                                                   w_gate_up, w_down)
   blocks = quantize_expert_weights(w_gate_up, w_down, pow2=bool(pow2))
+  return _grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, blocks, bool(pow2))
+
+
+def grouped_mlp_from_blocks(x_sorted, group_sizes, w_gate_up, w_down, blocks: ExpertWeightBlocks,
+                            pow2: bool = False):
+  """grouped_mlp with the weights already quantised (quantize_expert_weights of w_gate_up and
+  w_down, e.g. by a layer that quantised them once for another kernel: backends.fused);
+  w_gate_up / w_down only take the gradients."""
+  x_sorted, group_sizes, w_gate_up, w_down = varying.align_varying(x_sorted, group_sizes,
+                                                                  w_gate_up, w_down)
   return _grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, blocks, bool(pow2))
 
 

@@ -18,17 +18,34 @@ Backward (until the fused backward exists) runs backend "cuda"'s kernels, from r
   4 B per expert: 1.6 GiB, what backend "cuda" keeps), and the backward is cuda's EP backward
   on one rank: combine's VJP (dy_sorted = w * dy by slot, d topk_weights = <dy, y_sorted>), the
   grouped MLP backward, dispatch's VJP (dx summed over slots). No forward is recomputed.
-- several ranks (EP across GPUs, virtual ranks): the kernel keeps gate_up, h and y_sorted (L2's
+- several ranks (EP across GPUs, virtual ranks), bf16: the kernel keeps gate_up, h and y_sorted (L2's
   rows, a second store of its epilogue) but not the pool (symmetric memory the next layer
   overwrites) nor expert-side slot tables, so the backward runs cuda's dispatch again (x_sorted,
   slot_pos, recv_w: the same (expert, source, token) row order as the kernel's pool), then
   cuda's EP backward. No GEMM is recomputed. (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: what
   the fused backward will keep.)
 
-What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, no
-recipe. Other layers (and meshes the NVLink kernels cannot serve) run on backend "cuda", the
-same function. Memory of the workspace's fused regions per GPU (R ranks, T tokens per GPU,
-n_cap = R * T * min(k, E / R) pool rows by default, dropless):
+Recipes "fp8" / "fp8_pow2" (jax_megamoe.fp8 defines them; the same function as backend "cuda"'s
+FP8 path): the token rows are quantised before they travel (1 x 128 blocks, cuda_fp8.quantize_rows)
+and reach the pool as e4m3 rows + fp32 scales; the weights are quantised once per forward
+outside the VJP (cuda_fp8.quantize_expert_weights, named fp8.QUANTIZED_WEIGHTS_NAME for remat
+policies); both GEMMs run on the e4m3 tile engine (fp32 accumulation promoted every 128 of K
+with the blocks' scales), L1's epilogue quantises h (after SwiGLU, from its bf16 rounding, as
+the definition does) into e4m3 + 1 x 128 scales for L2; combine stays bf16. Backward: backend
+"cuda"'s FP8 backward (cuda_fp8.mlp_backward, the dgrad GEMMs on the forward's weight blocks):
+- one rank: from residuals the kernel keeps (gate_up and y_sorted; the bf16 x_sorted is
+  scattered from x by slot_dest and h recomputed from gate_up by cuda_fp8.swiglu_quantize, both
+  in the backward): no forward GEMM recomputed; dW_gate_up from the bf16 rows, as backend cuda
+  without a mesh computes it.
+- several ranks: backend cuda's FP8 layer run again from the inputs and the same weight blocks
+  (rows in FP8 across ranks, so dW_gate_up from the FP8 rows, as backend cuda's EP path), then
+  its backward.
+
+What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, recipe
+None, "fp8" or "fp8_pow2". Other layers (and meshes the NVLink kernels cannot serve) run on
+backend "cuda", the same function. Memory of the workspace's fused regions per GPU (R ranks,
+T tokens per GPU, n_cap = R * T * min(k, E / R) pool rows by default, dropless; FP8 rows and
+their scales fit in the same pool):
   n_cap * H * 2 (pool) + T * k * H * 2 (comb) + 16 * (n_cap / 128 + 1024) + 65 KB
 e.g. 30B shape at EP=1 (T=16,384, k=8, H=2048): 0.54 + 0.54 GB.
 """
@@ -46,13 +63,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jax_megamoe import _ffi, parallel, symmetric, varying
-from jax_megamoe.backends import cuda, cuda_bf16, cuda_ep
+from jax_megamoe.backends import cuda, cuda_bf16, cuda_ep, cuda_fp8
 from jax_megamoe.validation import LayerShape
 
 NAME = "fused"
 TARGET = "megamoe_fused_moe_fwd"
 MAX_EXPERTS = symmetric.FUSED_MAX_EXPERTS
 CHUNK = 32  # tokens of a routing chunk (the kernel's chunk_counts layout)
+FP8_RECIPES = ("fp8", "fp8_pow2")
 # SMs left to other kernels when EP spans GPUs (a collective on another stream must find room:
 # DESIGN.md §7, deadlock across GPUs).
 SMS_LEFT_FOR_COLLECTIVES = 8
@@ -70,10 +88,19 @@ def unavailable_reason(recipe: str | None = None) -> str | None:
   if capabilities != ["9.0"]:
     return (f"the fused kernel is sm_90a only (Hopper: wgmma, TMA); the GPUs here are compute "
             f"capability {', '.join(capabilities)}")
+  if recipe is not None and recipe not in FP8_RECIPES:
+    return (f"recipe {recipe!r} has no fused kernel (it takes None, 'fp8' and 'fp8_pow2'); "
+            "backend 'reference' emulates it")
   if recipe is not None:
-    return (f"recipe {recipe!r} has no fused kernel yet (bf16 only); backend 'cuda' runs it "
-            "with its FP8 kernels")
+    missing = [t for t in cuda_fp8.TARGETS if not _ffi.has_target(t, "CUDA")]
+    if missing:
+      return f"the extension has no CUDA target {missing[0]!r} (rebuild the package)"
   return None
+
+
+def scale_pitch(rows: int) -> int:
+  """Rows of the kernel's K-block-major FP8 scale matrices (fused_moe.h: FusedScalePitch)."""
+  return -(-rows // 128) * 128
 
 
 def layer_unavailable_reason(shape: LayerShape) -> str | None:
@@ -132,16 +159,25 @@ class FusedConfig:
   num_experts: int
   plan: cuda_ep.LayerPlan  # n_cap, check_capacity (the backward's cuda path uses it too)
   max_ctas: int
+  recipe: str | None = None  # None (bf16) or one of FP8_RECIPES
 
   @property
   def stacked(self) -> bool:
     return self.workspace.virtual
 
   @property
+  def pow2(self) -> bool:
+    return self.recipe == "fp8_pow2"
+
+  @property
   def one_rank(self) -> bool:
-    """One rank alone: the forward also keeps its pool rows and slot table (x_sorted,
-    slot_dest)."""
+    """One rank alone: the forward also keeps its slot table (slot_dest) and, bf16, its pool
+    rows (x_sorted); FP8 keeps residuals at one rank only (several: cuda's FP8 layer again)."""
     return self.workspace.num_ranks == 1 and not self.stacked
+
+  def mlp(self):
+    """Backend cuda's expert MLP of this recipe (the backward's path; its LayerPlan)."""
+    return cuda_mlp(self.recipe)
 
   def ep_config(self) -> cuda_ep.EpConfig:
     """The cuda EP kernels' configuration on this workspace (the backward's exchange)."""
@@ -152,33 +188,49 @@ class FusedConfig:
 class FusedResiduals(NamedTuple):
   """What the forward keeps for the backward (rows in the pool's expert order; with one rank,
   slot (t, j) of the token-major input is row slot_dest[t, j], -1 for none). x_sorted and
-  slot_dest are None with several ranks."""
+  slot_dest are None with several ranks; FP8 (one rank only) keeps no x_sorted and no h (the
+  pool and h hold e4m3 rows; the backward rebuilds their bf16 values)."""
   gate_up: jax.Array      # [.., n_cap, 2F] L1's output before SwiGLU
-  h: jax.Array            # [.., n_cap, F] SwiGLU's output, L2's input
+  h: jax.Array | None     # [.., n_cap, F] SwiGLU's output, L2's input
   y_sorted: jax.Array     # [.., n_cap, H] L2's output rows
   group_sizes: jax.Array  # [.., E/R] int32 pool rows per local expert
   x_sorted: jax.Array | None = None   # [n_cap, H] the dispatched rows
   slot_dest: jax.Array | None = None  # [T, k] int32
 
 
+def cuda_mlp(recipe: str | None):
+  """Backend cuda's expert MLP for a layer the fused kernel takes (bf16, H and F multiples of
+  128): the one its backward path runs."""
+  return cuda_bf16.grouped_mlp if recipe is None else cuda_fp8.RowsMlp(pow2=recipe == "fp8_pow2")
+
+
 PHASES = ("start", "route", "counts exchanged", "slot positions", "rows copied",
           "GEMM tiles done", "results here", "combine done")  # fused_moe.h: kFusedPhases
 
 
-def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bool = False):
+def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bool = False,
+                fp8_scales=None):
   """The custom call: (y, stats [.., 4], phase clock [.., len(PHASES)], FusedResiduals or
-  None). residuals: keep them (the pool rows too with one rank)."""
+  None). residuals: keep them (the slot table too with one rank, and bf16 the pool rows).
+  bf16: x, w_gate_up [.., E/R, H, 2F], w_down [.., E/R, F, H] bf16. FP8 (fp8_scales =
+  (x_scale, w_gate_up_scale, w_down_scale)): x e4m3 [.., T, H], the weights e4m3 and K-major
+  as cuda_fp8.QuantizedWeights ([.., E/R, 2F, H], [.., E/R, H, F]); residuals without
+  x_sorted and h."""
+  fp8 = fp8_scales is not None
   lead = (cfg.workspace.num_ranks,) if cfg.stacked else ()
   tokens, hidden = x.shape[-2:]
   top_k = ids.shape[-1]
-  ffn = w_down.shape[-2]
+  ffn = w_down.shape[-1] if fp8 else w_down.shape[-2]
   n_cap = cfg.plan.n_cap
   n_chunks = -(-tokens // CHUNK)
-  kept = lambda keep, *shape: jax.ShapeDtypeStruct((*lead, *shape) if keep else (0,), x.dtype)
-  rows = residuals and cfg.one_rank
+  kept = lambda keep, *shape: jax.ShapeDtypeStruct((*lead, *shape) if keep else (0,),
+                                                  jnp.bfloat16)
+  rows = residuals and cfg.one_rank and not fp8
+  none = jnp.zeros((0,), jnp.float32)
+  scales = fp8_scales if fp8 else (none, none, none)
   out_types = (
-      jax.ShapeDtypeStruct((*lead, tokens, hidden), x.dtype),
-      jax.ShapeDtypeStruct((*lead, n_cap, ffn), x.dtype),  # h
+      jax.ShapeDtypeStruct((*lead, tokens, hidden), jnp.bfloat16),
+      jax.ShapeDtypeStruct((*lead, n_cap, ffn), x.dtype),  # h (FP8: e4m3)
       jax.ShapeDtypeStruct((*lead, cfg.num_experts * n_chunks), jnp.int32),  # scratch
       jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),  # slot_rows (scratch)
       jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),  # slot_dest
@@ -187,18 +239,28 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
       jax.ShapeDtypeStruct((*lead, len(PHASES)), jnp.int32),
       kept(rows, n_cap, hidden), kept(residuals, n_cap, 2 * ffn),
       kept(residuals, n_cap, hidden),
+      jax.ShapeDtypeStruct((*lead, ffn // cuda_fp8.BLOCK, scale_pitch(n_cap)) if fp8 else (0,),
+                           jnp.float32),  # h_scale (scratch)
   )
-  y, h, _, _, slot_dest, group_sizes, stats, phases, x_sorted, gate_up, y_sorted = (
+  y, h, _, _, slot_dest, group_sizes, stats, phases, x_sorted, gate_up, y_sorted, _ = (
       jax.ffi.ffi_call(TARGET, out_types)(
-          x, ids, w, w_gate_up, w_down, workspace_id=np.int64(cfg.workspace.id),
+          x, ids, w, w_gate_up, w_down, *scales, workspace_id=np.int64(cfg.workspace.id),
           num_experts=np.int64(cfg.num_experts), n_cap=np.int64(n_cap),
-          max_ctas=np.int64(cfg.max_ctas)))
+          max_ctas=np.int64(cfg.max_ctas), pow2=np.int64(cfg.pow2)))
   kept_res = None
   if residuals:
-    kept_res = FusedResiduals(gate_up, h, y_sorted, group_sizes)
-    if rows:
-      kept_res = kept_res._replace(x_sorted=x_sorted, slot_dest=slot_dest)
+    kept_res = FusedResiduals(gate_up, None if fp8 else h, y_sorted, group_sizes)
+    if cfg.one_rank:
+      kept_res = kept_res._replace(x_sorted=x_sorted if rows else None, slot_dest=slot_dest)
   return y, stats, phases, kept_res
+
+
+def _cuda_fp8_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, blocks):
+  """Backend "cuda"'s FP8 layer on this device's local ranks, on the weight blocks the fused
+  forward used (not quantised again): the backward's path with several ranks."""
+  return cuda_ep.layer_on_local_ranks(x, ids, w, w_gate_up, w_down, workspace=cfg.workspace,
+                                      num_experts=cfg.num_experts, mlp=cfg.mlp(),
+                                      plan=cfg.plan, blocks=blocks)
 
 
 def _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals: bool):
@@ -239,26 +301,121 @@ def _fused_layer_bwd(cfg, residuals, dy):
 _fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
 
 
+# --- recipes "fp8" / "fp8_pow2" ---------------------------------------------------------------
+
+
+def _over_ranks(fn, a, cfg: FusedConfig):
+  """fn of an array whose leading axis it keeps (rows, experts) applied to a virtual group's
+  stacked [R, n, ...] as one [R * n, ...] (both quantisers work per row / per expert)."""
+  if not cfg.stacked:
+    return fn(a)
+  lead = a.shape[:2]
+  return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]),
+                      fn(a.reshape(-1, *a.shape[2:])))
+
+
+def quantized_weights(w_gate_up, w_down, cfg: FusedConfig) -> cuda_fp8.ExpertWeightBlocks:
+  """The layer's weight blocks (cuda_fp8.quantize_expert_weights: once per forward, named for
+  remat policies), stacked like the weights."""
+  if not cfg.stacked:
+    return cuda_fp8.quantize_expert_weights(w_gate_up, w_down, pow2=cfg.pow2)
+  flat = lambda a: a.reshape(-1, *a.shape[2:])
+  blocks = cuda_fp8.quantize_expert_weights(flat(w_gate_up), flat(w_down), pow2=cfg.pow2)
+  lead = w_gate_up.shape[:2]
+  return jax.tree.map(lambda o: o.reshape(*lead, *o.shape[1:]), blocks)
+
+
+def _fp8_call(x, ids, w, blocks: cuda_fp8.ExpertWeightBlocks, cfg: FusedConfig,
+              residuals: bool = False):
+  """The custom call on rows quantised here (1 x 128, before they travel) and `blocks`:
+  (y, FusedResiduals or None)."""
+  rows = _over_ranks(lambda a: cuda_fp8.quantize_rows(a, pow2=cfg.pow2), x, cfg)
+  y, stats, _, kept = _fused_call(
+      rows.q, ids, w, blocks.w_gate_up.q, blocks.w_down.q, cfg, residuals=residuals,
+      fp8_scales=(rows.scale, blocks.w_gate_up.scale, blocks.w_down.scale))
+  if cfg.plan.check_capacity:
+    jax.debug.callback(cuda_ep.raise_on_bad_stats, stats)
+  return y, kept
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _fused_fp8_layer(x, ids, w, w_gate_up, w_down, blocks, cfg):
+  """w_gate_up / w_down take the weights' gradients; the kernel reads `blocks`."""
+  del w_gate_up, w_down
+  return _fp8_call(x, ids, w, blocks, cfg)[0]
+
+
+def _fused_fp8_layer_fwd(x, ids, w, w_gate_up, w_down, blocks, cfg):
+  y, kept = _fp8_call(x, ids, w, blocks, cfg, residuals=cfg.one_rank)
+  return y, (x, ids, w, w_gate_up, w_down, blocks, kept)
+
+
+def _pool_rows(x, slot_dest, n_cap: int):
+  """x's bf16 rows where the kernel put their FP8 copies: row slot_dest[t, j] = x[t], rows no
+  slot fills zero."""
+  tokens, top_k = slot_dest.shape
+  dest = jnp.where(slot_dest >= 0, slot_dest, n_cap).reshape(-1)
+  rows = x[jnp.arange(tokens * top_k) // top_k]
+  return jnp.zeros((n_cap, x.shape[1]), x.dtype).at[dest].set(rows, mode="drop")
+
+
+def _fused_fp8_layer_bwd(cfg, residuals, dy):
+  x, ids, w, w_gate_up, w_down, blocks, kept = residuals
+  dy = dy.astype(x.dtype)
+  if kept is None:  # several ranks: cuda's FP8 layer again (same rows, same blocks), backward
+    layer = lambda x, w, wgu, wd: _cuda_fp8_layer(x, ids, w, wgu, wd, cfg, blocks)
+    _, vjp = jax.vjp(layer, x, w, w_gate_up, w_down)
+    dx, dw, dwgu, dwd = vjp(dy)
+    return dx, None, dw, dwgu, dwd, cuda_fp8.zero_cotangent(blocks)
+  # One rank: cuda's EP backward with its FP8 MLP backward, from the kept rows.
+  ep = cfg.ep_config()
+  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, kept.slot_dest, w, ids,
+                                                  kept.group_sizes, ep)
+  x_sorted = _pool_rows(x, kept.slot_dest, cfg.plan.n_cap)
+  hidden, _ = cuda_fp8.swiglu_quantize(kept.gate_up, kept.group_sizes, pow2=cfg.pow2)
+  mlp_res = cuda_fp8.MlpResiduals(kept.gate_up, hidden, blocks)
+  dx_sorted, dwgu, dwd = cuda_fp8.mlp_backward(dy_sorted, x_sorted, kept.group_sizes, mlp_res,
+                                               cfg.pow2)
+  dx, dw = cuda_ep.dispatch_backward(dx_sorted, d_w_slots, kept.slot_dest, ids, ep)
+  return dx, None, dw, dwgu, dwd, cuda_fp8.zero_cotangent(blocks)
+
+
+_fused_fp8_layer.defvjp(_fused_fp8_layer_fwd, _fused_fp8_layer_bwd)
+
+
 def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
   """The fused layer on this device's local ranks of cfg.workspace (one rank inside shard_map,
-  or the R ranks of a virtual group, operands stacked), differentiable."""
+  or the R ranks of a virtual group, operands stacked), differentiable. FP8 recipes: the
+  weights are quantised here, outside the VJP (quantized_weights)."""
   x, w_gate_up, w_down = varying.align_varying(x, w_gate_up, w_down)
-  return _fused_layer(x, ids.astype(jnp.int32), w.astype(jnp.float32), w_gate_up, w_down, cfg)
+  ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
+  if cfg.recipe is None:
+    return _fused_layer(x, ids, w, w_gate_up, w_down, cfg)
+  blocks = quantized_weights(w_gate_up, w_down, cfg)
+  return _fused_fp8_layer(x, ids, w, w_gate_up, w_down, blocks, cfg)
 
 
-def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
+def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=None):
   """One device, no mesh (for the breakdown benchmark): (y, phase clock [8] int32: ns from the
-  kernel's start to the end of each of PHASES, on its CTA 0). Forward only."""
+  kernel's start to the end of each of PHASES, on its CTA 0). Forward only; FP8 recipes: the
+  kernel alone (rows and weights quantised before it, outside the clock)."""
   from jax_megamoe.validation import check_layer_args
   shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down)
-  reason = layer_unavailable_reason(shape) or unavailable_reason()
+  reason = layer_unavailable_reason(shape) or unavailable_reason(recipe)
   if reason is not None:
     raise ValueError(f"the fused kernel cannot take this layer: {reason}")
-  plan = cuda_ep.LayerPlan.of(shape, cuda_bf16.grouped_mlp)
+  plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(recipe))
   cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
-                    max_ctas(False))
-  y, _, phases, _ = _fused_call(x, topk_ids.astype(jnp.int32),
-                                topk_weights.astype(jnp.float32), w_gate_up, w_down, cfg)
+                    max_ctas(False), recipe=recipe)
+  ids, w = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
+  if recipe is None:
+    y, _, phases, _ = _fused_call(x, ids, w, w_gate_up, w_down, cfg)
+    return y, phases
+  rows = cuda_fp8.quantize_rows(x, pow2=cfg.pow2)
+  blocks = quantized_weights(w_gate_up, w_down, cfg)
+  y, _, phases, _ = _fused_call(
+      rows.q, ids, w, blocks.w_gate_up.q, blocks.w_down.q, cfg,
+      fp8_scales=(rows.scale, blocks.w_gate_up.scale, blocks.w_down.scale))
   return y, phases
 
 
@@ -279,20 +436,21 @@ def moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, reci
   args = (x, topk_ids, topk_weights, w_gate_up, w_down)
   fallback = functools.partial(cuda.moe, *args, mesh=mesh, expert_axis=expert_axis,
                                recipe=recipe, shape=shape)
-  if recipe is not None or layer_unavailable_reason(shape) is not None:
+  if (recipe is not None and recipe not in FP8_RECIPES) or layer_unavailable_reason(shape):
     return fallback()
   if mesh is None:
-    plan = cuda_ep.LayerPlan.of(shape, cuda_bf16.grouped_mlp)
+    plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(recipe))
     cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
-                      max_ctas(False))
+                      max_ctas(False), recipe=recipe)
     return fused_layer(*args, cfg)
   if cuda_ep.unavailable_reason(mesh, expert_axis, shape) is not None:
     return fallback()
-  plan = cuda_ep.LayerPlan.of(shape, cuda_bf16.grouped_mlp)
+  plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(recipe))
   workspace = symmetric.workspace_for(mesh, expert_axis, max_tokens=shape.tokens_per_device,
                                       hidden=shape.hidden, top_k=shape.top_k, dtype=shape.dtype,
                                       fused_rows=plan.n_cap)
-  cfg = FusedConfig(workspace, shape.num_experts, plan, max_ctas(shape.ep_size > 1))
+  cfg = FusedConfig(workspace, shape.num_experts, plan, max_ctas(shape.ep_size > 1),
+                    recipe=recipe)
   args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
   return parallel.shard_over_mesh(functools.partial(fused_layer, cfg=cfg), mesh, expert_axis,
                                   args, check_vma=False)

@@ -1,0 +1,69 @@
+"""How far the FP8 emulation moves under its own rounding noise: the floor under any kernel's
+error against it.
+
+The kernels accumulate in a different order (and, for e4m3 wgmma, at a lower in-MMA precision)
+than the emulation, so a few intermediates round to the neighbouring bf16 / e4m3 value. This
+script perturbs the emulation's stored intermediates (gate_up and h, jax_megamoe/backends/
+reference._stored) by a relative uniform noise of the given amplitude and reports the relative
+errors of y and dtopk_weights against the unperturbed emulation, on the cases of
+tests/test_fused_moe.py::test_fp8_one_gpu_matches_emulation. CPU only.
+
+  python benchmarks/fp8_emulation_noise.py [--recipe fp8] [--amplitudes 1e-4,1e-3] [--draws 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (REPO, os.path.join(REPO, "tests")):
+  if path not in sys.path:
+    sys.path.insert(0, path)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import test_fused_moe as cases  # noqa: E402  (the test's inputs, emulation and error measure)
+from jax_megamoe.backends import reference  # noqa: E402
+
+CASES = ((1, 16, 4, "uniform", 256, 128), (1000, 8, 2, "uniform", 256, 128),
+         (200, 16, 2, "sparse", 256, 256))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--recipe", default="fp8", choices=("fp8", "fp8_pow2"))
+  parser.add_argument("--amplitudes", default="1e-4,1e-3")
+  parser.add_argument("--draws", type=int, default=6)
+  flags = parser.parse_args()
+  stored = reference._stored
+  for case in CASES:
+    args = cases._inputs(case[0] + case[1] + case[4], *case)
+    want = cases._fp8_emulation(flags.recipe, *args)
+    for amplitude in map(float, flags.amplitudes.split(",")):
+      errs = []
+      for draw in range(flags.draws):
+        key = [jax.random.PRNGKey(draw)]
+
+        def noisy(a, dtype, amplitude=amplitude, key=key):
+          key[0], sub = jax.random.split(key[0])
+          return stored(a * (1 + amplitude * jax.random.uniform(sub, a.shape, minval=-1,
+                                                                 maxval=1)), dtype)
+
+        reference._stored = noisy
+        try:
+          got = cases._fp8_emulation(flags.recipe, *args)
+        finally:
+          reference._stored = stored
+        e = cases._errors(got, want)
+        errs.append((e["y"], e["dtopk_weights"]))
+      errs = np.asarray(errs)
+      print(f"tokens {case[0]:5d} experts {case[1]:3d} k {case[2]} {case[3]:8s} amplitude "
+            f"{amplitude:.0e}: y max {errs[:, 0].max():.2e}  dtopk_weights max "
+            f"{errs[:, 1].max():.2e} mean {errs[:, 1].mean():.2e}")
+
+
+if __name__ == "__main__":
+  main()

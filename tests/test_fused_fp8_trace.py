@@ -1,0 +1,260 @@
+"""Backend "fused" with recipes "fp8" / "fp8_pow2", the Python side (runs on a CPU: traced and
+lowered, never executed; the kernel itself is checked on a GPU by test_fused_moe.py).
+
+What is checked: the forward is one fused custom call whose row and weight operands are e4m3
+with their fp32 scales (x quantised 1x128 before it travels, the weights K-major in 128x128
+blocks), the h scratch is e4m3 with its scale matrix; the weights are quantised once per step;
+at one rank the backward reads the kernel's residuals (gate_up, y_sorted) and runs backend
+cuda's FP8 backward kernels with no forward GEMM again; with several (virtual) ranks it runs
+cuda's FP8 layer again on the same weight blocks; stacked operands keep their rank axis; the
+recipes the backend admits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_megamoe.backends import cuda_ep, fused
+from jax_megamoe.validation import check_layer_args
+
+T, H, F, E, K = 64, 256, 128, 8, 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TracedWorkspace:
+  """Stands in for a symmetric workspace: tracing needs its id and rank count only."""
+  num_ranks: int = 1
+  virtual: bool = False
+  id: int = 7
+  closed: bool = False
+
+  def fits(self, **_) -> bool:
+    return True
+
+
+def _inputs(lead=()):
+  ids = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], 1).astype(np.int32)
+  x = jnp.ones((*lead, T, H), jnp.bfloat16)
+  ids = jnp.broadcast_to(jnp.asarray(ids), (*lead, T, K))
+  w = jnp.ones((*lead, T, K), jnp.float32)
+  el = E // (lead[0] if lead else 1)
+  wgu = jnp.ones((*lead, el, H, 2 * F), jnp.bfloat16)
+  wd = jnp.ones((*lead, el, F, H), jnp.bfloat16)
+  return x, ids, w, wgu, wd
+
+
+def _config(recipe, num_ranks=1):
+  x, ids, w, wgu, wd = _inputs()
+  shape = check_layer_args(x, ids, w, wgu.reshape(E, H, 2 * F), wd.reshape(E, F, H))
+  plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
+  ws = _TracedWorkspace(num_ranks=num_ranks, virtual=num_ranks > 1)
+  return fused.FusedConfig(ws, E, plan, 0, recipe=recipe)
+
+
+def _fused_calls(text: str) -> list[str]:
+  return [line for line in text.splitlines() if f"@{fused.TARGET}(" in line]
+
+
+def _signature(call: str) -> tuple[list[str], list[str]]:
+  """(operand types, result types) of a custom call line of the lowered StableHLO."""
+  ins, outs = call.rsplit(" : (", 1)[1].split(") -> ", 1)
+  split = lambda s: re.findall(r"tensor<[^>]*>", s)
+  return split(ins), split(outs)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
+def test_forward_is_one_fused_call_on_e4m3_operands(recipe):
+  cfg = _config(recipe)
+  x, ids, w, wgu, wd = _inputs()
+  text = jax.jit(lambda x, w, a, b: fused.fused_layer(x, ids, w, a, b, cfg)).lower(
+      x, w, wgu, wd).as_text()
+  calls = _fused_calls(text)
+  assert len(calls) == 1, calls
+  assert f"pow2 = {int(recipe == 'fp8_pow2')}" in calls[0]
+  ins, outs = _signature(calls[0])
+  assert ins == [f"tensor<{T}x{H}xf8E4M3FN>", f"tensor<{T}x{K}xi32>", f"tensor<{T}x{K}xf32>",
+                 f"tensor<{E}x{2 * F}x{H}xf8E4M3FN>", f"tensor<{E}x{H}x{F}xf8E4M3FN>",
+                 f"tensor<{T}x{H // 128}xf32>", f"tensor<{E}x{H // 128}x{2 * F // 128}xf32>",
+                 f"tensor<{E}x{F // 128}x{H // 128}xf32>"], ins
+  n_cap = cfg.plan.n_cap
+  assert outs[0] == f"tensor<{T}x{H}xbf16>"  # y
+  assert outs[1] == f"tensor<{n_cap}x{F}xf8E4M3FN>"  # h, L2's A
+  assert outs[-1] == f"tensor<{F // 128}x{fused.scale_pitch(n_cap)}xf32>"  # h's scales
+  assert all(o == "tensor<0xbf16>" for o in outs[8:11]), outs  # no residuals
+
+
+def test_one_rank_training_step_reads_the_residuals():
+  cfg = _config("fp8")
+  assert cfg.one_rank
+  x, ids, w, wgu, wd = _inputs()
+
+  def loss(x, w, a, b):
+    return jnp.sum(fused.fused_layer(x, ids, w, a, b, cfg).astype(jnp.float32) ** 2)
+  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
+  (call,) = _fused_calls(text)
+  _, outs = _signature(call)
+  n_cap = cfg.plan.n_cap
+  # Residuals: no x_sorted (the pool holds e4m3 rows), gate_up and y_sorted kept.
+  assert outs[8:11] == ["tensor<0xbf16>", f"tensor<{n_cap}x{2 * F}xbf16>",
+                        f"tensor<{n_cap}x{H}xbf16>"], outs
+  # The weights quantised once each; the backward: h again from gate_up (SwiGLU kernel), the
+  # two dgrad and two wgrad GEMMs, cuda's combine and dispatch VJPs, no forward GEMM.
+  assert text.count("@megamoe_fp8_quantize_weights(") == 2
+  assert text.count("@megamoe_fp8_swiglu_quantize(") == 1
+  assert text.count("@megamoe_grouped_gemm_fp8(") == 2
+  assert text.count("@megamoe_grouped_wgrad_fp8(") == 2
+  assert "@megamoe_ep_combine_bwd(" in text and "@megamoe_ep_dispatch_bwd(" in text
+  assert "@megamoe_ep_dispatch_fwd(" not in text
+
+
+def test_virtual_group_keeps_the_rank_axis():
+  num_ranks = 2
+  cfg = _config("fp8", num_ranks)
+  x, ids, w, wgu, wd = _inputs((num_ranks,))
+  text = jax.jit(lambda x, w, a, b: fused.fused_layer(x, ids, w, a, b, cfg)).lower(
+      x, w, wgu, wd).as_text()
+  (call,) = _fused_calls(text)
+  ins, outs = _signature(call)
+  el = E // num_ranks
+  assert ins[0] == f"tensor<{num_ranks}x{T}x{H}xf8E4M3FN>"
+  assert ins[3] == f"tensor<{num_ranks}x{el}x{2 * F}x{H}xf8E4M3FN>"
+  assert ins[5] == f"tensor<{num_ranks}x{T}x{H // 128}xf32>"
+  assert ins[7] == f"tensor<{num_ranks}x{el}x{F // 128}x{H // 128}xf32>"
+  assert outs[-1] == f"tensor<{num_ranks}x{F // 128}x{fused.scale_pitch(cfg.plan.n_cap)}xf32>"
+
+  # Backward: backend cuda's EP FP8 layer again on the same (stacked) weight blocks, rows in
+  # FP8 (no residuals kept across ranks).
+  def loss(x, w, a, b):
+    return jnp.sum(fused.fused_layer(x, ids, w, a, b, cfg).astype(jnp.float32) ** 2)
+  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
+  (call,) = _fused_calls(text)
+  assert all(o == "tensor<0xbf16>" for o in _signature(call)[1][8:11])
+  assert text.count("@megamoe_fp8_quantize_weights(") == 2
+  assert "@megamoe_ep_dispatch_fwd(" in text and "@megamoe_ep_dispatch_bwd(" in text
+  assert text.count("@megamoe_grouped_gemm_fp8(") == 2 * 4  # per rank: forward 2, dgrad 2
+
+
+def test_bf16_call_is_unchanged_apart_from_empty_scales():
+  cfg = _config(None)
+  x, ids, w, wgu, wd = _inputs()
+  text = jax.jit(lambda x, w, a, b: fused.fused_layer(x, ids, w, a, b, cfg)).lower(
+      x, w, wgu, wd).as_text()
+  (call,) = _fused_calls(text)
+  ins, outs = _signature(call)
+  assert ins[:5] == [f"tensor<{T}x{H}xbf16>", f"tensor<{T}x{K}xi32>", f"tensor<{T}x{K}xf32>",
+                     f"tensor<{E}x{H}x{2 * F}xbf16>", f"tensor<{E}x{F}x{H}xbf16>"]
+  assert ins[5:] == ["tensor<0xf32>"] * 3 and outs[-1] == "tensor<0xf32>"
+  assert outs[1] == f"tensor<{cfg.plan.n_cap}x{F}xbf16>"
+
+
+def test_recipes_the_backend_admits():
+  for recipe in ("fp8", "fp8_pow2"):
+    reason = fused.unavailable_reason(recipe)
+    # On a GPU machine with the CUDA build: None; elsewhere: the same reason as for bf16.
+    assert reason == fused.unavailable_reason(None), reason
+  reason = fused.unavailable_reason("mxfp8")
+  assert reason is not None
+  assert fused.scale_pitch(1) == 128 and fused.scale_pitch(128) == 128
+  assert fused.scale_pitch(129) == 256
+
+
+# --- the one-rank residual backward, run on the CPU with stand-ins ------------------------------
+# The kernel and the EP kernels' VJPs (CUDA only) are replaced by pure-JAX functions with their
+# contracts (pool rows in expert then token order, slot_dest, gate_up / y_sorted residuals); the
+# FP8 quantisers and GEMMs of the backward are the real ones (their CPU handlers). Checks the
+# Python side's wiring of the residuals (x_sorted rebuilt from x, h from gate_up, routing-weight
+# gradients) against the FP8 emulation.
+
+
+def _dequantized_weights(q, scale):
+  """cuda_fp8.QuantizedWeights q [E, N, K], scale [E, K/128, N/128] -> w [E, K, N] f32."""
+  w = jnp.swapaxes(q.astype(jnp.float32), 1, 2)
+  return w * jnp.repeat(jnp.repeat(scale, 128, axis=1), 128, axis=2)
+
+
+def _kernel_stand_in(xq, ids, w, wgu_q, wd_q, cfg, *, residuals=False, fp8_scales=None):
+  from jax_megamoe import token_layout
+  from jax_megamoe.backends import cuda_fp8
+  x_scale, wgu_s, wd_s = fp8_scales
+  tokens, top_k = ids.shape
+  n_cap, num_experts = cfg.plan.n_cap, cfg.num_experts
+  slots = token_layout.sort_by_expert(ids.reshape(-1), num_experts)
+  total = jnp.sum(slots.group_sizes)
+  x = cuda_fp8.dequantize_rows(cuda_fp8.QuantizedRows(xq, x_scale), jnp.float32)
+  rows = jnp.zeros((n_cap, x.shape[1])).at[:tokens * top_k].set(x[slots.order // top_k])
+  mm = lambda a, b: jax.lax.ragged_dot(a, b, slots.group_sizes,
+                                       precision=jax.lax.Precision.HIGHEST,
+                                       preferred_element_type=jnp.float32)
+  gate_up = mm(rows, _dequantized_weights(wgu_q, wgu_s)).astype(jnp.bfloat16)
+  g = gate_up.astype(jnp.float32)
+  ffn = g.shape[1] // 2
+  h = (jax.nn.silu(g[:, :ffn]) * g[:, ffn:]).astype(jnp.bfloat16)
+  h_rows = cuda_fp8.quantize_rows(h, pow2=cfg.pow2)  # as the L1 epilogue
+  y_sorted = mm(cuda_fp8.dequantize_rows(h_rows, jnp.float32),
+                _dequantized_weights(wd_q, wd_s)).astype(jnp.bfloat16)
+  in_use = (jnp.arange(n_cap) < total)[:, None]
+  gate_up, y_sorted = jnp.where(in_use, gate_up, 0), jnp.where(in_use, y_sorted, 0)
+  slot_dest = jnp.where(slots.inverse < total, slots.inverse, -1).reshape(tokens, top_k)
+  weights = token_layout.masked_weights(ids, w, num_experts)
+  y = token_layout.combine_slots(y_sorted[jnp.maximum(slot_dest, 0)], weights, jnp.bfloat16)
+  kept = (fused.FusedResiduals(gate_up, None, y_sorted, slots.group_sizes, slot_dest=slot_dest)
+          if residuals else None)
+  return y, jnp.zeros((4,), jnp.int32), None, kept
+
+
+def _combine_backward_stand_in(d_out, y_sorted, slot_pos, recv_w, ids, group_sizes, cfg):
+  valid = slot_pos >= 0
+  w = jnp.where(valid, recv_w, 0.0)
+  rows = jnp.where(valid, slot_pos, y_sorted.shape[0])
+  d32 = d_out.astype(jnp.float32)
+  dy_sorted = jnp.zeros(y_sorted.shape, jnp.float32).at[rows].set(
+      w[:, :, None] * d32[:, None, :], mode="drop")
+  d_w = jnp.einsum("th,tjh->tj", d32, y_sorted[jnp.maximum(slot_pos, 0)].astype(jnp.float32))
+  return dy_sorted.astype(y_sorted.dtype), jnp.where(valid, d_w, 0.0)
+
+
+def _dispatch_backward_stand_in(dx_sorted, d_recv_w, slot_pos, ids, cfg):
+  valid = (slot_pos >= 0)[:, :, None]
+  parts = jnp.where(valid, dx_sorted[jnp.maximum(slot_pos, 0)].astype(jnp.float32), 0.0)
+  return parts.sum(axis=1).astype(dx_sorted.dtype), d_recv_w
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
+def test_one_rank_residual_backward_matches_emulation(recipe, monkeypatch):
+  import jax_megamoe as jm
+  monkeypatch.setattr(fused, "_fused_call", _kernel_stand_in)
+  monkeypatch.setattr(cuda_ep, "combine_backward", _combine_backward_stand_in)
+  monkeypatch.setattr(cuda_ep, "dispatch_backward", _dispatch_backward_stand_in)
+  rng = np.random.default_rng(5)
+  tokens, experts, top_k, hidden, ffn = 96, 8, 2, 256, 128
+  ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
+  ids[rng.random(ids.shape) < 0.2] = -1  # masked slots
+  ids = jnp.asarray(ids)
+  x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+  w = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
+  wgu = jnp.asarray(rng.standard_normal((experts, hidden, 2 * ffn)) / 16, jnp.bfloat16)
+  wd = jnp.asarray(rng.standard_normal((experts, ffn, hidden)) / 11, jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+  shape = check_layer_args(x, ids, w, wgu, wd)
+  plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
+  cfg = fused.FusedConfig(_TracedWorkspace(), experts, plan, 0, recipe=recipe)
+
+  def grads(layer):
+    def loss(x, w, a, b):
+      y = layer(x, ids, w, a, b)
+      return jnp.sum(y.astype(jnp.float32) * dy), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w, wgu, wd)
+  (_, y), g = grads(lambda *a: fused.fused_layer(*a, cfg))
+  (_, y_ref), g_ref = grads(lambda *a: jm.moe(*a, backend="reference", recipe=recipe))
+  rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
+                           / max(np.linalg.norm(np.asarray(b, np.float32)), 1e-30))
+  errs = {n: rel(a, b) for n, a, b in zip(("y", "dx", "dw", "dwgu", "dwd"), (y, *g),
+                                          (y_ref, *g_ref))}
+  print(recipe, errs)
+  assert max(errs.values()) < 2e-2, errs
