@@ -539,10 +539,11 @@ struct Sm90MoeTileEngine {
         // rows sit in the pool at any offset, so row_begin * 4 bytes is in general not 16-byte
         // aligned: a TMA whose innermost start address is not 16-byte aligned faults on Hopper
         // (illegal instruction, sticky; reported in triton-lang/triton#7385 and
-        // tile-ai/tilelang#2681), the likely fault of the first GPU run (every other TMA box of
-        // this engine, bf16's too, starts at a multiple of 128 bytes). So the box starts at
-        // row_begin rounded down to 4 rows, 132 rows, the tile's at row_begin % 4
-        // (mainloop_fp8). Compiled here, NOT run on a GPU.
+        // tile-ai/tilelang#2681): the fault of the first GPU run, confirmed on the H200 (the
+        // harness's --unaligned-scales, the first build's start, faults; this start runs).
+        // Every other TMA box of this engine, bf16's too, starts at a multiple of 128 bytes.
+        // So the box starts at row_begin rounded down to 4 rows, 132 rows, the tile's at
+        // row_begin % 4 (mainloop_fp8).
         const int sa_row0 = op.sa_unaligned ? job.row_begin : (job.row_begin & ~3);
         cute::SM90_TMA_LOAD_2D::copy(&op.sa_map, &ss.full[s], 0ull, ss.scales.a[s], sa_row0,
                                      kb);
