@@ -109,7 +109,8 @@ _FLAGS = (
      "(Qwen3MoeConfig.router_bias_update_rate; default: the config's, 0 = off)", {}),
     ("enum", "router_bias_rule", None,
      "how that update is sized: sign, proportional (to the load's deficit) or center (on "
-     "the mean logits) (Qwen3MoeConfig.router_bias_update_rule; default: the config's, sign)", dict(enum_values=list(SELECTION_BIAS_RULES))),
+     "the mean logits) (Qwen3MoeConfig.router_bias_update_rule; default: the config's, sign)",
+     dict(enum_values=list(SELECTION_BIAS_RULES))),
     ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
     ("integer", "ce_chunk", None,
      "compute the cross-entropy this many positions at a time, never holding the full "

@@ -270,7 +270,8 @@ class Qwen3Moe(nnx.Module):
       return out
     if not auxes:  # a model without MoE layers: empty statistics, still well-typed
       e = self.config.num_experts
-      return out, ModelAux(jnp.zeros((0,)), jnp.zeros((0,)), jnp.zeros((0, e)), jnp.zeros((0, e)))
+      return out, ModelAux(jnp.zeros((0,)), jnp.zeros((0,)), jnp.zeros((0, e)),
+                           jnp.zeros((0, e)))
     return out, ModelAux(*(jnp.stack(field) for field in zip(*auxes)))
 
   def head(self) -> jax.Array:
