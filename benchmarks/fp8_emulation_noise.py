@@ -32,34 +32,40 @@ CASES = ((1, 16, 4, "uniform", 256, 128), (1000, 8, 2, "uniform", 256, 128),
          (200, 16, 2, "sparse", 256, 256))
 
 
+def noise(case, recipe: str = "fp8", amplitude: float = 1e-4, draws: int = 6) -> np.ndarray:
+  """[draws, 2]: the relative errors of y and dtopk_weights against the unperturbed emulation,
+  one row per draw of the noise, on one of CASES."""
+  stored = reference._stored
+  args = cases._inputs(case[0] + case[1] + case[4], *case)
+  want = cases._fp8_emulation(recipe, *args)
+  errs = []
+  for draw in range(draws):
+    key = [jax.random.PRNGKey(draw)]
+
+    def noisy(a, dtype, key=key):
+      key[0], sub = jax.random.split(key[0])
+      return stored(a * (1 + amplitude * jax.random.uniform(sub, a.shape, minval=-1, maxval=1)),
+                    dtype)
+
+    reference._stored = noisy
+    try:
+      got = cases._fp8_emulation(recipe, *args)
+    finally:
+      reference._stored = stored
+    e = cases._errors(got, want)
+    errs.append((e["y"], e["dtopk_weights"]))
+  return np.asarray(errs)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--recipe", default="fp8", choices=("fp8", "fp8_pow2"))
   parser.add_argument("--amplitudes", default="1e-4,1e-3")
   parser.add_argument("--draws", type=int, default=6)
   flags = parser.parse_args()
-  stored = reference._stored
   for case in CASES:
-    args = cases._inputs(case[0] + case[1] + case[4], *case)
-    want = cases._fp8_emulation(flags.recipe, *args)
     for amplitude in map(float, flags.amplitudes.split(",")):
-      errs = []
-      for draw in range(flags.draws):
-        key = [jax.random.PRNGKey(draw)]
-
-        def noisy(a, dtype, amplitude=amplitude, key=key):
-          key[0], sub = jax.random.split(key[0])
-          return stored(a * (1 + amplitude * jax.random.uniform(sub, a.shape, minval=-1,
-                                                                 maxval=1)), dtype)
-
-        reference._stored = noisy
-        try:
-          got = cases._fp8_emulation(flags.recipe, *args)
-        finally:
-          reference._stored = stored
-        e = cases._errors(got, want)
-        errs.append((e["y"], e["dtopk_weights"]))
-      errs = np.asarray(errs)
+      errs = noise(case, flags.recipe, amplitude, flags.draws)
       print(f"tokens {case[0]:5d} experts {case[1]:3d} k {case[2]} {case[3]:8s} amplitude "
             f"{amplitude:.0e}: y max {errs[:, 0].max():.2e}  dtopk_weights max "
             f"{errs[:, 1].max():.2e} mean {errs[:, 1].mean():.2e}")
