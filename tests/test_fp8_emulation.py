@@ -118,8 +118,9 @@ def test_emulation_noise_floor_sets_the_fused_one_token_tolerance():
   """The emulation's own rounding noise (benchmarks/fp8_emulation_noise.py: its stored
   intermediates perturbed by 1e-4 relative, about what the e4m3 wgmma's accumulation differs
   by) exceeds tests/test_fused_moe.py's FP8_TOLERANCE at one token and stays under
-  FP8_TOLERANCE_ONE_TOKEN there, while at 1,000 tokens it stays under half of FP8_TOLERANCE: the two
-  bounds of that file follow from this measurement (the kernel on the H200 errs the same)."""
+  FP8_TOLERANCE_ONE_TOKEN there, while at 1,000 tokens it stays under half of FP8_TOLERANCE:
+  the two bounds of that file follow from this measurement (the kernel on the H200 errs the
+  same)."""
   import importlib
   import pathlib
   import sys
