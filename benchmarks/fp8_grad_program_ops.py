@@ -57,17 +57,18 @@ def large_ops(jaxpr, min_bytes: int) -> list[tuple[str, int, list]]:
     size = sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in eqn.outvars
                if hasattr(v.aval, "shape"))
     if size > min_bytes:
-      target = eqn.params.get("call_target_name", "")
+      target = eqn.params.get("target_name", "")
       rows.append((eqn.primitive.name + (f":{target}" if target else ""), size,
                    [tuple(v.aval.shape) for v in eqn.outvars][:3]))
   return rows
 
 
-def main():
+def main(argv=None) -> dict[str, list]:
+  """Prints the table; returns {program: large_ops rows}."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tokens", type=int, default=16384)
   parser.add_argument("--min-mib", type=float, default=50)
-  flags = parser.parse_args()
+  flags = parser.parse_args(argv)
   t = flags.tokens
   rng = np.random.default_rng(0)
   ids = jnp.asarray(np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int32))
@@ -84,14 +85,16 @@ def main():
       "cuda (no mesh)": lambda x, w, a, b: local_moe(x, ids, w, a, b,
                                                      mlp=cuda_fp8.RowsMlp(pow2=False)),
   }
+  programs = {}
   for name, layer in layers.items():
     loss = lambda x, w, a, b, dy, f=layer: jnp.sum(f(x, w, a, b).astype(jnp.float32) * dy)
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*operands)
-    rows = large_ops(jaxpr.jaxpr, int(flags.min_mib * 2**20))
+    rows = programs[name] = large_ops(jaxpr.jaxpr, int(flags.min_mib * 2**20))
     print(f"== {name}: {len(rows)} operations write > {flags.min_mib:g} MiB, "
           f"{sum(r[1] for r in rows) / 2**30:.1f} GiB in all")
     for op, size, shapes in rows:
       print(f"   {op:48s} {size / 2**20:7.0f} MiB  {shapes}")
+  return programs
 
 
 if __name__ == "__main__":

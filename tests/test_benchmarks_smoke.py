@@ -191,3 +191,14 @@ def test_isolated_implementations_run_in_child_processes(tmp_path):
   by_impl = {r["impl"]: r for r in result["results"]}
   assert by_impl["jax_native"]["status"] == "ok", by_impl["jax_native"]
   assert by_impl["megamoe:fused"]["status"] in ("not available", "ok")
+
+
+def test_fp8_grad_program_ops_lists_both_programs_kernels():
+  from benchmarks import fp8_grad_program_ops  # noqa: PLC0415
+  programs = fp8_grad_program_ops.main(["--tokens", "256", "--min-mib", "0.01"])
+  fused_ops, cuda_ops = ([op for op, _, _ in rows] for rows in programs.values())
+  assert fused_ops.count("ffi_call:megamoe_fused_moe_fwd") == 1
+  assert "ffi_call:megamoe_fused_moe_fwd" not in cuda_ops
+  for ops in (fused_ops, cuda_ops):  # the same FP8 backward: two dgrad, two wgrad GEMMs
+    assert ops.count("ffi_call:megamoe_grouped_wgrad_fp8") == 2, ops
+    assert ops.count("ffi_call:megamoe_fp8_quantize_weights") == 2, ops
