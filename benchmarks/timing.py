@@ -60,7 +60,8 @@ def classify_error(err: BaseException | str) -> tuple[str, str]:
   text = " ".join(text.split())
   oom_markers = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OutOfMemory")
   status = "oom" if any(m in text for m in oom_markers) else "failed"
-  return status, text[:600]
+  # A traceback's last line names the error: keep the start (what failed) and the end (why).
+  return status, text if len(text) <= 600 else f"{text[:250]} ... {text[-350:]}"
 
 
 class Deadline:

@@ -202,3 +202,12 @@ def test_fp8_grad_program_ops_lists_both_programs_kernels():
   for ops in (fused_ops, cuda_ops):  # the same FP8 backward: two dgrad, two wgrad GEMMs
     assert ops.count("ffi_call:megamoe_grouped_wgrad_fp8") == 2, ops
     assert ops.count("ffi_call:megamoe_fp8_quantize_weights") == 2, ops
+
+
+def test_classify_error_keeps_a_tracebacks_start_and_end():
+  from benchmarks import timing  # noqa: PLC0415
+  text = "Traceback (most recent call last): " + "frame " * 400 + "OSError: address in use"
+  status, message = timing.classify_error(text)
+  assert status == "failed" and len(message) < 620
+  assert message.startswith("Traceback") and message.endswith("OSError: address in use")
+  assert timing.classify_error("RESOURCE_EXHAUSTED: 3 GiB")[0] == "oom"
