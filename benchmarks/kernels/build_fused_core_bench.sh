@@ -7,15 +7,15 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${1:-$ROOT/build/fused_core}
 CUTLASS=${CUTLASS_INCLUDE:-/work/venv/lib/python3.11/site-packages/cutlass_library/source/include}
 mkdir -p "$OUT"
-nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a \
-  --expt-relaxed-constexpr -Xptxas -v -DNDEBUG \
-  -I"$ROOT" -I"$CUTLASS" \
-  "$ROOT/benchmarks/kernels/fused_core_bench.cu" -o "$OUT/fused_core_bench" 2>&1 | \
-  tee "$OUT/ptxas.log" | grep -E "error|warning|registers|spill|stack|MoeCore" || true
-test -x "$OUT/fused_core_bench"
-nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a \
-  --expt-relaxed-constexpr -Xptxas -v -DNDEBUG \
-  -I"$ROOT" -I"$CUTLASS" \
-  "$ROOT/benchmarks/kernels/fused_core_fp8_bench.cu" -o "$OUT/fused_core_fp8_bench" 2>&1 | \
-  tee "$OUT/ptxas_fp8.log" | grep -E "error|warning|registers|spill|stack|Fp8Core" || true
-test -x "$OUT/fused_core_fp8_bench"
+# build NAME LOG KERNEL: benchmarks/kernels/NAME.cu -> $OUT/NAME, ptxas's report in $OUT/LOG
+# (its register, spill and stack lines for KERNEL printed).
+build() {
+  nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a \
+    --expt-relaxed-constexpr -Xptxas -v -DNDEBUG \
+    -I"$ROOT" -I"$CUTLASS" \
+    "$ROOT/benchmarks/kernels/$1.cu" -o "$OUT/$1" 2>&1 | \
+    tee "$OUT/$2" | grep -E "error|warning|registers|spill|stack|$3" || true
+  test -x "$OUT/$1"
+}
+build fused_core_bench ptxas.log MoeCore
+build fused_core_fp8_bench ptxas_fp8.log Fp8Core
