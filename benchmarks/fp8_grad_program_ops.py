@@ -10,7 +10,6 @@ long it takes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -19,28 +18,19 @@ import jax.numpy as jnp
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.append(REPO)
+for path in (REPO, os.path.join(REPO, "tests")):
+  if path not in sys.path:
+    sys.path.append(path)
 
 from jax_megamoe.backends import cuda_ep, cuda_fp8, fused  # noqa: E402
 from jax_megamoe.backends.local import local_moe  # noqa: E402
 from jax_megamoe.validation import check_layer_args  # noqa: E402
+# The stand-in one-rank workspace the CPU trace tests use (tracing needs its id and rank count).
+from test_fused_fp8_trace import _TracedWorkspace  # noqa: E402
 
 H, F, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b's MoE layer
 CALLS = ("pjit", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call", "remat",
          "checkpoint", "custom_jvp_call")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _TracedWorkspace:
-  """Stands in for a one-rank symmetric workspace: tracing needs its id and rank count only."""
-  num_ranks: int = 1
-  virtual: bool = False
-  id: int = 7
-  closed: bool = False
-
-  def fits(self, **_) -> bool:
-    return True
 
 
 def large_ops(jaxpr, min_bytes: int) -> list[tuple[str, int, list]]:
