@@ -15,7 +15,8 @@
 // (--unaligned-scales: A-scale TMA boxes start at the tile's first row itself, the first
 // build's unaligned start, instead of at it rounded down to 16 bytes; --timing adds the 30B shape,
 // E = 128 x 1024 rows, H 2048, F 768: ~1 GB of host memory and a few seconds of host
-// quantisation; --gate-up also stores and checks L1's bf16 gate_up, the residual the fused
+// quantisation, and times each problem three ways: the kernel; without the epilogue's stores;
+// without stores and FP8 promotion, the ceiling the promotion is measured against; --gate-up also stores and checks L1's bf16 gate_up, the residual the fused
 // kernel keeps at one rank: the three-slot FP8 epilogue). Each launch is synchronised and
 // named, so a kernel fault reports which GEMM raised it.
 #include <algorithm>
@@ -414,22 +415,34 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
     CK(cudaEventCreate(&b));
-    for (int kind : {int(kL1GateUp), int(kL2Down)}) {
-      std::vector<float> ms;
-      for (int i = 0; i < 15; ++i) {
-        CK(cudaEventRecord(a));
-        run(kind);
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float t = 0;
-        CK(cudaEventElapsedTime(&t, a, b));
-        ms.push_back(t);
+    // The layer's kernel, then the breakdown: without the epilogue's stores, then also without
+    // the per-half wait and promotion (EngineParams::bench_fp8_no_promote: the MMA and load
+    // ceiling). The last two compute wrong values; run after the checks above.
+    const struct { const char* name; int skip_epilogue, no_promote; } modes[] = {
+        {"", 0, 0}, {" no epilogue", 1, 0}, {" no epilogue, no promotion", 1, 1}};
+    for (const auto& mode : modes) {
+      prm.bench_skip_epilogue = mode.skip_epilogue;
+      prm.bench_fp8_no_promote = mode.no_promote;
+      for (int kind : {int(kL1GateUp), int(kL2Down)}) {
+        std::vector<float> ms;
+        for (int i = 0; i < 15; ++i) {
+          CK(cudaEventRecord(a));
+          run(kind);
+          CK(cudaEventRecord(b));
+          CK(cudaEventSynchronize(b));
+          float t = 0;
+          CK(cudaEventElapsedTime(&t, a, b));
+          ms.push_back(t);
+        }
+        std::sort(ms.begin(), ms.end());
+        const double flop = 2.0 * rows * H * F * (kind == kL1GateUp ? 2 : 1);
+        printf("    %s%s median %.3f ms  %.0f TFLOP/s (useful)\n",
+               kind == kL1GateUp ? "L1" : "L2", mode.name, ms[ms.size() / 2],
+               flop / (ms[ms.size() / 2] * 1e-3) / 1e12);
       }
-      std::sort(ms.begin(), ms.end());
-      const double flop = 2.0 * rows * H * F * (kind == kL1GateUp ? 2 : 1);
-      printf("    %s median %.3f ms  %.0f TFLOP/s (useful)\n", kind == kL1GateUp ? "L1" : "L2",
-             ms[ms.size() / 2], flop / (ms[ms.size() / 2] * 1e-3) / 1e12);
     }
+    prm.bench_skip_epilogue = 0;
+    prm.bench_fp8_no_promote = 0;
   }
   for (void* p : {(void*)d_xq, (void*)d_xs, (void*)d_wguq, (void*)d_wgus, (void*)d_wdq,
                   (void*)d_wds, (void*)d_off, (void*)d_dest, (void*)d_hq, (void*)d_hs,

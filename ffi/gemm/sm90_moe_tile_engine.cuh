@@ -183,6 +183,10 @@ struct alignas(128) EngineParams {
   int32_t f;              // F (L1 gate/up split, h width), a multiple of 128
   int32_t l1_raw_gate;    // benchmark only: 1 = store the gate half as h (no SwiGLU math)
   int32_t bench_skip_epilogue;  // benchmark only: 1 = compute, store nothing (mainloop rate)
+  // Benchmark only, FP8: 1 = no per-half wait and promotion; the wgmma run into one temporary
+  // with one batch kept in flight, as bf16's mainloop (wrong values: the MMA and load ceiling
+  // that the promotion is measured against).
+  int32_t bench_fp8_no_promote = 0;
   RowDest l2_dest;        // L2 output rows
   // Optional second store of every L2 output row, at its group row: l2_copy + (row_begin + r) *
   // l2_copy_ld (nullptr: none). The fused forward keeps L2's rows there for the backward.
@@ -553,15 +557,63 @@ struct Sm90MoeTileEngine {
   }
 
   // ---------------------------------------------------------------- math (two warpgroups)
+  // The FP8 mainloop without promotion (benchmark only): every stage's 2 x 4 wgmma accumulate
+  // into tmp, each stage's batch committed and the previous one waited for (wait<1>, as bf16),
+  // so the tensor pipe never drains inside the tile; tmp is added to acc once at the end so
+  // that the work is used. The values are not the layer's.
+  __device__ static void mainloop_fp8_no_promote(SharedStorage& ss, int num_kb, int num_stages,
+                                                 int wg, int lane, uint32_t& it,
+                                                 float (&acc)[128], float (&tmp)[kFp8 ? 64 : 1]) {
+    if constexpr (kFp8) {
+      for (int kb = 0; kb < num_stages; ++kb, ++it) {
+        const int s = it % kStages;
+        Barrier::wait(&ss.full[s], (it / kStages) & 1);
+        if (kb < num_kb) {
+          const uint32_t a_addr = detail::smem_u32(ss.a[s]) + wg * (64 * 128);
+#pragma unroll
+          for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(tmp[i]);
+          cute::warpgroup_arrive();
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t b_addr = detail::smem_u32(ss.b[s]) + half * kBHalfBytes;
+#pragma unroll
+            for (int k = 0; k < kBlockK / 32; ++k) {
+              const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
+              const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 32, 16, 1024);
+              detail::wgmma_fp8_call(da, db, tmp, kb > 0 || half > 0 || k > 0,
+                                     cute::make_index_sequence<64>{});
+            }
+          }
+          cute::warpgroup_commit_batch();
+#pragma unroll
+          for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(tmp[i]);
+        }
+        // The previous stage's wgmma are done once at most this one's batch is in flight.
+        cute::warpgroup_wait<1>();
+        if (kb > 0 && kb - 1 < num_stages - 2 && lane == 0)
+          Barrier::arrive(&ss.empty[(it - 1) % kStages]);
+      }
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(tmp[i]);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] += tmp[i];
+    }
+  }
+
   // One FP8 tile's mainloop (a consumer warpgroup): per stage and per 128-column half, 4 x
   // wgmma m64n128k32 into tmp, wait, then acc[half] += tmp * (sa[row] * sb[half]); each stage
   // is released once read, except the tile's last two (the epilogue's staging).
   // sa_off: where the tile's first row sits in a stage's A-scale box (load_tile_fp8).
   __device__ static void mainloop_fp8(SharedStorage& ss, int num_kb, int sa_off, int wg,
                                       int warp_in_wg, int lane, uint32_t& it, float (&acc)[128],
-                                      float (&tmp)[kFp8 ? 64 : 1]) {
+                                      float (&tmp)[kFp8 ? 64 : 1], bool no_promote) {
     if constexpr (kFp8) {
       const int num_stages = num_kb < 2 ? 2 : num_kb;
+      if (no_promote) {  // EngineParams::bench_fp8_no_promote
+        mainloop_fp8_no_promote(ss, num_kb, num_stages, wg, lane, it, acc, tmp);
+        return;
+      }
       const int row = 64 * wg + warp_in_wg * 16 + (lane >> 2);  // fragment rows row, row + 8
       const int sa_row = sa_off + row;
       for (int kb = 0; kb < num_stages; ++kb, ++it) {
@@ -748,7 +800,7 @@ struct Sm90MoeTileEngine {
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
       if constexpr (kFp8) {
         mainloop_fp8(ss, num_kb, op.sa_unaligned ? 0 : (job.row_begin & 3), wg, warp_in_wg,
-                     lane, it, acc, tmp);
+                     lane, it, acc, tmp, p.bench_fp8_no_promote != 0);
       } else {
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
         const int s = it % kStages;
