@@ -12,13 +12,18 @@
 //
 // Build: benchmarks/kernels/build_fused_core_bench.sh (builds both harnesses).
 // Run: ./fused_core_fp8_bench [--pow2] [--timing] [--gate-up] [--unaligned-scales]
-// (--unaligned-scales: A-scale TMA boxes start at the tile's first row itself, the first
-// build's unaligned start, instead of at it rounded down to 16 bytes; --timing adds the 30B shape,
-// E = 128 x 1024 rows, H 2048, F 768: ~1 GB of host memory and a few seconds of host
-// quantisation, and times each problem three ways: the kernel; without the epilogue's stores;
-// without stores and FP8 promotion, the ceiling the promotion is measured against; --gate-up also stores and checks L1's bf16 gate_up, the residual the fused
-// kernel keeps at one rank: the three-slot FP8 epilogue). Each launch is synchronised and
-// named, so a kernel fault reports which GEMM raised it.
+//        [--only NAME] [--reps N] [--modes DIGITS]
+// --unaligned-scales: A-scale TMA boxes start at the tile's first row itself, the first build's
+//   unaligned start, instead of at it rounded down to 16 bytes.
+// --timing adds the 30B shape (E = 128 x 1024 rows, H 2048, F 768: ~1 GB of host memory and a
+//   few seconds of host quantisation) and times each problem in the modes of --modes (default
+//   01234): 0 the kernel; 1 no global stores; 2 L1 without SwiGLU math; 3 no epilogue; 4 no
+//   epilogue and no FP8 promotion (the MMA and load ceiling). Differences place the time.
+// --gate-up also stores and checks L1's bf16 gate_up, the residual the fused kernel keeps at
+//   one rank (the three-slot FP8 epilogue).
+// --only NAME runs the problems whose name contains NAME; --reps N timed launches per mode
+//   (default 15; ncu: the 4 check launches come first, then per mode L1 x N, L2 x N).
+// Each launch is synchronised and named, so a kernel fault reports which GEMM raised it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -53,6 +58,9 @@ using Engine = Sm90MoeTileEngine<4, 4, E4m3Operands>;
   } while (0)
 
 // A fault of the launch just made, named (a sticky error would otherwise surface later).
+static int g_reps = 15;                  // --reps
+static const char* g_modes = "01234";  // --modes
+
 static void SyncOrDie(const char* what) {
   const cudaError_t e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
@@ -90,6 +98,32 @@ struct KernelStorage {
   Engine::SharedStorage engine;
   Walk::SharedStorage walk;
 };
+
+// Thread i: x = the bf16 of bit pattern i % 65536, against 64 blocks of amax = m 2^e (e over
+// [-70, 70], m hashed in [1, 2)) and s = Fp8BlockScale(amax), for every x the block can hold
+// (|x| <= amax) wherever fast_div_ok(s): the e4m3 byte of div_by_scale against that of x / s,
+// and their fp32 bits where |x / s| >= 2^-20 (below, a subnormal x's remainder may round, and
+// both quotients are far under e4m3's smallest value). Counts mismatches and pairs checked.
+__global__ void DivByScaleTest(unsigned long long* mismatch, unsigned long long* checked) {
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  const float x = __uint_as_float((i & 0xffffu) << 16);
+  unsigned long long bad = 0, n = 0;
+  for (uint32_t j = 0; j < 64; ++j) {
+    const uint32_t k = (i >> 16) * 64 + j;  // 0 .. 4095
+    uint32_t hsh = k * 2654435761u;
+    hsh ^= hsh >> 15;
+    const float m = 1.0f + float(hsh & 0xffffff) * (1.0f / 16777216.0f);
+    const float amax = ldexpf(m, int(k % 141) - 70);
+    const float s = megamoe::Fp8BlockScale(amax, false);
+    if (!detail::fast_div_ok(s) || !(fabsf(x) <= amax)) continue;
+    const float a = detail::div_by_scale(x, s, 1.0f / s), b = x / s;
+    const bool bits_differ = __float_as_uint(a) != __float_as_uint(b) && fabsf(b) >= 0x1p-20f;
+    bad += bits_differ || detail::e4m3x2(a, 0.f) != detail::e4m3x2(b, 0.f);
+    ++n;
+  }
+  atomicAdd(mismatch, bad);
+  atomicAdd(checked, n);
+}
 
 __global__ void __launch_bounds__(384, 1)
     Fp8CoreKernel(const __grid_constant__ Params p, const int32_t* offsets, int num_experts,
@@ -199,6 +233,10 @@ struct Problem {
   std::string name;
   int h, f;
   std::vector<int> sizes;  // rows per expert
+  // Every 7th row with one 128-block x 50 (scales that differ by row; their gates reach < -87,
+  // so every warp also takes SwiGLU's exact path). Off for the timed 30B shape: the layer's
+  // activations do not, and the exact path (1.5 us per warp tile) would dominate its epilogue.
+  bool outlier_rows = true;
 };
 
 static int64_t Pitch(int64_t rows) { return (rows + 127) / 128 * 128; }
@@ -219,7 +257,7 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
     wgu[i] = Bf16Round(rng.normal() / std::sqrt(float(H)) * ((i / 4096) % 7 == 3 ? 16.f : 1.f));
   for (int64_t i = 0; i < int64_t(wd.size()); ++i)
     wd[i] = Bf16Round(rng.normal() / std::sqrt(float(F)) * ((i / 8192) % 5 == 1 ? 1e-3f : 1.f));
-  for (int64_t r = 0; r < pool_rows; r += 7)  // some rows with a large block
+  for (int64_t r = 0; r < (pb.outlier_rows ? pool_rows : 0); r += 7)  // rows with a large block
     for (int64_t c = 0; c < 128; ++c) x[r * H + (r % (H / 128)) * 128 + c] *= 50.f;
 
   // Host quantisation (the layouts the fused kernel reads).
@@ -418,14 +456,24 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
     // The layer's kernel, then the breakdown: without the epilogue's stores, then also without
     // the per-half wait and promotion (EngineParams::bench_fp8_no_promote: the MMA and load
     // ceiling). The last two compute wrong values; run after the checks above.
-    const struct { const char* name; int skip_epilogue, no_promote; } modes[] = {
-        {"", 0, 0}, {" no epilogue", 1, 0}, {" no epilogue, no promotion", 1, 1}};
-    for (const auto& mode : modes) {
+    // Modes (--modes, by index): the kernel; no global stores (math, staging and smem reads
+    // kept); L1 without SwiGLU math (the gate quantised as h); no epilogue; no epilogue and no
+    // promotion.
+    const struct { const char* name; int skip_epilogue, no_promote, raw_gate; } modes[] = {
+        {"", 0, 0, 0},
+        {" no global stores", 2, 0, 0},
+        {" no SwiGLU math", 0, 0, 1},
+        {" no epilogue", 1, 0, 0},
+        {" no epilogue, no promotion", 1, 1, 0}};
+    for (int m = 0; m < 5; ++m) {
+      if (!strchr(g_modes, '0' + m)) continue;
+      const auto& mode = modes[m];
       prm.bench_skip_epilogue = mode.skip_epilogue;
       prm.bench_fp8_no_promote = mode.no_promote;
+      prm.l1_raw_gate = mode.raw_gate;
       for (int kind : {int(kL1GateUp), int(kL2Down)}) {
         std::vector<float> ms;
-        for (int i = 0; i < 15; ++i) {
+        for (int i = 0; i < g_reps; ++i) {
           CK(cudaEventRecord(a));
           run(kind);
           CK(cudaEventRecord(b));
@@ -443,6 +491,7 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
     }
     prm.bench_skip_epilogue = 0;
     prm.bench_fp8_no_promote = 0;
+    prm.l1_raw_gate = 0;
   }
   for (void* p : {(void*)d_xq, (void*)d_xs, (void*)d_wguq, (void*)d_wgus, (void*)d_wdq,
                   (void*)d_wds, (void*)d_off, (void*)d_dest, (void*)d_hq, (void*)d_hs,
@@ -453,11 +502,15 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
 
 int main(int argc, char** argv) {
   bool pow2 = false, timing = false, gate_up = false, unaligned_scales = false;
+  const char* only = nullptr;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--pow2")) pow2 = true;
     if (!strcmp(argv[i], "--timing")) timing = true;
     if (!strcmp(argv[i], "--gate-up")) gate_up = true;
     if (!strcmp(argv[i], "--unaligned-scales")) unaligned_scales = true;
+    if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    if (!strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = atoi(argv[++i]);
+    if (!strcmp(argv[i], "--modes") && i + 1 < argc) g_modes = argv[++i];
   }
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
@@ -471,10 +524,25 @@ int main(int argc, char** argv) {
       {"one row H768 F256", 768, 256, {1, 0, 0, 0}},
       {"30B widths H2048 F768", 2048, 768, std::vector<int>(8, 333)},
   };
-  if (timing) problems.push_back({"30B E128 x 1024 rows", 2048, 768, std::vector<int>(128, 1024)});
+  if (timing)
+    problems.push_back({"30B E128 x 1024 rows", 2048, 768, std::vector<int>(128, 1024), false});
+  {  // div_by_scale against IEEE `/`: every bf16 x, 4096 scales over the range it is used in
+    unsigned long long* c = nullptr;
+    CK(cudaMalloc(&c, 16));
+    CK(cudaMemset(c, 0, 16));
+    DivByScaleTest<<<65536 * 64 / 256, 256>>>(c, c + 1);
+    SyncOrDie("the division test");
+    unsigned long long h[2];
+    CK(cudaMemcpy(h, c, 16, cudaMemcpyDeviceToHost));
+    CK(cudaFree(c));
+    printf("div_by_scale vs x / s: %s, %llu mismatches of %llu quotients\n",
+           h[0] == 0 ? "PASS" : "FAIL", h[0], h[1]);
+    if (h[0] != 0) return 1;
+  }
   bool ok = true;
   for (const Problem& p : problems)
-    ok = RunProblem(p, pow2, sms, timing, gate_up, unaligned_scales) && ok;
+    if (only == nullptr || strstr(p.name.c_str(), only))
+      ok = RunProblem(p, pow2, sms, timing, gate_up, unaligned_scales) && ok;
   printf("%s\n", ok ? "ALL PASS" : "SOME FAILED");
   return ok ? 0 : 1;
 }

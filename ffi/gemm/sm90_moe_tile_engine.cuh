@@ -182,7 +182,9 @@ struct alignas(128) EngineParams {
   __nv_bfloat16* gate_up; // optional L1 output [rows, 2f] (nullptr: not stored)
   int32_t f;              // F (L1 gate/up split, h width), a multiple of 128
   int32_t l1_raw_gate;    // benchmark only: 1 = store the gate half as h (no SwiGLU math)
-  int32_t bench_skip_epilogue;  // benchmark only: 1 = compute, store nothing (mainloop rate)
+  // Benchmark only: 1 = compute, no epilogue at all (mainloop rate); 2 = the whole epilogue
+  // (math, staging, smem reads) but no global stores (what the stores cost).
+  int32_t bench_skip_epilogue;
   // Benchmark only, FP8: 1 = no per-half wait and promotion; the wgmma run into one temporary
   // with one batch kept in flight, as bf16's mainloop (wrong values: the MMA and load ceiling
   // that the promotion is measured against).
@@ -251,6 +253,23 @@ __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
   const uint32_t b = __nv_cvt_float_to_fp8(hi, __NV_SATFINITE, __NV_E4M3);
   return static_cast<uint16_t>(a | (b << 8));
 }
+
+// x / s as the IEEE division of ffi/impls/fp8_quantize.cu, given r = 1 / s (IEEE): q0 = x r,
+// the remainder x - q0 s exactly by FMA, q = q0 + rem r (Markstein's correction: with r
+// correctly rounded and no underflow or overflow on the way, q is the correctly rounded
+// quotient). nvcc's `x / s` is the same arithmetic behind a per-element range test and a called
+// slow path (BSSY / CALL: no ILP across a thread's 64 values; 0.33 ms of the 30B L1 at 16,384
+// tokens, measured). Used where s is in [2^-60, 2^60] (fast_div_ok) and |x| <= amax (x is in
+// the block s scales): the same e4m3 byte as x / s, and the same fp32 quotient wherever it is
+// >= 2^-20 (a subnormal x's remainder may round; such quotients are e4m3 zero either way). The
+// caller falls back to `/` otherwise; the FP8 harness checks both claims at start-up over every
+// bf16 x and 4,096 scales.
+__device__ __forceinline__ float div_by_scale(float x, float s, float r) {
+  const float q0 = __fmul_rn(x, r);
+  const float rem = fmaf(-q0, s, x);
+  return fmaf(rem, r, q0);
+}
+__device__ __forceinline__ bool fast_div_ok(float s) { return s >= 0x1p-60f && s <= 0x1p60f; }
 
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
@@ -665,6 +684,7 @@ struct Sm90MoeTileEngine {
                                         int rd_row0, int rd_chunk, uint32_t rd_off) {
     const uint32_t slot = slot_base[0];
     float scale[2];
+    bool fast_div = true;  // "fp8": every block of the warp has a scale where div_by_scale holds
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float amax = 0.0f;
@@ -676,29 +696,42 @@ struct Sm90MoeTileEngine {
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
       scale[hh] = Fp8BlockScale(amax, p.pow2 != 0);
+      // amax 0: every value is +-0 (or NaN, which fmaxf skips), and 0 r = 0 as 0 / s.
+      fast_div = fast_div && (amax == 0.0f || detail::fast_div_ok(scale[hh]));
     }
+    const bool exact_div = p.pow2 == 0 && !__all_sync(0xffffffffu, fast_div);
     const int frag_row = warp_in_wg * 16 + (lane >> 2);
     const uint32_t frag_base = slot + uint32_t(frag_row) * kSlotRowBytes + uint32_t(lane & 3) * 2;
     const uint32_t frag_sw = uint32_t(lane >> 2);  // frag_row % 8
+    // q = satfinite(h / s) as fp8_quantize.cu: pow2, h * (1 / s) (exact); else div_by_scale,
+    // or `/` itself for a warp with a scale outside its range (tiny or huge blocks: rare).
+    auto quantise = [&](auto quotient) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float s = scale[hh], inv = 1.0f / s;
+#pragma unroll
+        for (int ii = 0; ii < 16; ++ii) {
+          const uint32_t v = hv[2 * ii + hh];
+          const float lo = detail::bf16_lo(v), hi = detail::bf16_hi(v);
+          const uint16_t q = detail::e4m3x2(quotient(lo, s, inv), quotient(hi, s, inv));
+          // byte column c = 8 ii + 2 (lane % 4): chunk c / 16 = ii / 2, offset 8 (ii % 2) + ..
+          detail::st_shared_b16(frag_base + hh * 8 * kSlotRowBytes +
+                                    (((uint32_t(ii >> 1) ^ frag_sw) << 4) | (uint32_t(ii & 1) << 3)),
+                                q);
+        }
+      }
+    };
+    if (p.pow2 != 0)
+      quantise([](float x, float, float inv) { return x * inv; });
+    else if (!exact_div)
+      quantise([](float x, float s, float inv) { return detail::div_by_scale(x, s, inv); });
+    else
+      quantise([](float x, float s, float) { return x / s; });
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      // q = satfinite(h / s) as fp8_quantize.cu; a power-of-two s divides exactly as a product
-      // with its (exact) reciprocal.
-      const float s = scale[hh], inv = 1.0f / s;
-#pragma unroll
-      for (int ii = 0; ii < 16; ++ii) {
-        const uint32_t v = hv[2 * ii + hh];
-        const float lo = detail::bf16_lo(v), hi = detail::bf16_hi(v);
-        const uint16_t q = p.pow2 ? detail::e4m3x2(lo * inv, hi * inv)
-                                  : detail::e4m3x2(lo / s, hi / s);
-        // byte column c = 8 ii + 2 (lane % 4): chunk c / 16 = ii / 2, offset 8 (ii % 2) + ..
-        detail::st_shared_b16(frag_base + hh * 8 * kSlotRowBytes +
-                                  (((uint32_t(ii >> 1) ^ frag_sw) << 4) | (uint32_t(ii & 1) << 3)),
-                              q);
-      }
       const int r = 64 * wg + frag_row + 8 * hh;
-      if ((lane & 3) == 0 && r < job.rows)
-        p.h_scale[int64_t(job.n_block) * p.h_scale_pitch + job.row_begin + r] = s;
+      if ((lane & 3) == 0 && r < job.rows && p.bench_skip_epilogue != 2)
+        p.h_scale[int64_t(job.n_block) * p.h_scale_pitch + job.row_begin + r] = scale[hh];
     }
     detail::named_barrier_sync(kFirstWgBarrier + wg, 128);
     if (p.gate_up != nullptr) {
@@ -708,7 +741,7 @@ struct Sm90MoeTileEngine {
         for (int k = 0; k < 8; ++k) {
           const uint4 val = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
           const int r = 64 * wg + rd_row0 + 8 * k;
-          if (r < job.rows)
+          if (r < job.rows && p.bench_skip_epilogue != 2)
             detail::st_global_v4(p.gate_up + int64_t(job.row_begin + r) * 2 * p.f +
                                      (sl == 2 ? p.f : 0) + job.n_block * 128 + rd_chunk * 8,
                                  val);
@@ -728,7 +761,7 @@ struct Sm90MoeTileEngine {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int r = 64 * wg + row0 + 16 * k;
-      if (r < job.rows)
+      if (r < job.rows && p.bench_skip_epilogue != 2)
         detail::st_global_v4(p.h_q + int64_t(job.row_begin + r) * p.f + job.n_block * 128 +
                                  chunk * 16,
                              v[k]);
@@ -742,8 +775,6 @@ struct Sm90MoeTileEngine {
     const int warp_in_wg = t >> 5;
     const int lane = t & 31;
     float acc[128];
-    // FP8: one 128-column half of a stage, before its promotion.
-    [[maybe_unused]] float tmp[kFp8 ? 64 : 1];
     uint32_t it = 0, jn = 0;
     // Fragment writes: rows warp_in_wg * 16 + lane / 4 (+ 8), row % 8 = lane / 4.
     const uint32_t frag_off = uint32_t(warp_in_wg * 16 + (lane >> 2)) * kSlotRowBytes +
@@ -754,6 +785,8 @@ struct Sm90MoeTileEngine {
     const int rd_chunk = t & 15;
     const uint32_t rd_off = uint32_t(rd_row0) * kSlotRowBytes +
                             ((uint32_t(rd_chunk) ^ uint32_t(rd_row0 & 7)) << 4);
+    // FP8: one 128-column half of a stage, before its promotion.
+    [[maybe_unused]] float tmp[kFp8 ? 64 : 1];
     while (true) {
       const int slot = jn % kJobSlots;
       Barrier::wait(&ss.job_full[slot], (jn / kJobSlots) & 1);
@@ -772,7 +805,7 @@ struct Sm90MoeTileEngine {
       const bool l1 = job.kind == kL1GateUp;
       const bool l1_fp8 = kFp8 && l1;  // h quantised and stored as e4m3 (own epilogue)
       const int nslots =
-          p.bench_skip_epilogue ? 0 : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1) : 2;
+          p.bench_skip_epilogue == 1 ? 0 : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1) : 2;
       // Destination of each row of the tile (looked up before the mainloop so that the row
       // functor's loads are long done at the epilogue; kept in smem, not in registers). Row
       // 64 wg + rd_row0 + 8 k is written by the thread of chunk 0 that later stores it.
@@ -859,7 +892,7 @@ struct Sm90MoeTileEngine {
       };
       if (nslots > 0) {
         if (l1) {
-          if (!kFp8 && p.l1_raw_gate) {
+          if (!kFp8 && p.l1_raw_gate) {  // (FP8: below, the gate quantised as h)
             put(0, [&](int ii, int hh) { return acc_pair(ii, hh); });
           } else {
             // h = silu(g) * u from the bf16-rounded gate/up (what the stored gate_up holds, as
@@ -879,6 +912,13 @@ struct Sm90MoeTileEngine {
                 }
                 hv[2 * ii + hh] = detail::pack_bf16x2(o[0], o[1]);
               }
+            }
+            if (kFp8 && p.l1_raw_gate) {  // benchmark only: the gate as h, no SwiGLU math
+#pragma unroll
+              for (int ii = 0; ii < 16; ++ii)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) hv[2 * ii + hh] = acc_pair(ii, hh);
+              slow = false;
             }
             if (__any_sync(0xffffffffu, slow)) {  // g < -87 somewhere in the warp: exact path
 #pragma unroll
@@ -934,7 +974,10 @@ struct Sm90MoeTileEngine {
                  job.n_block * 128 + rd_chunk * 8;
         return d + (l1 ? 0 : sl * 128) + rd_chunk * 8;
       };
-      if (nslots <= 2) {
+#ifndef MEGAMOE_EXPERIMENT_SLOTWISE_STORES  // session 9 A/B (harness only), removed after
+#define MEGAMOE_EXPERIMENT_SLOTWISE_STORES 1
+#endif
+      if (!MEGAMOE_EXPERIMENT_SLOTWISE_STORES && nslots <= 2) {
         uint4 v[2][8];
 #pragma unroll
         for (int sl = 0; sl < 2; ++sl) {
@@ -952,7 +995,7 @@ struct Sm90MoeTileEngine {
           if (sl < nslots) {
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
-              __nv_bfloat16* d = dest(sl, k);
+              __nv_bfloat16* d = p.bench_skip_epilogue == 2 ? nullptr : dest(sl, k);
               if (d != nullptr) detail::st_global_v4(d, v[sl][k]);
               if (!l1 && d != nullptr && p.l2_copy != nullptr) {  // L2's second store
                 const int r = 64 * wg + rd_row0 + 8 * k;
@@ -965,11 +1008,12 @@ struct Sm90MoeTileEngine {
         }
       } else {
         for (int sl = 0; sl < 3; ++sl) {
+          if (sl >= nslots) break;
 #pragma unroll
           for (int k = 0; k < 8; ++k) {
             const uint4 val =
                 detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
-            __nv_bfloat16* d = dest(sl, k);
+            __nv_bfloat16* d = p.bench_skip_epilogue == 2 ? nullptr : dest(sl, k);
             if (d != nullptr) detail::st_global_v4(d, val);
           }
         }
