@@ -267,7 +267,8 @@ __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
 __device__ __forceinline__ float div_by_scale(float x, float s, float r) {
   const float q0 = __fmul_rn(x, r);
   const float rem = fmaf(-q0, s, x);
-  return fmaf(rem, r, q0);
+  // rem 0: q0 is the quotient itself (and keeps -0's sign, which q0 + 0 r would lose).
+  return rem == 0.0f ? q0 : fmaf(rem, r, q0);
 }
 __device__ __forceinline__ bool fast_div_ok(float s) { return s >= 0x1p-60f && s <= 0x1p60f; }
 
@@ -959,11 +960,13 @@ struct Sm90MoeTileEngine {
         detail::named_barrier_sync(kFirstWgBarrier + wg, 128);
       }
       // Each row of a slot is 256 contiguous bytes of the destination row: 16 lanes per row,
-      // 2 rows per warp instruction. Up to two slots (h; L2's two column halves): read this
-      // thread's vectors into registers, hand the stage back to the producer (the proxy fence
-      // orders the generic reads before the TMA refill, and has no global stores in flight to
-      // wait for yet), then store. Three slots (L1 with gate_up): store slot by slot, then
-      // release (registers would spill otherwise).
+      // 2 rows per warp instruction. Slot by slot (h; L2's two column halves; L1's gate and up
+      // with gate_up): a thread's 8 vectors of the slot read and stored, then the stage handed
+      // back to the producer (the proxy fence orders the generic reads before the TMA refill).
+      // Reading both of L2's slots into registers first, so that the fence had no stores to
+      // wait for, spilled them to local memory (64 registers; 104 B of bf16 stack, 352 B of
+      // FP8): slot by slot measured 5% faster on the bf16 core (30B L1+L2 2.104 vs 2.217 ms)
+      // and ~7% on the FP8 layer (benchmarks/RESULTS.md, session 9).
       // Destination of (slot sl, row k of this thread), or null.
       auto dest = [&](int sl, int k) -> __nv_bfloat16* {
         const int r = 64 * wg + rd_row0 + 8 * k;
@@ -974,53 +977,24 @@ struct Sm90MoeTileEngine {
                  job.n_block * 128 + rd_chunk * 8;
         return d + (l1 ? 0 : sl * 128) + rd_chunk * 8;
       };
-#ifndef MEGAMOE_EXPERIMENT_SLOTWISE_STORES  // session 9 A/B (harness only), removed after
-#define MEGAMOE_EXPERIMENT_SLOTWISE_STORES 1
-#endif
-      if (!MEGAMOE_EXPERIMENT_SLOTWISE_STORES && nslots <= 2) {
-        uint4 v[2][8];
+      for (int sl = 0; sl < nslots; ++sl) {
 #pragma unroll
-        for (int sl = 0; sl < 2; ++sl) {
-          if (sl < nslots) {
-#pragma unroll
-            for (int k = 0; k < 8; ++k)
-              v[sl][k] = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
+        for (int k = 0; k < 8; ++k) {
+          const uint4 val = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
+          __nv_bfloat16* d = p.bench_skip_epilogue == 2 ? nullptr : dest(sl, k);
+          if (d == nullptr) continue;
+          detail::st_global_v4(d, val);
+          if (!l1 && p.l2_copy != nullptr) {  // L2's second store (the fused forward's copy)
+            const int r = 64 * wg + rd_row0 + 8 * k;
+            detail::st_global_v4(p.l2_copy + int64_t(job.row_begin + r) * p.l2_copy_ld +
+                                     job.n_block * kBlockN + sl * 128 + rd_chunk * 8,
+                                 val);
           }
         }
-        cutlass::arch::fence_view_async_shared();
-        __syncwarp();
-        if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);  // 4 warps x 2 = 8
-#pragma unroll
-        for (int sl = 0; sl < 2; ++sl) {
-          if (sl < nslots) {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-              __nv_bfloat16* d = p.bench_skip_epilogue == 2 ? nullptr : dest(sl, k);
-              if (d != nullptr) detail::st_global_v4(d, v[sl][k]);
-              if (!l1 && d != nullptr && p.l2_copy != nullptr) {  // L2's second store
-                const int r = 64 * wg + rd_row0 + 8 * k;
-                detail::st_global_v4(p.l2_copy + int64_t(job.row_begin + r) * p.l2_copy_ld +
-                                         job.n_block * kBlockN + sl * 128 + rd_chunk * 8,
-                                     v[sl][k]);
-              }
-            }
-          }
-        }
-      } else {
-        for (int sl = 0; sl < 3; ++sl) {
-          if (sl >= nslots) break;
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            const uint4 val =
-                detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
-            __nv_bfloat16* d = p.bench_skip_epilogue == 2 ? nullptr : dest(sl, k);
-            if (d != nullptr) detail::st_global_v4(d, val);
-          }
-        }
-        cutlass::arch::fence_view_async_shared();
-        __syncwarp();
-        if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);
       }
+      cutlass::arch::fence_view_async_shared();
+      __syncwarp();
+      if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);  // 4 warps x 2 = 8
       Barrier::arrive(&ss.stored[slot]);
     }
   }
