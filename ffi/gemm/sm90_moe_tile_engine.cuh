@@ -965,8 +965,9 @@ struct Sm90MoeTileEngine {
       // back to the producer (the proxy fence orders the generic reads before the TMA refill).
       // Reading both of L2's slots into registers first, so that the fence had no stores to
       // wait for, spilled them to local memory (64 registers; 104 B of bf16 stack, 352 B of
-      // FP8): slot by slot measured 5% faster on the bf16 core (30B L1+L2 2.104 vs 2.217 ms)
-      // and ~7% on the FP8 layer (benchmarks/RESULTS.md, session 9).
+      // FP8; the spills go to L2, the smem carve-out leaving little L1): slot by slot measured
+      // faster on both cores at 30B: bf16 L1+L2 2.104 vs 2.217 ms, FP8 L2 0.683 vs 0.908 ms
+      // (benchmarks/RESULTS.md, session 9).
       // Destination of (slot sl, row k of this thread), or null.
       auto dest = [&](int sl, int k) -> __nv_bfloat16* {
         const int r = 64 * wg + rd_row0 + 8 * k;
