@@ -18,6 +18,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "benchmarks/kernels/harness_host.h"
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
 #include "ffi/scheduler/expert_tile_walk.cuh"
@@ -25,26 +26,6 @@
 using namespace megamoe::fused;
 using namespace megamoe::fused::sm90;
 using bf16 = __nv_bfloat16;
-
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, \
-              __LINE__, #x);                                                             \
-      exit(2);                                                                           \
-    }                                                                                    \
-  } while (0)
-
-static void CheckStr(const std::string& s) {
-  if (!s.empty()) {
-    fprintf(stderr, "error: %s\n", s.c_str());
-    exit(2);
-  }
-}
-
-constexpr int kMaxExperts = 256;
-using Walk = ExpertTileWalk<128, kMaxExperts>;
 
 // ------------------------------------------------------------------ scheduler + hooks
 struct StaticScheduler {
@@ -92,8 +73,6 @@ struct RunArgs {
   int n_major;
   MBlockHooks hooks;
 };
-
-using Params = EngineParams<IndexedRowDest>;
 
 template <class Engine>
 struct KernelStorage {
@@ -330,19 +309,6 @@ static void FinishProblem(Problem& p, uint64_t seed) {
   p.dest_row.resize(rows);
   std::iota(p.dest_row.begin(), p.dest_row.end(), 0);
   for (int64_t i = rows - 1; i > 0; --i) std::swap(p.dest_row[i], p.dest_row[rng.next() % (i + 1)]);
-}
-
-template <class T>
-static T* DevAlloc(size_t n) {
-  T* p = nullptr;
-  CK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
-  return p;
-}
-template <class T>
-static T* DevCopy(const std::vector<T>& v) {
-  T* p = DevAlloc<T>(v.size());
-  if (!v.empty()) CK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
 }
 
 constexpr uint16_t kPoison = 0xFFFF;  // a bf16 NaN that no kernel writes

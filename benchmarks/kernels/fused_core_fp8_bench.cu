@@ -37,6 +37,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "benchmarks/kernels/harness_host.h"
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
 #include "ffi/layout/fp8_blocks.h"
@@ -47,37 +48,8 @@ using namespace megamoe::fused::sm90;
 using bf16 = __nv_bfloat16;
 using Engine = Sm90MoeTileEngine<4, 4, E4m3Operands>;
 
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, \
-              __LINE__, #x);                                                             \
-      exit(2);                                                                           \
-    }                                                                                    \
-  } while (0)
-
-// A fault of the launch just made, named (a sticky error would otherwise surface later).
 static int g_reps = 15;                  // --reps
 static const char* g_modes = "01234";  // --modes
-
-static void SyncOrDie(const char* what) {
-  const cudaError_t e = cudaDeviceSynchronize();
-  if (e != cudaSuccess) {
-    fprintf(stderr, "CUDA error after %s: %s\n", what, cudaGetErrorString(e));
-    exit(2);
-  }
-}
-
-static void CheckStr(const std::string& s) {
-  if (!s.empty()) {
-    fprintf(stderr, "error: %s\n", s.c_str());
-    exit(2);
-  }
-}
-
-constexpr int kMaxExperts = 256;
-using Walk = ExpertTileWalk<128, kMaxExperts>;
 
 // ------------------------------------------------------------------ kernel
 // One GEMM kind per launch (L1, then L2 in a second launch: no counters needed).
@@ -91,8 +63,6 @@ struct OneKindScheduler {
     return true;
   }
 };
-
-using Params = EngineParams<IndexedRowDest>;
 
 struct KernelStorage {
   Engine::SharedStorage engine;
@@ -213,21 +183,6 @@ static void QuantizeWeights(const std::vector<float>& w, int64_t e, int64_t k, i
       }
 }
 
-template <class T>
-static T* Upload(const std::vector<T>& v) {
-  T* d = nullptr;
-  CK(cudaMalloc(&d, std::max<size_t>(v.size(), 1) * sizeof(T)));
-  CK(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-
-template <class T>
-static std::vector<T> Download(const T* d, size_t n) {
-  std::vector<T> v(n);
-  CK(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return v;
-}
-
 // ------------------------------------------------------------------ one problem
 struct Problem {
   std::string name;
@@ -270,16 +225,16 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
   QuantizeWeights(wgu, E, H, 2 * F, pow2, wguq, wgus);
   QuantizeWeights(wd, E, F, H, pow2, wdq, wds);
 
-  uint8_t* d_xq = Upload(xq);
-  float* d_xs = Upload(xs);
-  uint8_t* d_wguq = Upload(wguq);
-  float* d_wgus = Upload(wgus);
-  uint8_t* d_wdq = Upload(wdq);
-  float* d_wds = Upload(wds);
-  int32_t* d_off = Upload(offsets);
+  uint8_t* d_xq = DevCopy(xq);
+  float* d_xs = DevCopy(xs);
+  uint8_t* d_wguq = DevCopy(wguq);
+  float* d_wgus = DevCopy(wgus);
+  uint8_t* d_wdq = DevCopy(wdq);
+  float* d_wds = DevCopy(wds);
+  int32_t* d_off = DevCopy(offsets);
   std::vector<int32_t> ident(pool_rows);
   for (int64_t r = 0; r < pool_rows; ++r) ident[r] = int32_t(r);
-  int32_t* d_dest = Upload(ident);
+  int32_t* d_dest = DevCopy(ident);
   uint8_t* d_hq = nullptr;
   float* d_hs = nullptr;
   bf16* d_y = nullptr;
