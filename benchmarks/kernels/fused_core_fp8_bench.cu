@@ -190,7 +190,8 @@ struct Problem {
   std::vector<int> sizes;  // rows per expert
   // Every 7th row with one 128-block x 50 (scales that differ by row; their gates reach < -87,
   // so every warp also takes SwiGLU's exact path). Off for the timed 30B shape: the layer's
-  // activations do not, and the exact path (1.5 us per warp tile) would dominate its epilogue.
+  // activations do not, and the exact path (~4,000 instructions per warp and tile with its
+  // called slow paths, ncu: session 9) would dominate its epilogue.
   bool outlier_rows = true;
 };
 
