@@ -8,11 +8,15 @@ calls of the layer benchmark's problem (EP=1, one GPU), beside the whole call's 
 The phases are seen from CTA 0 (the other CTAs' work overlaps the boundaries: "rows copied" is
 CTA 0's share of the copy, "GEMM tiles done" waits for every CTA's tiles).
 
---overhead also measures, for backends "fused" and "cuda" (the layer as bench_layer runs it,
-forward only), where a host-timed call's time goes beyond the kernels: the call timed alone
+--overhead also measures, for backends "fused" and "cuda" (the layer as bench_layer runs it),
+where a host-timed call's time goes beyond the kernels: the call timed alone
 (block_until_ready each call, as bench_layer does), the same calls queued back to back (one
 wait at the end: launch and dispatch hidden behind the GPU), and from a profiler trace of
 queued calls the GPU time of each kernel per call and the GPU's idle time between calls.
+--overhead-pass grad does that for one training pass of the layer instead of its forward:
+the gradients of <y, dy> w.r.t. x, the routing weights and both expert weights (the forward in
+its residual mode, then the backward), so that the kernels of two backends' backward passes
+can be compared one by one.
 """
 
 from __future__ import annotations
@@ -69,6 +73,23 @@ def call_overhead(fn, args, reps: int) -> dict:
           "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
+def layer_call(backend: str, recipe: str | None, overhead_pass: str, dy=None):
+  """The jitted call that --overhead times: the layer's forward, or (overhead_pass "grad") the
+  gradients of <y, dy> w.r.t. x, the routing weights and both expert weights."""
+  def forward(x, ids, w, wgu, wd):
+    return jax_megamoe.moe(x, ids, w, wgu, wd, backend=backend, recipe=recipe)
+  if overhead_pass == "fwd":
+    return jax.jit(forward)
+  if overhead_pass != "grad":
+    raise ValueError(f"overhead_pass must be 'fwd' or 'grad', got {overhead_pass!r}")
+
+  def grads(x, ids, w, wgu, wd):
+    inner = lambda x, w, wgu, wd: jnp.vdot(forward(x, ids, w, wgu, wd).astype(jnp.float32),
+                                           dy.astype(jnp.float32))
+    return jax.grad(inner, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+  return jax.jit(grads)
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__)
   ap.add_argument("--shapes", default="30b,235b")
@@ -81,6 +102,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--out", default="")
   ap.add_argument("--overhead", action="store_true",
                   help="also measure host/launch overhead of fused and cuda (see the doc)")
+  ap.add_argument("--overhead-pass", default="fwd", choices=("fwd", "grad"),
+                  help="what --overhead times: the forward, or one forward + backward")
   args = ap.parse_args(argv)
   results, overhead = [], []
   for shape in args.shapes.split(","):
@@ -112,11 +135,11 @@ def main(argv=None) -> dict:
     for name, ms in row["phases_ms"].items():
       print(f"    {name:18s} {ms:7.3f} ms")
     if args.overhead:
+      dy = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16)
       for backend in ("fused", "cuda"):
-        layer = jax.jit(lambda x, ids, w, wgu, wd, b=backend: jax_megamoe.moe(
-            x, ids, w, wgu, wd, backend=b,
-            recipe=None if args.recipe == "bf16" else args.recipe))
-        o = {"shape": shape, "backend": backend,
+        layer = layer_call(backend, None if args.recipe == "bf16" else args.recipe,
+                           args.overhead_pass, dy)
+        o = {"shape": shape, "backend": backend, "pass": args.overhead_pass,
              **call_overhead(layer, (x, ids, w, wgu, wd), args.reps)}
         overhead.append(o)
         print(f"  {backend:5s}: alone {o['alone_ms']:.3f} ms, queued {o['queued_ms']:.3f} ms, "

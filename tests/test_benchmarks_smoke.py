@@ -211,3 +211,27 @@ def test_classify_error_keeps_a_tracebacks_start_and_end():
   assert status == "failed" and len(message) < 620
   assert message.startswith("Traceback") and message.endswith("OSError: address in use")
   assert timing.classify_error("RESOURCE_EXHAUSTED: 3 GiB")[0] == "oom"
+
+
+def test_fused_phases_grad_pass_is_the_layers_gradients():
+  """fused_phases --overhead-pass grad times the gradients of <y, dy> (x, routing weights, both
+  expert weights): on any backend they are jax.grad's; a bad pass name is refused by name."""
+  from benchmarks import fused_phases
+  rng = np.random.default_rng(0)
+  t, h, f, e, k = 16, 32, 16, 4, 2
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
+  w = jnp.asarray(rng.random((t, k)), jnp.float32)
+  wgu = jnp.asarray(rng.standard_normal((e, h, 2 * f)) * 0.1, jnp.float32)
+  wd = jnp.asarray(rng.standard_normal((e, f, h)) * 0.1, jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  got = fused_phases.layer_call("reference", None, "grad", dy)(x, ids, w, wgu, wd)
+  import jax_megamoe
+  loss = lambda x, w, a, b: jnp.vdot(jax_megamoe.moe(x, ids, w, a, b, backend="reference"), dy)
+  want = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  y = fused_phases.layer_call("reference", None, "fwd")(x, ids, w, wgu, wd)
+  assert y.shape == x.shape
+  with pytest.raises(ValueError, match="overhead_pass must be 'fwd' or 'grad', got 'bwd'"):
+    fused_phases.layer_call("reference", None, "bwd")
