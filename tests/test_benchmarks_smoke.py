@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_megamoe
+
 # benchmarks/ is a source-tree tool, not part of the installed package. Appended to the path,
 # so that jax_megamoe still comes from the installation CI tests.
 sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
@@ -226,7 +228,6 @@ def test_fused_phases_grad_pass_is_the_layers_gradients():
   wd = jnp.asarray(rng.standard_normal((e, f, h)) * 0.1, jnp.float32)
   dy = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
   got = fused_phases.layer_call("reference", None, "grad", dy)(x, ids, w, wgu, wd)
-  import jax_megamoe
   loss = lambda x, w, a, b: jnp.vdot(jax_megamoe.moe(x, ids, w, a, b, backend="reference"), dy)
   want = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
   for a, b in zip(got, want):

@@ -227,8 +227,8 @@ def _dispatch_backward_stand_in(dx_sorted, d_recv_w, slot_pos, ids, cfg):
 
 def test_pool_rows_put_each_token_row_at_its_slots():
   """The backward's x_sorted: pool row slot_dest[t, j] holds x[t] bit for bit, every other pool
-  row (masked slots, capacity beyond the routed rows) is zero; checked against a direct
-  per-slot loop, with masked slots, a token routed nowhere and an empty pool tail."""
+  row (those of masked slots, and capacity no slot fills) is zero; checked against a direct
+  per-slot loop, with masked slots and a token routed nowhere."""
   rng = np.random.default_rng(3)
   tokens, top_k, hidden, n_cap = 37, 3, 128, 130
   x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
