@@ -13,6 +13,10 @@ where a host-timed call's time goes beyond the kernels: the call timed alone
 (block_until_ready each call, as bench_layer does), the same calls queued back to back (one
 wait at the end: launch and dispatch hidden behind the GPU), and from a profiler trace of
 queued calls the GPU time of each kernel per call and the GPU's idle time between calls.
+To place the alone-vs-queued gap it also times a trivial jitted program on the same arguments
+alone (the floor of dispatch + wait), and reads a trace of alone calls: the GPU's busy time per
+call there, and its idle time inside calls (gaps under 50 us between a call's kernels: the host
+enqueueing kernels slower than the GPU runs them).
 --overhead-pass grad does that for one training pass of the layer instead of its forward:
 the gradients of <y, dy> w.r.t. x, the routing weights and both expert weights (the forward in
 its residual mode, then the backward), so that the kernels of two backends' backward passes
@@ -41,35 +45,73 @@ from benchmarks import step_breakdown, trace_events  # noqa: E402
 from jax_megamoe.backends import fused  # noqa: E402
 
 
-def call_overhead(fn, args, reps: int) -> dict:
-  """Per call of fn(*args): alone_ms (median, waiting for each call), queued_ms (reps calls
-  queued, one wait), and from a trace of queued calls: gpu_busy_ms (union of kernel time per
-  call), gpu_idle_ms (window minus busy, per call) and kernels_ms (GPU time per call by kernel
-  name, largest first)."""
+# Kernels of one alone call are closer than this; alone calls are farther apart (each waits for
+# the previous one to finish and return to Python first).
+_CALL_GAP_NS = 50e3
+
+
+def _alone_ms(fn, args, reps: int) -> float:
+  """The median of reps calls of fn(*args), each waited for (as bench_layer times a call)."""
   jax.block_until_ready(fn(*args))
   alone = []
   for _ in range(reps):
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))
     alone.append((time.perf_counter() - t) * 1e3)
+  return statistics.median(alone)
+
+
+def _device_events(fn_calls) -> list:
+  """The device events of a profiler trace of fn_calls()."""
+  trace_dir = tempfile.mkdtemp(prefix="fused_overhead_")
+  with jax.profiler.trace(trace_dir):
+    fn_calls()
+  platform = jax.devices()[0].platform
+  return [e for e in trace_events.read_trace(trace_dir).events if e.device.startswith(platform)]
+
+
+def alone_trace(events: list) -> dict:
+  """From a trace of calls each waited for: per call, the GPU's busy time and its idle time
+  between kernels closer than _CALL_GAP_NS (inside a call); calls = the number of groups."""
+  events = sorted(events, key=lambda e: e.start_ns)
+  calls, inside, end = 0, 0.0, None
+  for e in events:
+    if end is None or e.start_ns - end > _CALL_GAP_NS:
+      calls += 1
+    elif e.start_ns > end:
+      inside += e.start_ns - end
+    end = e.end_ns if end is None else max(end, e.end_ns)
+  calls = max(calls, 1)
+  return {"alone_calls_seen": calls,
+          "alone_gpu_busy_ms": step_breakdown.busy_ns(events) / calls * 1e-6,
+          "alone_gpu_idle_inside_ms": inside / calls * 1e-6}
+
+
+def call_overhead(fn, args, reps: int) -> dict:
+  """Per call of fn(*args): alone_ms (median, waiting for each call), queued_ms (reps calls
+  queued, one wait), and from a trace of queued calls: gpu_busy_ms (union of kernel time per
+  call), gpu_idle_ms (window minus busy, per call) and kernels_ms (GPU time per call by kernel
+  name, largest first); trivial_alone_ms (a one-kernel program on the same arguments, alone)
+  and alone_trace's figures."""
+  alone = _alone_ms(fn, args, reps)
+  trivial = jax.jit(lambda x, *rest: x[:8] * 2)
+  trivial_alone = _alone_ms(trivial, args, reps)
   t = time.perf_counter()
   outs = [fn(*args) for _ in range(reps)]
   jax.block_until_ready(outs)
   queued = (time.perf_counter() - t) * 1e3 / reps
   del outs
-  trace_dir = tempfile.mkdtemp(prefix="fused_overhead_")
-  with jax.profiler.trace(trace_dir):
-    jax.block_until_ready([fn(*args) for _ in range(reps)])
-  platform = jax.devices()[0].platform
-  events = [e for e in trace_events.read_trace(trace_dir).events
-            if e.device.startswith(platform)]
+  events = _device_events(lambda: jax.block_until_ready([fn(*args) for _ in range(reps)]))
+  alone_events = _device_events(
+      lambda: [jax.block_until_ready(fn(*args)) for _ in range(reps)])
   kernels = collections.defaultdict(float)
   for e in events:
     kernels[e.name] += e.duration_ns / reps * 1e-6
   busy = step_breakdown.busy_ns(events)
   window = (max(e.end_ns for e in events) - min(e.start_ns for e in events)) if events else 0.0
-  return {"alone_ms": statistics.median(alone), "queued_ms": queued,
+  return {"alone_ms": alone, "queued_ms": queued, "trivial_alone_ms": trivial_alone,
           "gpu_busy_ms": busy / reps * 1e-6, "gpu_idle_ms": (window - busy) / reps * 1e-6,
+          **alone_trace(alone_events),
           "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
@@ -145,6 +187,9 @@ def main(argv=None) -> dict:
         print(f"  {backend:5s}: alone {o['alone_ms']:.3f} ms, queued {o['queued_ms']:.3f} ms, "
               f"GPU busy {o['gpu_busy_ms']:.3f} ms, GPU idle between calls "
               f"{o['gpu_idle_ms']:.3f} ms per call")
+        print(f"         alone: GPU busy {o['alone_gpu_busy_ms']:.3f} ms, GPU idle inside the "
+              f"call {o['alone_gpu_idle_inside_ms']:.3f} ms ({o['alone_calls_seen']} calls "
+              f"seen); a one-kernel program alone {o['trivial_alone_ms']:.3f} ms")
         for name, ms in o["kernels_ms"].items():
           print(f"      {ms:7.3f} ms  {name[:90]}")
   out = {"device": str(jax.devices()[0].device_kind), "results": results,

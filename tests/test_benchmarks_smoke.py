@@ -236,3 +236,17 @@ def test_fused_phases_grad_pass_is_the_layers_gradients():
   assert y.shape == x.shape
   with pytest.raises(ValueError, match="overhead_pass must be 'fwd' or 'grad', got 'bwd'"):
     fused_phases.layer_call("reference", None, "bwd")
+
+
+def test_fused_phases_alone_trace_groups_calls_by_gap():
+  """alone_trace: kernels closer than 50 us are one call (their gaps are idle inside it);
+  farther apart, a new call."""
+  from benchmarks import fused_phases, trace_events
+  ev = lambda start_us, dur_us: trace_events.DeviceEvent("gpu:0", "s", "k", start_us * 1e3,
+                                                         dur_us * 1e3)
+  # call 1: 0-100, gap 10, 110-200 (overlapping 150-160); call 2 at 400: 400-500, gap 20.
+  events = [ev(0, 100), ev(110, 90), ev(150, 10), ev(400, 100), ev(520, 30)]
+  got = fused_phases.alone_trace(events)
+  assert got["alone_calls_seen"] == 2
+  assert got["alone_gpu_busy_ms"] == pytest.approx((190 + 130) / 2 * 1e-3)
+  assert got["alone_gpu_idle_inside_ms"] == pytest.approx((10 + 20) / 2 * 1e-3)

@@ -71,7 +71,8 @@ struct KernelStorage {
 
 // Thread i: x = the bf16 of bit pattern i % 65536, against 64 blocks of amax = m 2^e (e over
 // [-70, 70], m hashed in [1, 2)) and s = Fp8BlockScale(amax), for every x the block can hold
-// (|x| <= amax) wherever fast_div_ok(s): the e4m3 byte of div_by_scale against that of x / s,
+// (|x| <= amax) wherever DivByScaleHolds(s): the e4m3 byte of DivByScale (ffi/common/
+// fp8_quotient.cuh, the quotient of the engine and of every quantiser) against that of x / s,
 // and their fp32 bits where |x / s| >= 2^-20 (below, a subnormal x's remainder may round, and
 // both quotients are far under e4m3's smallest value). Counts mismatches and pairs checked.
 __global__ void DivByScaleTest(unsigned long long* mismatch, unsigned long long* checked) {
@@ -85,8 +86,8 @@ __global__ void DivByScaleTest(unsigned long long* mismatch, unsigned long long*
     const float m = 1.0f + float(hsh & 0xffffff) * (1.0f / 16777216.0f);
     const float amax = ldexpf(m, int(k % 141) - 70);
     const float s = megamoe::Fp8BlockScale(amax, false);
-    if (!detail::fast_div_ok(s) || !(fabsf(x) <= amax)) continue;
-    const float a = detail::div_by_scale(x, s, 1.0f / s), b = x / s;
+    if (!megamoe::DivByScaleHolds(s) || !(fabsf(x) <= amax)) continue;
+    const float a = megamoe::DivByScale(x, s, 1.0f / s), b = x / s;
     const bool bits_differ = __float_as_uint(a) != __float_as_uint(b) && fabsf(b) >= 0x1p-20f;
     bad += bits_differ || detail::e4m3x2(a, 0.f) != detail::e4m3x2(b, 0.f);
     ++n;
@@ -482,7 +483,7 @@ int main(int argc, char** argv) {
   };
   if (timing)
     problems.push_back({"30B E128 x 1024 rows", 2048, 768, std::vector<int>(128, 1024), false});
-  {  // div_by_scale against IEEE `/`: every bf16 x, 4096 scales over the range it is used in
+  {  // DivByScale against IEEE `/`: every bf16 x, 4096 scales over the range it is used in
     unsigned long long* c = nullptr;
     CK(cudaMalloc(&c, 16));
     CK(cudaMemset(c, 0, 16));
@@ -491,7 +492,7 @@ int main(int argc, char** argv) {
     unsigned long long h[2];
     CK(cudaMemcpy(h, c, 16, cudaMemcpyDeviceToHost));
     CK(cudaFree(c));
-    printf("div_by_scale vs x / s: %s, %llu mismatches of %llu quotients\n",
+    printf("DivByScale vs x / s: %s, %llu mismatches of %llu quotients\n",
            h[0] == 0 ? "PASS" : "FAIL", h[0], h[1]);
     if (h[0] != 0) return 1;
   }

@@ -112,6 +112,7 @@
 #include "cute/arch/mma_sm90_gmma.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
+#include "ffi/common/fp8_quotient.cuh"
 #include "ffi/common/swiglu_math.cuh"
 #include "ffi/layout/fp8_blocks.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
@@ -253,24 +254,6 @@ __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
   const uint32_t b = __nv_cvt_float_to_fp8(hi, __NV_SATFINITE, __NV_E4M3);
   return static_cast<uint16_t>(a | (b << 8));
 }
-
-// x / s as the IEEE division of ffi/impls/fp8_quantize.cu, given r = 1 / s (IEEE): q0 = x r,
-// the remainder x - q0 s exactly by FMA, q = q0 + rem r (Markstein's correction: with r
-// correctly rounded and no underflow or overflow on the way, q is the correctly rounded
-// quotient). nvcc's `x / s` is the same arithmetic behind a per-element range test and a called
-// slow path (BSSY / CALL: no ILP across a thread's 64 values; 0.33 ms of the 30B L1 at 16,384
-// tokens, measured). Used where s is in [2^-60, 2^60] (fast_div_ok) and |x| <= amax (x is in
-// the block s scales): the same e4m3 byte as x / s, and the same fp32 quotient wherever it is
-// >= 2^-20 (a subnormal x's remainder may round; such quotients are e4m3 zero either way). The
-// caller falls back to `/` otherwise; the FP8 harness checks both claims at start-up over every
-// bf16 x and 4,096 scales.
-__device__ __forceinline__ float div_by_scale(float x, float s, float r) {
-  const float q0 = __fmul_rn(x, r);
-  const float rem = fmaf(-q0, s, x);
-  // rem 0: q0 is the quotient itself (and keeps -0's sign, which q0 + 0 r would lose).
-  return rem == 0.0f ? q0 : fmaf(rem, r, q0);
-}
-__device__ __forceinline__ bool fast_div_ok(float s) { return s >= 0x1p-60f && s <= 0x1p60f; }
 
 __device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
@@ -685,7 +668,7 @@ struct Sm90MoeTileEngine {
                                         int rd_row0, int rd_chunk, uint32_t rd_off) {
     const uint32_t slot = slot_base[0];
     float scale[2];
-    bool fast_div = true;  // "fp8": every block of the warp has a scale where div_by_scale holds
+    bool fast_div = true;  // "fp8": every block of this thread has a scale where DivByScale holds
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float amax = 0.0f;
@@ -698,15 +681,15 @@ struct Sm90MoeTileEngine {
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
       scale[hh] = Fp8BlockScale(amax, p.pow2 != 0);
       // amax 0: every value is +-0 (or NaN, which fmaxf skips), and 0 r = 0 as 0 / s.
-      fast_div = fast_div && (amax == 0.0f || detail::fast_div_ok(scale[hh]));
+      fast_div = fast_div && (amax == 0.0f || DivByScaleHolds(scale[hh]));
     }
-    const bool exact_div = p.pow2 == 0 && !__all_sync(0xffffffffu, fast_div);
+    // One rule per warp (no divergence in the loop below).
+    const bool warp_fast_div = __all_sync(0xffffffffu, fast_div);
     const int frag_row = warp_in_wg * 16 + (lane >> 2);
     const uint32_t frag_base = slot + uint32_t(frag_row) * kSlotRowBytes + uint32_t(lane & 3) * 2;
     const uint32_t frag_sw = uint32_t(lane >> 2);  // frag_row % 8
-    // q = satfinite(h / s) as fp8_quantize.cu: pow2, h * (1 / s) (exact); else div_by_scale,
-    // or `/` itself for a warp with a scale outside its range (tiny or huge blocks: rare).
-    auto quantise = [&](auto quotient) {
+    // q = satfinite(h / s) as fp8_quantize.cu, by the same quotient rule (fp8_quotient.cuh).
+    WithQuotient(p.pow2 != 0, warp_fast_div, [&](auto quotient) {
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const float s = scale[hh], inv = 1.0f / s;
@@ -721,13 +704,7 @@ struct Sm90MoeTileEngine {
                                 q);
         }
       }
-    };
-    if (p.pow2 != 0)
-      quantise([](float x, float, float inv) { return x * inv; });
-    else if (!exact_div)
-      quantise([](float x, float s, float inv) { return detail::div_by_scale(x, s, inv); });
-    else
-      quantise([](float x, float s, float) { return x / s; });
+    });
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = 64 * wg + frag_row + 8 * hh;

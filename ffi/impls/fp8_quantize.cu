@@ -4,6 +4,7 @@
 
 #include <cfloat>
 
+#include "ffi/common/fp8_quotient.cuh"
 #include "ffi/common/launch_error.h"
 #include "ffi/common/swiglu_math.cuh"
 #include "ffi/impls/fp8_quantize.h"
@@ -17,10 +18,12 @@ __device__ __forceinline__ uint8_t ToE4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
-// Four values (lo.x, lo.y, hi.x, hi.y) divided by the block scale s, as e4m3 bytes in order.
-__device__ __forceinline__ uint32_t FourE4m3(float2 lo, float2 hi, float s) {
-  return uint32_t(ToE4m3(lo.x / s)) | (uint32_t(ToE4m3(lo.y / s)) << 8) |
-         (uint32_t(ToE4m3(hi.x / s)) << 16) | (uint32_t(ToE4m3(hi.y / s)) << 24);
+// Four values (lo.x, lo.y, hi.x, hi.y) divided by the block scale s (r = 1 / s) with `div`
+// (WithQuotient: the same bytes as x / s), as e4m3 bytes in order.
+template <class Div>
+__device__ __forceinline__ uint32_t FourE4m3(float2 lo, float2 hi, float s, float r, Div div) {
+  return uint32_t(ToE4m3(div(lo.x, s, r))) | (uint32_t(ToE4m3(div(lo.y, s, r))) << 8) |
+         (uint32_t(ToE4m3(div(hi.x, s, r))) << 16) | (uint32_t(ToE4m3(div(hi.y, s, r))) << 24);
 }
 
 // 1x128 blocks are quantised by 8 threads, 16 consecutive values each: the block's amax is
@@ -34,14 +37,13 @@ __device__ __forceinline__ void QuantizeSixteen(const float2 (&v)[8], bool pow2,
   const unsigned group_mask = 0xffu << (threadIdx.x % 32 / 8 * 8);
 #pragma unroll
   for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group_mask, amax, o));
-  const float s = Fp8BlockScale(amax, pow2);
-  uint32_t words[4];
+  const float s = Fp8BlockScale(amax, pow2), r = 1.0f / s;
+  WithQuotient(pow2, DivByScaleHolds(s), [&](auto div) {
+    uint32_t words[4];
 #pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const float2 a = v[2 * w], b = v[2 * w + 1];
-    words[w] = FourE4m3(a, b, s);
-  }
-  *reinterpret_cast<uint4*>(q) = make_uint4(words[0], words[1], words[2], words[3]);
+    for (int w = 0; w < 4; ++w) words[w] = FourE4m3(v[2 * w], v[2 * w + 1], s, r, div);
+    *reinterpret_cast<uint4*>(q) = make_uint4(words[0], words[1], words[2], words[3]);
+  });
   if (part == 0) *scale = s;
 }
 
@@ -149,20 +151,22 @@ __global__ void __launch_bounds__(256) QuantizeWeightsDgradKernel(
       amax = fmaxf(amax, fmaxf(fabsf(v.x), fabsf(v.y)));
     }
   }
-  const float s = Fp8BlockScale(BlockAmax256(amax), pow2);
+  const float s = Fp8BlockScale(BlockAmax256(amax), pow2), r = 1.0f / s;
   if (t == 0) scale[(g * nbs + nb) * kbs + kb] = s;  // [E, N/128, K/128]
+  WithQuotient(pow2, DivByScaleHolds(s), [&](auto div) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
-    uint32_t words[2];
+    for (int i = 0; i < 8; ++i) {
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&raw[i]);
+      uint32_t words[2];
 #pragma unroll
-    for (int wi = 0; wi < 2; ++wi) {
-      const float2 v0 = __bfloat1622float2(p[2 * wi]), v1 = __bfloat1622float2(p[2 * wi + 1]);
-      words[wi] = FourE4m3(v0, v1, s);
+      for (int wi = 0; wi < 2; ++wi) {
+        const float2 v0 = __bfloat1622float2(p[2 * wi]), v1 = __bfloat1622float2(p[2 * wi + 1]);
+        words[wi] = FourE4m3(v0, v1, s, r, div);
+      }
+      *reinterpret_cast<uint2*>(q + base + int64_t(t / 16 + 16 * i) * n) =
+          make_uint2(words[0], words[1]);
     }
-    *reinterpret_cast<uint2*>(q + base + int64_t(t / 16 + 16 * i) * n) =
-        make_uint2(words[0], words[1]);
-  }
+  });
 }
 
 // The bf16 values a tile kernel quantises, 8 at a time (16 bytes): Load(r, col) = values
@@ -261,19 +265,22 @@ __global__ void __launch_bounds__(256) QuantizeTileKernel(
       amax_hi = fmaxf(amax_hi, __shfl_xor_sync(0xffffffffu, amax_hi, o));
     }
     const float s_lo = Fp8BlockScale(amax_lo, pow2), s_hi = Fp8BlockScale(amax_hi, pow2);
+    const float r_lo = 1.0f / s_lo, r_hi = 1.0f / s_hi;
     uint32_t lo[8], hi[8];
+    WithQuotient(pow2, DivByScaleHolds(s_lo) && DivByScaleHolds(s_hi), [&](auto div) {
 #pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      uint32_t a = 0, b = 0;
+      for (int w = 0; w < 8; ++w) {
+        uint32_t a = 0, b = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 v = __bfloat1622float2(src[4 * w + i]);
-        a |= uint32_t(ToE4m3(v.x / s_lo)) << (8 * i);
-        b |= uint32_t(ToE4m3(v.y / s_hi)) << (8 * i);
+        for (int i = 0; i < 4; ++i) {
+          const float2 v = __bfloat1622float2(src[4 * w + i]);
+          a |= uint32_t(ToE4m3(div(v.x, s_lo, r_lo))) << (8 * i);
+          b |= uint32_t(ToE4m3(div(v.y, s_hi, r_hi))) << (8 * i);
+        }
+        lo[w] = a;
+        hi[w] = b;
       }
-      lo[w] = a;
-      hi[w] = b;
-    }
+    });
     const int64_t kbs = c / 128;
     for (int parity = 0; parity < 2; ++parity) {
       const int row = 2 * pr + parity;
@@ -308,14 +315,16 @@ __global__ void __launch_bounds__(256) QuantizeTileKernel(
   for (int round = 0; round < 2; ++round) {
     const int unit = round * 256 + t;
     const int col = unit % 128, quarter = unit / 128;
-    const float s = col_scale[col];
+    const float s = col_scale[col], r = 1.0f / s;
     uint32_t words[8];
+    WithQuotient(pow2, DivByScaleHolds(s), [&](auto div) {
 #pragma unroll
-    for (int wi = 0; wi < 8; ++wi) {
-      const float2 v0 = __bfloat1622float2(pairs[quarter * 16 + wi * 2][col]);
-      const float2 v1 = __bfloat1622float2(pairs[quarter * 16 + wi * 2 + 1][col]);
-      words[wi] = FourE4m3(v0, v1, s);
-    }
+      for (int wi = 0; wi < 8; ++wi) {
+        const float2 v0 = __bfloat1622float2(pairs[quarter * 16 + wi * 2][col]);
+        const float2 v1 = __bfloat1622float2(pairs[quarter * 16 + wi * 2 + 1][col]);
+        words[wi] = FourE4m3(v0, v1, s, r, div);
+      }
+    });
     uint4* dst = reinterpret_cast<uint4*>(q + (col0 + col) * length + pcol + quarter * 32);
     dst[0] = make_uint4(words[0], words[1], words[2], words[3]);
     dst[1] = make_uint4(words[4], words[5], words[6], words[7]);
@@ -357,7 +366,7 @@ __global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16
       dst[1] = *reinterpret_cast<const uint4*>(&interleaved[4]);
     }
   }
-  const float s = Fp8BlockScale(BlockAmax256(amax), pow2);
+  const float s = Fp8BlockScale(BlockAmax256(amax), pow2), r = 1.0f / s;
   if (t == 0) scale[(g * kbs + kb) * nbs + nb] = s;
   // Store transposed: output row (column n of w) has 128 k bytes = 8 chunks of 16; warp lanes
   // take 32 consecutive n, the 8 warps the 8 chunks, 4 rounds over the 128 columns.
@@ -366,12 +375,14 @@ __global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16
   for (int round = 0; round < 4; ++round) {
     const int col = round * 32 + lane;
     uint32_t words[4];
+    WithQuotient(pow2, DivByScaleHolds(s), [&](auto div) {
 #pragma unroll
-    for (int wi = 0; wi < 4; ++wi) {
-      const float2 v0 = __bfloat1622float2(pairs[chunk * 8 + wi * 2][col]);
-      const float2 v1 = __bfloat1622float2(pairs[chunk * 8 + wi * 2 + 1][col]);
-      words[wi] = FourE4m3(v0, v1, s);
-    }
+      for (int wi = 0; wi < 4; ++wi) {
+        const float2 v0 = __bfloat1622float2(pairs[chunk * 8 + wi * 2][col]);
+        const float2 v1 = __bfloat1622float2(pairs[chunk * 8 + wi * 2 + 1][col]);
+        words[wi] = FourE4m3(v0, v1, s, r, div);
+      }
+    });
     uint8_t* dst = q + g * n * k + (nb * 128 + col) * k + kb * 128 + chunk * 16;
     *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
   }
