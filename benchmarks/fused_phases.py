@@ -70,19 +70,19 @@ def _device_events(fn_calls) -> list:
   return [e for e in trace_events.read_trace(trace_dir).events if e.device.startswith(platform)]
 
 
-def alone_trace(events: list) -> dict:
-  """From a trace of calls each waited for: per call, the GPU's busy time and its idle time
-  between kernels closer than _CALL_GAP_NS (inside a call); calls = the number of groups."""
+def alone_trace(events: list, calls: int) -> dict:
+  """From a trace of `calls` calls each waited for: per call, the GPU's busy time and its idle
+  time between kernels closer than _CALL_GAP_NS (inside a call); alone_groups_seen: the groups
+  of kernels farther apart than that (more than `calls` where a call itself has such a gap)."""
   events = sorted(events, key=lambda e: e.start_ns)
-  calls, inside, end = 0, 0.0, None
+  groups, inside, end = 0, 0.0, None
   for e in events:
     if end is None or e.start_ns - end > _CALL_GAP_NS:
-      calls += 1
+      groups += 1
     elif e.start_ns > end:
       inside += e.start_ns - end
     end = e.end_ns if end is None else max(end, e.end_ns)
-  calls = max(calls, 1)
-  return {"alone_calls_seen": calls,
+  return {"alone_groups_seen": groups,
           "alone_gpu_busy_ms": step_breakdown.busy_ns(events) / calls * 1e-6,
           "alone_gpu_idle_inside_ms": inside / calls * 1e-6}
 
@@ -111,7 +111,7 @@ def call_overhead(fn, args, reps: int) -> dict:
   window = (max(e.end_ns for e in events) - min(e.start_ns for e in events)) if events else 0.0
   return {"alone_ms": alone, "queued_ms": queued, "trivial_alone_ms": trivial_alone,
           "gpu_busy_ms": busy / reps * 1e-6, "gpu_idle_ms": (window - busy) / reps * 1e-6,
-          **alone_trace(alone_events),
+          **alone_trace(alone_events, reps),
           "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
@@ -188,8 +188,9 @@ def main(argv=None) -> dict:
               f"GPU busy {o['gpu_busy_ms']:.3f} ms, GPU idle between calls "
               f"{o['gpu_idle_ms']:.3f} ms per call")
         print(f"         alone: GPU busy {o['alone_gpu_busy_ms']:.3f} ms, GPU idle inside the "
-              f"call {o['alone_gpu_idle_inside_ms']:.3f} ms ({o['alone_calls_seen']} calls "
-              f"seen); a one-kernel program alone {o['trivial_alone_ms']:.3f} ms")
+              f"call {o['alone_gpu_idle_inside_ms']:.3f} ms ({o['alone_groups_seen']} kernel "
+              f"groups for {args.reps} calls); a one-kernel program alone "
+              f"{o['trivial_alone_ms']:.3f} ms")
         for name, ms in o["kernels_ms"].items():
           print(f"      {ms:7.3f} ms  {name[:90]}")
   out = {"device": str(jax.devices()[0].device_kind), "results": results,

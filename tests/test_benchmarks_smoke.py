@@ -240,13 +240,31 @@ def test_fused_phases_grad_pass_is_the_layers_gradients():
 
 def test_fused_phases_alone_trace_groups_calls_by_gap():
   """alone_trace: kernels closer than 50 us are one call (their gaps are idle inside it);
-  farther apart, a new call."""
+  farther apart, a new group; per-call figures divide by the calls made."""
   from benchmarks import fused_phases, trace_events
   ev = lambda start_us, dur_us: trace_events.DeviceEvent("gpu:0", "s", "k", start_us * 1e3,
                                                          dur_us * 1e3)
   # call 1: 0-100, gap 10, 110-200 (overlapping 150-160); call 2 at 400: 400-500, gap 20.
   events = [ev(0, 100), ev(110, 90), ev(150, 10), ev(400, 100), ev(520, 30)]
-  got = fused_phases.alone_trace(events)
-  assert got["alone_calls_seen"] == 2
+  got = fused_phases.alone_trace(events, 2)
+  assert got["alone_groups_seen"] == 2
   assert got["alone_gpu_busy_ms"] == pytest.approx((190 + 130) / 2 * 1e-3)
   assert got["alone_gpu_idle_inside_ms"] == pytest.approx((10 + 20) / 2 * 1e-3)
+
+
+def test_call_latency_splits_annotated_calls():
+  """call_latency.split_calls: per annotated call, launch delay (to the first kernel), GPU span
+  and tail, and the host events inside the launch delay clipped to it."""
+  from benchmarks import call_latency
+  a = call_latency.ANNOTATION
+  host = [(a, 0, 1000), ("dispatch", 0, 300), ("thunk", 250, 900), (a, 2000, 2600),
+          ("dispatch", 2000, 2100)]
+  gpu = [(400, 700), (720, 950), (2200, 2500), (1500, 1600)]
+  calls = call_latency.split_calls(host, gpu)
+  assert len(calls) == 2
+  assert calls[0] == {"launch_delay_ns": 400, "gpu_span_ns": 550, "tail_ns": 50,
+                      "host_ns": {"dispatch": 300.0, "thunk": 150.0}}
+  assert calls[1]["launch_delay_ns"] == 200 and calls[1]["host_ns"] == {"dispatch": 100.0}
+  s = call_latency.summarise(calls, top=1)
+  assert s["calls"] == 2 and list(s["host_ms"]) == ["dispatch"]
+  assert s["launch_delay_ms"] == pytest.approx(300e-6)
