@@ -9,8 +9,10 @@ Per call: launch delay (the annotation's start to the first kernel's start), GPU
 kernel start to last kernel end), tail (last kernel end to the annotation's end: the wait's
 wake-up), and the host events that run inside the launch delay by name (time clipped to it,
 median over calls, largest first). Host events nest (a jit dispatch holds the executable's run,
-which holds each thunk), so the list is read top-down, not summed. A one-kernel program on the
-same arguments is measured the same way, as the floor.
+which holds each thunk), so the list is read top-down, not summed. Two programs are measured
+the same way, as floors: a one-kernel program on the same arguments (dispatch and wait), and a
+chain of plain XLA matmuls of about the layer's GPU span (what the runtime's wait costs a
+program that runs as long, with none of this project's code in it).
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ def summarise(calls: list[dict], top: int) -> dict:
           "gpu_span_ms": med("gpu_span_ns"), "tail_ms": med("tail_ns"), "host_ms": host}
 
 
+MATMUL_N = 8192  # one bf16 matmul of this size: ~1.1 TFLOP, ~1.5 ms on an H200
+
+
+def matmul_chain(count: int):
+  """A jitted chain of `count` dependent matmuls a @ b (rescaled to stay finite)."""
+  def chain(a, b):
+    for _ in range(count):
+      a = (a @ b) * (1.0 / MATMUL_N)
+    return a
+  return jax.jit(chain)
+
+
 def measure(fn, args, reps: int, top: int) -> dict:
   jax.block_until_ready(fn(*args))
   jax.block_until_ready(fn(*args))
@@ -120,9 +134,18 @@ def main(argv=None) -> dict:
   recipe = None if args.recipe == "bf16" else args.recipe
   out = {"device": str(jax.devices()[0].device_kind), "shape": args.shape,
          "backend": args.backend, "recipe": args.recipe, "pass": args.pass_}
-  for label, fn in (("layer", layer_call(args.backend, recipe, args.pass_, dy)),
-                    ("one-kernel program", jax.jit(lambda x, *rest: x[:8] * 2))):
-    s = measure(fn, layer_args, args.reps, args.top)
+  mm = jax.random.normal(ks[0], (2, MATMUL_N, MATMUL_N), jnp.bfloat16)
+  programs = [("layer", layer_call(args.backend, recipe, args.pass_, dy), layer_args),
+              ("one-kernel program", jax.jit(lambda x, *rest: x[:8] * 2), layer_args),
+              ("XLA matmuls", None, (mm[0], mm[1]))]
+  for label, fn, fn_args in programs:
+    if fn is None:  # as many matmuls as fill the layer's span
+      span = out["layer"].get("gpu_span_ms", 1.0)
+      first = measure(matmul_chain(1), fn_args, 3, 1)
+      count = max(1, round(span / max(first.get("gpu_span_ms", span), 1e-3)))
+      fn = matmul_chain(count)
+      label = f"{label} x{count}"
+    s = measure(fn, fn_args, args.reps, args.top)
     out[label] = s
     if not s["calls"]:
       print(f"{label}: no annotated call with a kernel in the trace")
