@@ -268,3 +268,22 @@ def test_call_latency_splits_annotated_calls():
   s = call_latency.summarise(calls, top=1)
   assert s["calls"] == 2 and list(s["host_ms"]) == ["dispatch"]
   assert s["launch_delay_ms"] == pytest.approx(300e-6)
+
+
+def test_bench_quantize_times_every_quantiser_and_the_copy_floor(tmp_path):
+  """bench_quantize (on the CPU handlers here): a row per op and shape, with the bytes each op
+  moves (2 read + 1 written per value + the scales) and the JSON written."""
+  from benchmarks import bench_quantize
+  from jax_megamoe import _ffi
+  from jax_megamoe.backends import cuda_fp8
+  if not all(_ffi.has_target(t, "cpu") for t in cuda_fp8.TARGETS):
+    pytest.skip("not run: the native extension (with the FP8 CPU handlers) is not built")
+  out = bench_quantize.main(["--shapes", "small", "--experts", "2", "--tokens", "128",
+                             "--out", str(tmp_path / "q.json")])
+  ops = [r["op"] for r in out["rows"]]
+  assert len(ops) == 4 and ops[0].startswith("weights") and ops[3].startswith("floor")
+  h, f = 512, 256
+  assert out["rows"][0]["bytes"] == 3 * 2 * (h * 2 * f) + 4 * 2 * (h * 2 * f) // 128 + \
+      3 * 2 * (f * h) + 4 * 2 * (f * h) // 128
+  assert all(r["ms"] > 0 for r in out["rows"])
+  assert json.loads((tmp_path / "q.json").read_text())["rows"] == out["rows"]
