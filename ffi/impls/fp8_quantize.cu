@@ -368,26 +368,23 @@ __global__ void __launch_bounds__(256) QuantizeWeightsKernel(const __nv_bfloat16
   }
   const float s = Fp8BlockScale(BlockAmax256(amax), pow2), r = 1.0f / s;
   if (t == 0) scale[(g * kbs + kb) * nbs + nb] = s;
-  // Store transposed: output row (column n of w) has 128 k bytes = 4 chunks of 32 (a whole
-  // sector each, so no sector is written in halves by two warps); warp lanes take 32
-  // consecutive n, warp w chunk w % 4 of the columns (w / 4) * 32 + 64 round + lane.
-  const int lane = t % 32, chunk = (t / 32) % 4;
+  // Store transposed: output row (column n of w) has 128 k bytes = 8 chunks of 16; warp lanes
+  // take 32 consecutive n, the 8 warps the 8 chunks, 4 rounds over the 128 columns.
+  const int lane = t % 32, chunk = t / 32;
 #pragma unroll
-  for (int round = 0; round < 2; ++round) {
-    const int col = (t / 128) * 32 + round * 64 + lane;
-    uint32_t words[8];
+  for (int round = 0; round < 4; ++round) {
+    const int col = round * 32 + lane;
+    uint32_t words[4];
     WithQuotient(pow2, DivByScaleHolds(s), [&](auto div) {
 #pragma unroll
-      for (int wi = 0; wi < 8; ++wi) {
-        const float2 v0 = __bfloat1622float2(pairs[chunk * 16 + wi * 2][col]);
-        const float2 v1 = __bfloat1622float2(pairs[chunk * 16 + wi * 2 + 1][col]);
+      for (int wi = 0; wi < 4; ++wi) {
+        const float2 v0 = __bfloat1622float2(pairs[chunk * 8 + wi * 2][col]);
+        const float2 v1 = __bfloat1622float2(pairs[chunk * 8 + wi * 2 + 1][col]);
         words[wi] = FourE4m3(v0, v1, s, r, div);
       }
     });
-    uint4* dst = reinterpret_cast<uint4*>(q + g * n * k + (nb * 128 + col) * k + kb * 128 +
-                                          chunk * 32);
-    dst[0] = make_uint4(words[0], words[1], words[2], words[3]);
-    dst[1] = make_uint4(words[4], words[5], words[6], words[7]);
+    uint8_t* dst = q + g * n * k + (nb * 128 + col) * k + kb * 128 + chunk * 16;
+    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
   }
 }
 
