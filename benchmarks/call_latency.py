@@ -3,16 +3,17 @@ each call is waited for (as bench_layer times it): a profiler trace of such call
 TraceAnnotation, read on the host's and the GPU's timeline.
 
   python3 benchmarks/call_latency.py [--shape 30b] [--backend fused] [--recipe fp8] [--reps 10]
-      [--pass fwd|grad] [--top 25] [--out F]
+      [--pass fwd|grad] [--top 25] [--no-mesh] [--out F]
 
-Per call: launch delay (the annotation's start to the first kernel's start), GPU span (first
-kernel start to last kernel end), tail (last kernel end to the annotation's end: the wait's
-wake-up), and the host events that run inside the launch delay by name (time clipped to it,
-median over calls, largest first). Host events nest (a jit dispatch holds the executable's run,
-which holds each thunk), so the list is read top-down, not summed. Two programs are measured
+The layer runs under bench_layer's one-device mesh (--no-mesh: mesh=None; session 10's figures
+were taken that way). Per call: launch delay (the annotation's start to the first kernel's start),
+GPU span (first kernel start to last kernel end), tail (last kernel end to the annotation's end:
+the wait's wake-up), and the host events that run inside the launch delay by name (time clipped to
+it, median over calls, largest first). Host events nest (a jit dispatch holds the executable's
+run, which holds each thunk), so the list is read top-down, not summed. Two programs are measured
 the same way, as floors: a one-kernel program on the same arguments (dispatch and wait), and a
-chain of plain XLA matmuls of about the layer's GPU span (what the runtime's wait costs a
-program that runs as long, with none of this project's code in it).
+chain of plain XLA matmuls of about the layer's GPU span (what the runtime's wait costs a program
+that runs as long, with none of this project's code in it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import problem, trace_events  # noqa: E402
-from benchmarks.fused_phases import layer_call  # noqa: E402
+from benchmarks.fused_phases import layer_call, one_gpu_mesh  # noqa: E402
 
 ANNOTATION = "call_latency_call"
 
@@ -121,6 +122,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--pass", dest="pass_", default="fwd", choices=("fwd", "grad"))
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--no-mesh", action="store_true",
+                  help="call the layer with mesh=None instead of bench_layer's one-device mesh")
   ap.add_argument("--out", default="")
   args = ap.parse_args(argv)
   hidden, ffn = problem.SHAPES[args.shape]
@@ -135,7 +138,9 @@ def main(argv=None) -> dict:
   out = {"device": str(jax.devices()[0].device_kind), "shape": args.shape,
          "backend": args.backend, "recipe": args.recipe, "pass": args.pass_}
   mm = jax.random.normal(ks[0], (2, MATMUL_N, MATMUL_N), jnp.bfloat16)
-  programs = [("layer", layer_call(args.backend, recipe, args.pass_, dy), layer_args),
+  layer = layer_call(args.backend, recipe, args.pass_, dy,
+                     None if args.no_mesh else one_gpu_mesh())
+  programs = [("layer", layer, layer_args),
               ("one-kernel program", jax.jit(lambda x, *rest: x[:8] * 2), layer_args),
               ("XLA matmuls", None, (mm[0], mm[1]))]
   for label, fn, fn_args in programs:

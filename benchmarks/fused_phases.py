@@ -17,6 +17,9 @@ To place the alone-vs-queued gap it also times a trivial jitted program on the s
 alone (the floor of dispatch + wait), and reads a trace of alone calls: the GPU's busy time per
 call there, and its idle time inside calls (gaps under 50 us between a call's kernels: the host
 enqueueing kernels slower than the GPU runs them).
+The layer is called under bench_layer's one-device mesh (EP=1), so that its figures are
+those of the bar; --no-mesh calls it with mesh=None (backend "cuda" then runs its single-device
+path, whose backward is XLA gathers and scatters: 4 ms more at 30B fp8, session 10).
 --overhead-pass grad does that for one training pass of the layer instead of its forward:
 the gradients of <y, dy> w.r.t. x, the routing weights and both expert weights (the forward in
 its residual mode, then the backward), so that the kernels of two backends' backward passes
@@ -115,11 +118,19 @@ def call_overhead(fn, args, reps: int) -> dict:
           "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
-def layer_call(backend: str, recipe: str | None, overhead_pass: str, dy=None):
+def one_gpu_mesh():
+  """bench_layer's mesh at EP=1 on one device: ("data", "expert") = (1, 1)."""
+  return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "expert"))
+
+
+def layer_call(backend: str, recipe: str | None, overhead_pass: str, dy=None, mesh=None):
   """The jitted call that --overhead times: the layer's forward, or (overhead_pass "grad") the
-  gradients of <y, dy> w.r.t. x, the routing weights and both expert weights."""
+  gradients of <y, dy> w.r.t. x, the routing weights and both expert weights; under `mesh`
+  (expert axis "expert") as bench_layer calls it, or with mesh=None (backend "cuda" then takes
+  its single-device path: XLA sort, gathers and scatters around the grouped GEMMs)."""
   def forward(x, ids, w, wgu, wd):
-    return jax_megamoe.moe(x, ids, w, wgu, wd, backend=backend, recipe=recipe)
+    return jax_megamoe.moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert",
+                           backend=backend, recipe=recipe)
   if overhead_pass == "fwd":
     return jax.jit(forward)
   if overhead_pass != "grad":
@@ -146,6 +157,9 @@ def main(argv=None) -> dict:
                   help="also measure host/launch overhead of fused and cuda (see the doc)")
   ap.add_argument("--overhead-pass", default="fwd", choices=("fwd", "grad"),
                   help="what --overhead times: the forward, or one forward + backward")
+  ap.add_argument("--no-mesh", action="store_true",
+                  help="--overhead calls the layer with mesh=None instead of bench_layer's "
+                       "one-device mesh")
   args = ap.parse_args(argv)
   results, overhead = [], []
   for shape in args.shapes.split(","):
@@ -180,9 +194,9 @@ def main(argv=None) -> dict:
       dy = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16)
       for backend in ("fused", "cuda"):
         layer = layer_call(backend, None if args.recipe == "bf16" else args.recipe,
-                           args.overhead_pass, dy)
+                           args.overhead_pass, dy, None if args.no_mesh else one_gpu_mesh())
         o = {"shape": shape, "backend": backend, "pass": args.overhead_pass,
-             **call_overhead(layer, (x, ids, w, wgu, wd), args.reps)}
+             "mesh": not args.no_mesh, **call_overhead(layer, (x, ids, w, wgu, wd), args.reps)}
         overhead.append(o)
         print(f"  {backend:5s}: alone {o['alone_ms']:.3f} ms, queued {o['queued_ms']:.3f} ms, "
               f"GPU busy {o['gpu_busy_ms']:.3f} ms, GPU idle between calls "

@@ -287,3 +287,21 @@ def test_bench_quantize_times_every_quantiser_and_the_copy_floor(tmp_path):
       3 * 2 * (f * h) + 4 * 2 * (f * h) // 128
   assert all(r["ms"] > 0 for r in out["rows"])
   assert json.loads((tmp_path / "q.json").read_text())["rows"] == out["rows"]
+
+
+def test_fused_phases_layer_call_under_the_bench_mesh():
+  """fused_phases times the layer under bench_layer's one-device mesh by default (the bar's
+  figures); under it the layer is the same function as without a mesh."""
+  from benchmarks import fused_phases
+  rng = np.random.default_rng(1)
+  t, h, f, e, k = 16, 32, 16, 4, 2
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
+  w = jnp.asarray(rng.random((t, k)), jnp.float32)
+  wgu = jnp.asarray(rng.standard_normal((e, h, 2 * f)) * 0.1, jnp.float32)
+  wd = jnp.asarray(rng.standard_normal((e, f, h)) * 0.1, jnp.float32)
+  mesh = fused_phases.one_gpu_mesh()
+  assert mesh.shape == {"data": 1, "expert": 1}
+  got = fused_phases.layer_call("reference", None, "fwd", mesh=mesh)(x, ids, w, wgu, wd)
+  want = fused_phases.layer_call("reference", None, "fwd")(x, ids, w, wgu, wd)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
