@@ -3,11 +3,17 @@ does not take the process down. Each case runs in a child process (a crash there
 failure, not the test run's end), on the CPU handlers, which share their checks with the CUDA
 ones (ffi/handlers/*_ops.h).
 
-Known: with jaxlib 0.11.2 (the GPU machines' JAX) both cases segfault the child, CPU and CUDA
-handlers alike, where a minimal handler returning the same ffi::Error raises (measured
-2026-12-02; benchmarks/RESULTS.md, session 10). jaxlib 0.10.2 (CI) raises."""
+Known: with jaxlib 0.11.2 (the GPU machines' JAX) both cases of this extension segfault the
+child, CPU and CUDA handlers alike, where a minimal handler returning the same ffi::Error
+raised (measured 2026-12-02; benchmarks/RESULTS.md, session 10). jaxlib 0.10.2 (CI) raises.
+The probe cases (tests/ffi_error_probe/probe.cc, built here with the C++ compiler against
+jax.ffi.include_dir()) fail the same way from a library of minimal handlers with this
+project's binding shapes: where those raise and the extension's cases crash, the cause is in
+the extension, not in jaxlib or a binding shape."""
 
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,7 +23,7 @@ import pytest
 from jax_megamoe import _ffi
 from jax_megamoe.backends import cuda_fp8
 
-pytestmark = pytest.mark.skipif(
+_needs_cpu_handlers = pytest.mark.skipif(
     not all(_ffi.has_target(t, "cpu") for t in cuda_fp8.TARGETS),
     reason="not run: the native extension (with the FP8 CPU handlers) is not built")
 
@@ -37,6 +43,7 @@ _CASES = {
 }
 
 
+@_needs_cpu_handlers
 @pytest.mark.parametrize("case", sorted(_CASES))
 def test_handler_error_raises_and_names_the_argument(case):
   body, message = _CASES[case]
@@ -51,6 +58,57 @@ def test_handler_error_raises_and_names_the_argument(case):
       except Exception as e:
         print("RAISED", type(e).__name__, e)
       """).replace("{body}", textwrap.indent(textwrap.dedent(body), "  "))
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0, (f"the child died (status {proc.returncode}) instead of "
+                                f"raising:\n{proc.stderr[-2000:]}")
+  assert "RAISED" in proc.stdout and message in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+_PROBES = {  # handler symbol -> (python building its operands and results, message)
+    "ProbeOneResult": ("args = (jnp.zeros((4,), jnp.float32),); "
+                       "outs = jax.ShapeDtypeStruct((4,), jnp.float32); attrs = {}",
+                       "one_result has shape [2], expected [4]"),
+    "ProbeTwoResultsAndAttr": ("args = (jnp.zeros((4,), jnp.float32),); "
+                               "outs = (jax.ShapeDtypeStruct((4,), jnp.float32),) * 2; "
+                               "attrs = {'pow2': np.int64(0)}",
+                               "two_results_attr has shape [2], expected [4]"),
+    "ProbeTypedBuffers": ("args = (jnp.zeros((4,), jnp.bfloat16), jnp.zeros((4,), jnp.int32)); "
+                          "outs = jax.ShapeDtypeStruct((4,), jnp.float32); attrs = {}",
+                          "typed_buffers has shape [2], expected [4]"),
+}
+
+
+@pytest.fixture(scope="module")
+def probe_library(tmp_path_factory):
+  """tests/ffi_error_probe/probe.cc built into a shared library against this JAX's FFI
+  headers (not run without a C++ compiler)."""
+  import jax
+  compiler = shutil.which("c++") or shutil.which("g++")
+  if compiler is None:
+    pytest.skip("not run: no C++ compiler to build the FFI error probe")
+  source = pathlib.Path(__file__).parent / "ffi_error_probe" / "probe.cc"
+  lib = tmp_path_factory.mktemp("ffi_error_probe") / "probe.so"
+  subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-I",
+                  jax.ffi.include_dir(), str(source), "-o", str(lib)], check=True,
+                 capture_output=True, timeout=300)
+  return lib
+
+
+@pytest.mark.parametrize("symbol", sorted(_PROBES))
+def test_minimal_handler_error_raises(probe_library, symbol):
+  setup, message = _PROBES[symbol]
+  script = textwrap.dedent(f"""
+      import ctypes, jax, numpy as np, jax.numpy as jnp
+      lib = ctypes.cdll.LoadLibrary({str(probe_library)!r})
+      jax.ffi.register_ffi_target("probe", jax.ffi.pycapsule(lib.{symbol}), platform="cpu")
+      {setup}
+      try:
+        jax.block_until_ready(jax.ffi.ffi_call("probe", outs)(*args, **attrs))
+        print("NO ERROR RAISED")
+      except Exception as e:
+        print("RAISED", type(e).__name__, e)
+      """)
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert proc.returncode == 0, (f"the child died (status {proc.returncode}) instead of "
