@@ -6,7 +6,6 @@ SwiGLU (and SwiGLU backward) + quantisation, FP8 rows read in place with a row s
 FP8 MLP forward and gradients. Runs in CI; the CUDA twins run in tests/test_grouped_mlp_ffi.py
 on a GPU."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
