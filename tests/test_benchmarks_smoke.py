@@ -215,18 +215,23 @@ def test_classify_error_keeps_a_tracebacks_start_and_end():
   assert timing.classify_error("RESOURCE_EXHAUSTED: 3 GiB")[0] == "oom"
 
 
+def _tiny_layer(seed):
+  """x, ids, weights, w_gate_up, w_down of a 16-token, 4-expert, top-2 float32 layer."""
+  rng = np.random.default_rng(seed)
+  t, h, f, e, k = 16, 32, 16, 4, 2
+  return (jnp.asarray(rng.standard_normal((t, h)), jnp.float32),
+          jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32),
+          jnp.asarray(rng.random((t, k)), jnp.float32),
+          jnp.asarray(rng.standard_normal((e, h, 2 * f)) * 0.1, jnp.float32),
+          jnp.asarray(rng.standard_normal((e, f, h)) * 0.1, jnp.float32))
+
+
 def test_fused_phases_grad_pass_is_the_layers_gradients():
   """fused_phases --overhead-pass grad times the gradients of <y, dy> (x, routing weights, both
   expert weights): on any backend they are jax.grad's; a bad pass name is refused by name."""
   from benchmarks import fused_phases
-  rng = np.random.default_rng(0)
-  t, h, f, e, k = 16, 32, 16, 4, 2
-  x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
-  ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
-  w = jnp.asarray(rng.random((t, k)), jnp.float32)
-  wgu = jnp.asarray(rng.standard_normal((e, h, 2 * f)) * 0.1, jnp.float32)
-  wd = jnp.asarray(rng.standard_normal((e, f, h)) * 0.1, jnp.float32)
-  dy = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  x, ids, w, wgu, wd = _tiny_layer(0)
+  dy = jnp.asarray(np.random.default_rng(10).standard_normal(x.shape), jnp.float32)
   got = fused_phases.layer_call("reference", None, "grad", dy)(x, ids, w, wgu, wd)
   loss = lambda x, w, a, b: jnp.vdot(jax_megamoe.moe(x, ids, w, a, b, backend="reference"), dy)
   want = jax.grad(loss, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
@@ -293,13 +298,7 @@ def test_fused_phases_layer_call_under_the_bench_mesh():
   """fused_phases times the layer under bench_layer's one-device mesh by default (the bar's
   figures); under it the layer is the same function as without a mesh."""
   from benchmarks import fused_phases
-  rng = np.random.default_rng(1)
-  t, h, f, e, k = 16, 32, 16, 4, 2
-  x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
-  ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
-  w = jnp.asarray(rng.random((t, k)), jnp.float32)
-  wgu = jnp.asarray(rng.standard_normal((e, h, 2 * f)) * 0.1, jnp.float32)
-  wd = jnp.asarray(rng.standard_normal((e, f, h)) * 0.1, jnp.float32)
+  x, ids, w, wgu, wd = _tiny_layer(1)
   mesh = fused_phases.one_gpu_mesh()
   assert mesh.shape == {"data": 1, "expert": 1}
   got = fused_phases.layer_call("reference", None, "fwd", mesh=mesh)(x, ids, w, wgu, wd)

@@ -27,6 +27,16 @@ _needs_cpu_handlers = pytest.mark.skipif(
     not all(_ffi.has_target(t, "cpu") for t in cuda_fp8.TARGETS),
     reason="not run: the native extension (with the FP8 CPU handlers) is not built")
 
+def _expect_raised(script: str, message: str):
+  """Runs `script` in a child process on the CPU platform: it must exit normally, having printed
+  RAISED and `message` (what the error must say)."""
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0, (f"the child died (status {proc.returncode}) instead of "
+                                f"raising:\n{proc.stderr[-2000:]}")
+  assert "RAISED" in proc.stdout and message in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
 _CASES = {
     # The handler's shape check on a result (bypassing the Python wrapper's own checks).
     "result_shape": ("""
@@ -58,11 +68,7 @@ def test_handler_error_raises_and_names_the_argument(case):
       except Exception as e:
         print("RAISED", type(e).__name__, e)
       """).replace("{body}", textwrap.indent(textwrap.dedent(body), "  "))
-  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert proc.returncode == 0, (f"the child died (status {proc.returncode}) instead of "
-                                f"raising:\n{proc.stderr[-2000:]}")
-  assert "RAISED" in proc.stdout and message in proc.stdout, proc.stdout + proc.stderr[-2000:]
+  _expect_raised(script, message)
 
 
 _PROBES = {  # handler symbol -> (python building its operands and results, message)
@@ -109,8 +115,4 @@ def test_minimal_handler_error_raises(probe_library, symbol):
       except Exception as e:
         print("RAISED", type(e).__name__, e)
       """)
-  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert proc.returncode == 0, (f"the child died (status {proc.returncode}) instead of "
-                                f"raising:\n{proc.stderr[-2000:]}")
-  assert "RAISED" in proc.stdout and message in proc.stdout, proc.stdout + proc.stderr[-2000:]
+  _expect_raised(script, message)
