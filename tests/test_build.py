@@ -71,3 +71,21 @@ def test_cuda_scratch_bytes_cover_offsets_and_gemm():
     assert _ffi.scratch_bytes(target, e) > 512 + 7 * 8 * e, target
   assert (_ffi.scratch_bytes("megamoe_grouped_mlp_fwd", 2 * e)
           > _ffi.scratch_bytes("megamoe_grouped_mlp_fwd", e))
+
+
+def test_extension_exports_no_project_or_xla_symbols():
+  """The module's dynamic symbols: its PyInit and the C++ standard library's weak templates,
+  none of this project's or of the XLA FFI headers' (hidden visibility in every translation
+  unit, CUDA's included: CMakeLists.txt)."""
+  import shutil
+  import subprocess
+  ext = _ffi.extension()
+  nm = shutil.which("nm")
+  if ext is None or nm is None:
+    pytest.skip("not run: needs the built extension and binutils' nm")
+  out = subprocess.run([nm, "-D", "--defined-only", "-C", ext.__file__], capture_output=True,
+                       text=True, check=True).stdout
+  names = [line.split(" ", 2)[2] for line in out.splitlines() if line.count(" ") >= 2]
+  leaked = [n for n in names if n.startswith(("xla::", "megamoe::", "cute::", "cutlass::"))]
+  assert any(n.startswith("PyInit_") for n in names)
+  assert not leaked, f"{len(leaked)} exported, e.g. {leaked[:3]}"
