@@ -16,10 +16,12 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
 
+import jax_megamoe
 from jax_megamoe import _ffi
 from jax_megamoe.backends import cuda_fp8
 
@@ -29,9 +31,13 @@ _needs_cpu_handlers = pytest.mark.skipif(
 
 def _expect_raised(script: str, message: str):
   """Runs `script` in a child process on the CPU platform: it must exit normally, having printed
-  RAISED and `message` (what the error must say)."""
+  RAISED and `message` (what the error must say). The child imports the jax_megamoe that this
+  process imported (the installed one in CI, not the source tree: it runs outside the tree)."""
+  package_root = str(pathlib.Path(jax_megamoe.__file__).resolve().parent.parent)
+  path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                        timeout=120, cwd=tempfile.gettempdir(),
+                        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path})
   assert proc.returncode == 0, (f"the child died (status {proc.returncode}) instead of "
                                 f"raising:\n{proc.stderr[-2000:]}")
   assert "RAISED" in proc.stdout and message in proc.stdout, proc.stdout + proc.stderr[-2000:]
