@@ -103,7 +103,7 @@ def _expert_parallel_shard(x, topk_ids, topk_weights, w_gate_up, w_down, *, expe
   sorted_ids = flat_ids[slots.order]
   valid = jnp.arange(flat_ids.shape[0]) < jnp.sum(slots.group_sizes)
   route = _SlotRoute(
-      rows=x[slots.order // top_k], local_expert=sorted_ids % experts_per_rank,
+      rows=token_layout.token_rows(x, slots, top_k), local_expert=sorted_ids % experts_per_rank,
       rank_counts=slots.group_sizes.reshape(ep_size, experts_per_rank).sum(axis=1),
       dest=jnp.where(valid, sorted_ids // experts_per_rank, ep_size))
 
@@ -112,13 +112,13 @@ def _expert_parallel_shard(x, topk_ids, topk_weights, w_gate_up, w_down, *, expe
   def local_experts(rows, local_expert):
     """Grouped MLP over received rows; padding rows carry local_expert == experts_per_rank."""
     local = token_layout.sort_by_expert(local_expert, experts_per_rank)
-    out = mlp(rows[local.order], local.group_sizes, w_gate_up, w_down)
-    return out[local.inverse]
+    out = mlp(token_layout.sorted_rows(rows, local), local.group_sizes, w_gate_up, w_down)
+    return token_layout.slot_order(out, local)
 
   slot_sorted = exchange_fn(route, local_experts, expert_axis=expert_axis, ep_size=ep_size,
                             padding_expert=experts_per_rank)
   slot_sorted = jnp.where(valid[:, None], slot_sorted, 0)
-  slot_out = slot_sorted[slots.inverse].reshape(num_tokens, top_k, x.shape[1])
+  slot_out = token_layout.slot_order(slot_sorted, slots).reshape(num_tokens, top_k, x.shape[1])
   weights = token_layout.masked_weights(topk_ids, topk_weights, num_experts)
   return token_layout.combine_slots(slot_out, weights, x.dtype)
 
