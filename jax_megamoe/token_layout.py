@@ -1,5 +1,6 @@
-"""Token <-> expert-row layouts shared by every backend: sort routed slots by expert, and
-reduce expert outputs back over the top-k slots in a fixed order."""
+"""Token <-> expert-row layouts shared by every backend: sort routed slots by expert, move rows
+between token, slot and sorted order (gathers both ways, their gradients included), and reduce
+expert outputs back over the top-k slots in a fixed order."""
 
 from __future__ import annotations
 

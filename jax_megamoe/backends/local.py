@@ -6,7 +6,6 @@ to gathers (token_layout.token_rows, slot_order), not to XLA scatters."""
 from __future__ import annotations
 
 from jax_megamoe import token_layout
-from jax_megamoe.token_layout import slot_order, token_rows
 from jax_megamoe.parallel import GroupedMlp
 
 
@@ -16,7 +15,7 @@ def local_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mlp: GroupedMlp):
   num_tokens, top_k = topk_ids.shape
   num_experts = w_gate_up.shape[0]
   slots = token_layout.sort_by_expert(topk_ids.reshape(-1), num_experts)
-  out = mlp(token_rows(x, slots, top_k), slots.group_sizes, w_gate_up, w_down)
-  slot_out = slot_order(out, slots).reshape(num_tokens, top_k, x.shape[1])
+  out = mlp(token_layout.token_rows(x, slots, top_k), slots.group_sizes, w_gate_up, w_down)
+  slot_out = token_layout.slot_order(out, slots).reshape(num_tokens, top_k, x.shape[1])
   weights = token_layout.masked_weights(topk_ids, topk_weights, num_experts)
   return token_layout.combine_slots(slot_out, weights, x.dtype)
