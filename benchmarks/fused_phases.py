@@ -19,7 +19,8 @@ call there, and its idle time inside calls (gaps under 50 us between a call's ke
 enqueueing kernels slower than the GPU runs them).
 The layer is called under bench_layer's one-device mesh (EP=1), so that its figures are
 those of the bar; --no-mesh calls it with mesh=None (backend "cuda" then runs its single-device
-path, whose backward is XLA gathers and scatters: 4 ms more at 30B fp8, session 10).
+path: XLA sort and gathers around the grouped GEMMs; its backward held 4 ms of XLA scatters at
+30B fp8 in session 10, since replaced by gathers: token_layout).
 --overhead-pass grad does that for one training pass of the layer instead of its forward:
 the gradients of <y, dy> w.r.t. x, the routing weights and both expert weights (the forward in
 its residual mode, then the backward), so that the kernels of two backends' backward passes
@@ -127,7 +128,7 @@ def layer_call(backend: str, recipe: str | None, overhead_pass: str, dy=None, me
   """The jitted call that --overhead times: the layer's forward, or (overhead_pass "grad") the
   gradients of <y, dy> w.r.t. x, the routing weights and both expert weights; under `mesh`
   (expert axis "expert") as bench_layer calls it, or with mesh=None (backend "cuda" then takes
-  its single-device path: XLA sort, gathers and scatters around the grouped GEMMs)."""
+  its single-device path: XLA sort and gathers around the grouped GEMMs)."""
   def forward(x, ids, w, wgu, wd):
     return jax_megamoe.moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert",
                            backend=backend, recipe=recipe)
