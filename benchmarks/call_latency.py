@@ -101,6 +101,8 @@ def matmul_chain(count: int):
 
 
 def measure(fn, args, reps: int, top: int) -> dict:
+  """summarise() of `reps` calls of fn(*args) after two warm-up calls, each call waited for
+  inside its TraceAnnotation in one profiler trace."""
   jax.block_until_ready(fn(*args))
   jax.block_until_ready(fn(*args))
   trace_dir = tempfile.mkdtemp(prefix="call_latency_")
