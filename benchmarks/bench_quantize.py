@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import jax
@@ -28,9 +29,7 @@ def quantised_bytes(shape) -> int:
   """Bytes a quantiser moves for a bf16 tensor of `shape` in 128-wide blocks along the last
   axis at least: 2 read + 1 written per value, plus one fp32 scale per 128 x 128 (weights) or
   1 x 128 (rows) block, counted as 1 x 128 (an upper bound)."""
-  n = 1
-  for d in shape:
-    n *= d
+  n = math.prod(shape)
   return 3 * n + 4 * (n // 128)
 
 
