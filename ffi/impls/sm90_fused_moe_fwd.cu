@@ -46,9 +46,11 @@
 #include "ffi/comm/peer_signal.cuh"
 #include "ffi/comm/rank_barrier.cuh"
 #include "ffi/comm/row_transfer.cuh"
+#include "ffi/comm/slot_sum.cuh"
 #include "ffi/comm/symmetric_memory.h"
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
+#include "ffi/heuristics/fused_tile_order.h"
 #include "ffi/impls/fused_moe.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
 
@@ -175,6 +177,7 @@ struct KernelParams {
   int64_t pool_scale_offset;  // bytes from a pool's start to its scales
   int64_t pool_scale_pitch;   // FusedScalePitch(fused_rows)
   int32_t debug;              // FusedForwardProblem::debug (kFusedDebug* bits; 0 normally)
+  int32_t l1_n_major;         // L1 tiles N-block-major inside an expert (heuristics/fused_tile_order.h)
 };
 // Kernel parameters may take 32,764 bytes (CUDA 12.1+, sm_70+).
 static_assert(sizeof(KernelParams) <= 32764, "the fused kernel's parameters are too large");
@@ -185,6 +188,7 @@ static_assert(sizeof(KernelParams) <= 32764, "the fused kernel's parameters are 
 struct TileSchedule {
   Walk walk;
   int tile, stride, l1_tiles, l2_tiles, l1_blocks_n, l2_blocks_n;
+  bool l1_n_major;
   int cursor1 = 0, cursor2 = 0;
 
   // Called by every lane of the producer warp (each with its own copy): warp-uniform.
@@ -192,7 +196,7 @@ struct TileSchedule {
     int t = tile;
     tile += stride;
     if (t < l1_tiles) {
-      job = walk.decode(t, l1_blocks_n, sm90::kL1GateUp, cursor1);
+      job = walk.decode(t, l1_blocks_n, sm90::kL1GateUp, cursor1, l1_n_major);
       return true;
     }
     t -= l1_tiles;
@@ -536,6 +540,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sched.l2_tiles = l2_on ? S.total_blocks * l2_n : 0;
       sched.l1_blocks_n = l1_n;
       sched.l2_blocks_n = l2_n;
+      sched.l1_n_major = P.l1_n_major != 0;
       const TileHooks hooks{&v, rows_arrived, l1_done, l1_n};
       Eng::producer(S.engine, A.engine, sched, hooks);
     } else if (warp == Eng::kSignallerWarp) {
@@ -569,7 +574,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   mark(6);
 
   // ---- 7 combine: y[t] = sum over slots j (in order) of w[t, j] * comb[slot row] in fp32.
-  const __nv_bfloat16* comb = A.comb;
+  const uint4* comb = reinterpret_cast<const uint4*>(A.comb);
+  const auto load = [&](int row, int c) {
+    return ep::LoadPeerWritten(comb + static_cast<size_t>(row) * row_vecs_bf16 + c);
+  };
   for (int t = gwarp; t < T; t += nwarps) {
     uint4* dst = reinterpret_cast<uint4*>(A.y + static_cast<size_t>(t) * H);
     if (failed) {
@@ -581,30 +589,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int row_j = lane < K ? __ldcg(A.slot_rows + s0 + lane) : -1;
     const float w_j = lane < K ? __ldg(A.weights + s0 + lane) : 0.f;
     const unsigned valid = __ballot_sync(0xffffffffu, row_j >= 0);
-    for (int c0 = 0; c0 < row_vecs_bf16; c0 += 32 * kCopyUnroll) {
-      float acc[kCopyUnroll][8];
+    for (int c0 = 0; c0 < row_vecs_bf16; c0 += 32 * ep::kSlotSumVecs) {
+      float acc[ep::kSlotSumVecs][8];
 #pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u)
+      for (int u = 0; u < ep::kSlotSumVecs; ++u)
 #pragma unroll
         for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
-      for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
-        const int j = __ffs(bits) - 1;
-        const int row = __shfl_sync(0xffffffffu, row_j, j);
-        const float w = __shfl_sync(0xffffffffu, w_j, j);
-        const uint4* src = reinterpret_cast<const uint4*>(comb + static_cast<size_t>(row) * H);
+      ep::WarpSlotSum<__nv_bfloat16, true>(valid, row_j, w_j, c0, row_vecs_bf16, load, acc);
 #pragma unroll
-        for (int u = 0; u < kCopyUnroll; ++u) {
-          const int c = c0 + u * 32 + lane;
-          if (c < row_vecs_bf16) {
-            float f[8];
-            ep::Unpack(ep::LoadPeerWritten(src + c), f, static_cast<const __nv_bfloat16*>(nullptr));
-#pragma unroll
-            for (int q = 0; q < 8; ++q) acc[u][q] = fmaf(w, f[q], acc[u][q]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kCopyUnroll; ++u) {
+      for (int u = 0; u < ep::kSlotSumVecs; ++u) {
         const int c = c0 + u * 32 + lane;
         if (c < row_vecs_bf16)
           dst[c] = ep::Pack(acc[u], static_cast<const __nv_bfloat16*>(nullptr));
@@ -727,6 +720,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   params.num_experts = p.num_experts;
   params.n_cap = p.n_cap;
   params.debug = p.debug;
+  params.l1_n_major = heuristics::FusedL1NMajor(p.hidden, p.ffn, p.fp8 != 0) ? 1 : 0;
   const int R = ranks[0].view->num_ranks;
   const int64_t El = p.num_experts / R, H = p.hidden, F = p.ffn;
   const bool fp8 = p.fp8 != 0;
