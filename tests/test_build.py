@@ -76,7 +76,7 @@ def test_cuda_scratch_bytes_cover_offsets_and_gemm():
 def test_extension_exports_no_project_or_xla_symbols():
   """The module's dynamic symbols: its PyInit and the C++ standard library's weak templates,
   none of this project's or of the XLA FFI headers' (hidden visibility in every translation
-  unit, CUDA's included: CMakeLists.txt)."""
+  unit, CUDA's included: CMakeLists.txt), nor a C++ runtime linked into it."""
   import shutil
   import subprocess
   ext = _ffi.extension()
@@ -85,7 +85,15 @@ def test_extension_exports_no_project_or_xla_symbols():
     pytest.skip("not run: needs the built extension and binutils' nm")
   out = subprocess.run([nm, "-D", "--defined-only", "-C", ext.__file__], capture_output=True,
                        text=True, check=True).stdout
-  names = [line.split(" ", 2)[2] for line in out.splitlines() if line.count(" ") >= 2]
+  symbols = [line.split(" ", 2)[1:] for line in out.splitlines() if line.count(" ") >= 2]
+  names = [name for _, name in symbols]
   leaked = [n for n in names if n.startswith(("xla::", "megamoe::", "cute::", "cutlass::"))]
   assert any(n.startswith("PyInit_") for n in names)
   assert not leaked, f"{len(leaked)} exported, e.g. {leaked[:3]}"
+  # A statically linked C++ runtime exports its own definitions (T, not the weak W of template
+  # instances): then they mix with the process's libstdc++ and the module's ostreams break
+  # (every handler error segfaulted under jaxlib 0.11.2). CMakeLists.txt: --exclude-libs.
+  runtime = [n for kind, n in symbols if kind in ("T", "D", "B", "R") and
+             n.startswith(("std::", "__cxa", "__gxx", "_Unwind", "__cxxabi", "operator new",
+                           "operator delete", "__gcc_personality", "__dynamic_cast"))]
+  assert not runtime, f"the C++ runtime is exported: {len(runtime)}, e.g. {runtime[:3]}"
