@@ -3,13 +3,16 @@ does not take the process down. Each case runs in a child process (a crash there
 failure, not the test run's end), on the CPU handlers, which share their checks with the CUDA
 ones (ffi/handlers/*_ops.h).
 
-Known: with jaxlib 0.11.2 (the GPU machines' JAX) both cases of this extension segfault the
-child, CPU and CUDA handlers alike, where a minimal handler returning the same ffi::Error
-raised (measured 2026-12-02; benchmarks/RESULTS.md, session 10). jaxlib 0.10.2 (CI) raises.
-The probe cases (tests/ffi_error_probe/probe.cc, built here with the C++ compiler against
-jax.ffi.include_dir()) fail the same way from a library of minimal handlers with this
-project's binding shapes: where those raise and the extension's cases crash, the cause is in
-the extension, not in jaxlib or a binding shape."""
+Found (benchmarks/RESULTS.md, sessions 10 and 12): on the GPU machines both cases segfaulted
+the child under jaxlib 0.11.2. Their g++ links the C++ runtime statically, the module exported
+that copy, and formatting a number into the error message went through the process's other
+libstdc++ (cuda-gdb: ostream::_M_insert<long> -> codecvt::do_unshift). A -static-libstdc++
+build here loses the message's numbers instead of crashing, which these cases also catch. The
+module is now linked with --exclude-libs,ALL (CMakeLists.txt); tests/test_build.py checks that
+no C++ runtime is exported. The probe cases (tests/ffi_error_probe/probe.cc, built here with
+the C++ compiler against jax.ffi.include_dir()) fail the same way from a library of minimal
+handlers with this project's binding shapes: where those raise and the extension's cases do
+not, the cause is in the extension, not in jaxlib or a binding shape."""
 
 import os
 import pathlib
