@@ -3,13 +3,12 @@
 //
 // The rows are scattered (each slot's row sits wherever its expert put it), so the sum is bound
 // by memory latency, not bandwidth: a slot-at-a-time loop keeps only one slot's vectors in
-// flight per lane (measured: the fused kernel's bf16 combine moved ~1.5 TB/s on the H200).
-// Here up to kSlots slots' vectors are loaded before any of them is added, and the additions
-// then run in slot order: the same fp32 operations in the same order as the slot-at-a-time
-// loop, so the result is bit for bit the same.
+// flight per lane (measured: the fused kernel's bf16 combine moved ~1.5 TB/s on the H200; 3.5
+// with this, benchmarks/RESULTS.md session 12). Here up to kSlotSumSlots slots' vectors are
+// loaded before any of them is added, and the additions then run in slot order: the same fp32
+// operations in the same order as the slot-at-a-time loop, so the result is bit for bit the
+// same.
 #pragma once
-
-#include <cuda_bf16.h>
 
 #include "ffi/comm/row_transfer.cuh"
 

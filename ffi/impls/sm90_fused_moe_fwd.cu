@@ -177,7 +177,7 @@ struct KernelParams {
   int64_t pool_scale_offset;  // bytes from a pool's start to its scales
   int64_t pool_scale_pitch;   // FusedScalePitch(fused_rows)
   int32_t debug;              // FusedForwardProblem::debug (kFusedDebug* bits; 0 normally)
-  int32_t l1_n_major;         // L1 tiles N-block-major inside an expert (heuristics/fused_tile_order.h)
+  int32_t l1_n_major;         // L1 tiles N-block-major in an expert (fused_tile_order.h)
 };
 // Kernel parameters may take 32,764 bytes (CUDA 12.1+, sm_70+).
 static_assert(sizeof(KernelParams) <= 32764, "the fused kernel's parameters are too large");
