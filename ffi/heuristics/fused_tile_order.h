@@ -31,7 +31,7 @@ inline bool DefaultFusedL1NMajor(int64_t hidden, int64_t ffn, bool fp8) {
 // Read at every call (a process may A/B both orders).
 inline bool FusedL1NMajor(int64_t hidden, int64_t ffn, bool fp8) {
   const char* env = std::getenv("MEGAMOE_FUSED_L1_ORDER");
-  if (env != nullptr && env[1] == '\0' && (env[0] == 'm' || env[0] == 'n')) return env[0] == 'n';
+  if (env != nullptr && (env[0] == 'm' || env[0] == 'n') && env[1] == '\0') return env[0] == 'n';
   return DefaultFusedL1NMajor(hidden, ffn, fp8);
 }
 
