@@ -5,8 +5,11 @@ calls of the layer benchmark's problem (EP=1, one GPU), beside the whole call's 
   python3 benchmarks/fused_phases.py [--shapes 30b,235b] [--tokens 16384] [--reps 20]
       [--recipe bf16|fp8|fp8_pow2] [--out F]
 
-The phases are seen from CTA 0 (the other CTAs' work overlaps the boundaries: "rows copied" is
-CTA 0's share of the copy, "GEMM tiles done" waits for every CTA's tiles).
+The phases are seen from CTA 0 (the other CTAs' work overlaps the boundaries: "head copied" is
+CTA 0's share of the copy plan's head, before the GEMMs; "rows copied" ends when CTA 0's first
+copy warp has copied its share of the rest beside the tiles, and "GEMM tiles done" is measured
+from there, waiting for every CTA's tiles). Set MEGAMOE_FUSED_COPY_HEAD (a percent) to move the
+split between the two copies.
 
 --overhead also measures, for backends "fused" and "cuda" (the layer as bench_layer runs it),
 where a host-timed call's time goes beyond the kernels: the call timed alone

@@ -5,7 +5,8 @@ through virtual ranks (one launch whose CTAs split into R rank groups). Forward 
 bf16 tolerance of DESIGN.md (1e-2), gradients (the backward runs backend "cuda"'s kernels from
 the kernel's residuals), bitwise run to run; odd token counts, more than one tile per expert,
 experts of 0 and 1 rows, skewed and masked routing, capacity overflow raised, an absent rank
-timing out. Recipes "fp8" / "fp8_pow2" (end of the file): against the FP8 emulation (2e-2, as
+timing out; the row copy before or beside the GEMMs, bit for bit the same. Recipes "fp8" /
+"fp8_pow2" (end of the file): against the FP8 emulation (2e-2, as
 backend cuda's FP8 MLP), without a mesh, under a one-GPU mesh and at R = 2, 4 virtual ranks,
 odd sizes and stage counts, empty experts, bitwise run to run, gradients (from the kernel's
 residuals at one rank, through cuda's FP8 layer recomputed with several ranks).
@@ -180,6 +181,43 @@ def test_consecutive_calls_see_no_stale_signal():
     err = ep_helpers.rel_err(np.asarray(fwd(x, ids, w, wgu, wd), np.float32),
                              np.asarray(_reference(x, ids, w, wgu, wd), np.float32))
     assert err < 1e-2, (seed, err)
+
+
+@pytest.mark.parametrize("num_ranks, recipe", [(1, None), (3, None), (1, "fp8"), (4, "fp8")])
+def test_copy_before_or_beside_the_gemms_changes_no_bit(monkeypatch, num_ranks, recipe):
+  """The row copy all before the GEMMs (MEGAMOE_FUSED_COPY_HEAD=100), all beside them on the
+  copy warps (0), or split (the default, and 37): the same rows reach the same pool rows, so y
+  is the same bit for bit, and (bf16) matches the reference. 1000 tokens per rank on 24
+  experts: several M-tiles per expert, rows of every source rank in each."""
+  tokens, experts, top_k = 1000, 24, 4
+  x, ids, w, wgu, wd, _ = _inputs(77 + num_ranks, num_ranks * tokens, experts, top_k, "masked")
+  ws = None
+  if num_ranks == 1:
+    fwd = jax.jit(lambda *a: jm.moe(*a, backend="fused", recipe=recipe))
+  else:
+    ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=HIDDEN,
+                                        top_k=top_k, dtype=jnp.bfloat16,
+                                        fused_rows=num_ranks * tokens * top_k)
+    stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+    fwd = jax.jit(lambda x, ids, w, wgu, wd: virtual_ranks.fused_moe(
+        stack(x), stack(ids), stack(w), wgu, wd, workspace=ws,
+        recipe=recipe).reshape(num_ranks * tokens, -1))
+  outs = {}
+  for head in ("100", "0", "37", None):
+    if head is None:
+      monkeypatch.delenv("MEGAMOE_FUSED_COPY_HEAD", raising=False)
+    else:
+      monkeypatch.setenv("MEGAMOE_FUSED_COPY_HEAD", head)
+    _poison()
+    outs[head] = np.asarray(fwd(x, ids, w, wgu, wd), np.float32)
+  assert np.all(np.isfinite(outs[None])), "y has non-finite rows"
+  for head, y in outs.items():
+    np.testing.assert_array_equal(y, outs[None], err_msg=f"MEGAMOE_FUSED_COPY_HEAD={head}")
+  if recipe is None:
+    err = ep_helpers.rel_err(outs[None], np.asarray(_reference(x, ids, w, wgu, wd), np.float32))
+    assert err < 1e-2, err
+  if ws is not None:
+    ws.close()
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])

@@ -58,7 +58,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                        ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::F32> w_gate_up_scale,
                        ffi::Buffer<ffi::F32> w_down_scale,
                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
-                       ffi::Result<ffi::Buffer<ffi::S32>> chunk_counts,
+                       ffi::Result<ffi::Buffer<ffi::S32>> scratch,
                        ffi::Result<ffi::Buffer<ffi::S32>> slot_rows,
                        ffi::Result<ffi::Buffer<ffi::S32>> slot_dest,
                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
@@ -95,7 +95,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             SplitRanks(w_down, ranks, 3, "w_down", &odn),
                             SplitRanks(*y, ranks, 2, "y", &oy),
                             SplitRanks(*h, ranks, 2, "h", &oh),
-                            SplitRanks(*chunk_counts, ranks, 1, "chunk_counts", &occ),
+                            SplitRanks(*scratch, ranks, 1, "scratch", &occ),
                             SplitRanks(*slot_rows, ranks, 2, "slot_rows", &orows),
                             SplitRanks(*slot_dest, ranks, 2, "slot_dest", &odest),
                             SplitRanks(*group_sizes, ranks, 1, "group_sizes", &ogs),
@@ -143,8 +143,9 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   if (oy.dims[0] != T || oy.dims[1] != H) return Fail("y must be [T, H] per rank");
   if (oh.dims[0] != n_cap || oh.dims[1] != F)
     return Fail("h must be [n_cap=" + n(n_cap) + ", F=" + n(F) + "] per rank");
-  if (occ.dims[0] < FusedChunkCountInts(T, num_experts))
-    return Fail("chunk_counts must hold " + n(FusedChunkCountInts(T, num_experts)) + " ints");
+  if (occ.dims[0] < FusedScratchInts(T, num_experts, K))
+    return Fail("scratch must hold " + n(FusedScratchInts(T, num_experts, K)) +
+                " ints per rank, it has " + n(occ.dims[0]));
   if (orows.dims[0] != T || orows.dims[1] != K || odest.dims[0] != T || odest.dims[1] != K)
     return Fail("slot_rows and slot_dest must be [T, k] per rank");
   if (ogs.dims[0] != El) return Fail("group_sizes must be [E/R=" + n(El) + "] per rank");
@@ -227,7 +228,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeFusedMoeFwd, megamoe::fused::FusedMoeFwd,
                                       .Arg<ffi::Buffer<ffi::F32>>()  // w_down_scale
                                       .Ret<ffi::AnyBuffer>()  // y
                                       .Ret<ffi::AnyBuffer>()  // h (L1 output; a residual)
-                                      .Ret<ffi::Buffer<ffi::S32>>()  // chunk_counts (scratch)
+                                      .Ret<ffi::Buffer<ffi::S32>>()  // scratch (chunk counts, copy plan)
                                       .Ret<ffi::Buffer<ffi::S32>>()  // slot_rows (scratch)
                                       .Ret<ffi::Buffer<ffi::S32>>()  // slot_dest
                                       .Ret<ffi::Buffer<ffi::S32>>()  // group_sizes

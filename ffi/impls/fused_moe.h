@@ -28,7 +28,8 @@ struct FusedRankOperands {
   void* y;                 // [T, H] bf16 result
   void* h;                 // [n_cap, F] bf16 scratch: L1's output, L2's A (FP8: e4m3)
   float* h_scale;          // FP8: [F/128, FusedScalePitch(n_cap)] h's 1 x 128 scales (scratch)
-  int32_t* chunk_counts;   // [E, ceil(T / 32)] scratch: slots per expert per 32-token chunk
+  int32_t* scratch;        // [FusedScratchInts(T, E, k)]: the routing's chunk counts, then the
+                           // copy plan (4 ints per slot, in copy order)
   int32_t* slot_rows;      // [T, k] scratch: each slot's row in this rank's comb (-1: none)
   int32_t* slot_dest;      // [T, k] scratch: each slot's row in its expert rank's pool (-1)
   int32_t* group_sizes;    // [E/R]: pool rows of each local expert (after capacity)
@@ -45,9 +46,10 @@ struct FusedRankOperands {
 };
 
 // The phases whose end the kernel stamps (the breakdown of benchmarks/fused_phases.py): start,
-// route, counts exchanged, slot positions, rows copied (CTA 0's share), every GEMM tile of the
-// rank done, every expert rank's results here, CTA 0's combine done.
-constexpr int kFusedPhases = 8;
+// route, counts exchanged, slot positions and copy plan, the plan's head copied (before the
+// GEMMs), the rest copied (by CTA 0's first copy warp, beside the GEMMs), every GEMM tile of
+// the rank done, every expert rank's results here, CTA 0's combine done.
+constexpr int kFusedPhases = 9;
 
 struct FusedForwardProblem {
   int num_tokens;   // T per rank
@@ -84,7 +86,9 @@ constexpr int64_t FusedScalePitch(int64_t rows) { return (rows + 127) / 128 * 12
 std::string FusedForwardUnsupported(const FusedForwardProblem& p, const ep::WorkspaceLayout& l,
                                     int num_ranks);
 
-int64_t FusedChunkCountInts(int64_t num_tokens, int64_t num_experts);
+// The int32 scratch of one rank: slots per expert per 32-token chunk ([E, ceil(T / 32)]), then,
+// 16-byte aligned, the copy plan ([T * k] x 4 ints: which token row goes to which pool row).
+int64_t FusedScratchInts(int64_t num_tokens, int64_t num_experts, int64_t top_k);
 
 // Launches the kernel for `count` local ranks (rank `absent` of a virtual group is left out:
 // tests of the timeout path), for a problem FusedForwardUnsupported accepts (the handler checks

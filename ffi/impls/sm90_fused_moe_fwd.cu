@@ -9,19 +9,26 @@
 // every rank's group runs the phases below, in order, talking to the other ranks only through
 // the symmetric workspace (ffi/comm/symmetric_memory.h, fused regions):
 //
-//   1 route      per 32-token chunk, this rank's slots per expert (chunk_counts); this rank's
-//                arrival counters zeroed
+//   1 route      per 32-token chunk, this rank's slots per expert (the scratch's chunk counts);
+//                this rank's arrival counters zeroed
 //   2 counts     per expert, the scan over chunks and the total, stored into every rank's
 //                fcounts; then counts_ready[me] = epoch + 1 on every rank, and wait for every
 //                source's (the rank's epoch lives in device memory: graph replays see it)
 //   3 layout     from the full count matrix, in every CTA: where each expert's rows start in
 //                its owner's pool (group order: expert, source rank, token), this rank's first
-//                row in each block, the M-blocks, this rank's own expert walk and comb order
-//   4 dispatch   each slot's pool row; each token's row copied once per slot into its expert
-//                rank's pool, then that pool M-block's arrival counter bumped (release)
+//                row in each block, the M-blocks, this rank's own expert walk, comb order and
+//                copy order
+//   4 plan       each slot's pool row and comb row, and the copy plan: the slot's (token, pool
+//                row, M-block) at its place in copy order (local expert index, then owner rank,
+//                then token), so that the copy fills every rank's pool M-blocks in pool order
+//     head copy  the plan's first rows (MEGAMOE_FUSED_COPY_HEAD, ffi/heuristics/
+//                fused_copy_head.h), copied by every warp: token row -> pool row, then that
+//                pool M-block's arrival counter bumped (release)
 //   5 GEMMs      the tile engine over this rank's tiles, all L1 then all L2, strided over the
-//                rank's CTAs; an L1 tile waits for its M-block's rows (acquire), an L2 tile
-//                for its M-block's L1 tiles; L2 rows go to comb[source][source's slot order]
+//     + copy     rank's CTAs; an L1 tile waits for its M-block's rows (acquire), an L2 tile
+//                for its M-block's L1 tiles; L2 rows go to comb[source][source's slot order].
+//                Beside them, the producer warpgroup's two free warps copy the rest of the
+//                plan in order: the first tiles wait for their own rows, not the whole copy
 //   6 results    results_ready[me] = epoch + 1 on every source; wait for every expert rank's
 //   7 combine    y[t] = sum over slots j, in order, of w[t, j] * comb[slot row], fp32
 //
@@ -50,6 +57,7 @@
 #include "ffi/comm/symmetric_memory.h"
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
+#include "ffi/heuristics/fused_copy_head.h"
 #include "ffi/heuristics/fused_tile_order.h"
 #include "ffi/impls/fused_moe.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
@@ -74,6 +82,24 @@ constexpr int kThreads = Engine::kThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 32;        // tokens of a routing chunk: one per lane
 constexpr int kCopyUnroll = 4;    // 16-byte vectors in flight per lane when copying rows
+// The producer warpgroup's warps that the tile engine leaves free copy the rows (phase 5).
+constexpr int kFirstCopyWarp = 2, kCopyWarps = 2;
+static_assert(Engine::kProducerWarp < kFirstCopyWarp && Engine::kSignallerWarp < kFirstCopyWarp &&
+                  kFirstCopyWarp + kCopyWarps <= Engine::kFirstMathWarp,
+              "the copy warps are the producer warpgroup's free warps");
+
+// ------------------------------------------------------------------------ the copy plan
+
+// One row to copy: token row `token` of this rank goes to row `pool_row` of rank `rank`'s pool,
+// inside that pool's M-block `mblock`; token -1: the slot was dropped at capacity.
+struct alignas(16) CopyRow {
+  int32_t token, pool_row, rank, mblock;
+};
+
+// Scratch ints before the copy plan: the chunk counts, rounded up to the plan's 16 bytes.
+__host__ __device__ constexpr int64_t CopyPlanOffsetInts(int64_t num_tokens, int64_t num_experts) {
+  return (num_experts * ((num_tokens + kChunk - 1) / kChunk) + 3) / 4 * 4;
+}
 
 // ------------------------------------------------------------------------ shared memory
 
@@ -93,6 +119,7 @@ struct alignas(1024) FusedSmem {
   unsigned long long epoch;
   int32_t total_rows;            // rows routed to this rank's experts (before capacity)
   int32_t total_blocks;          // M-blocks of this rank's pool
+  int32_t copy_rows;             // rows of this rank's copy plan (its slots, before capacity)
 };
 
 // Routing scratch, in the stage ring (free until the GEMMs start).
@@ -102,6 +129,7 @@ struct RoutingScratch {
   int32_t owner_offset[kFusedMaxExperts];   // first row of expert e in its owner's pool
   int32_t owner_mblock[kFusedMaxExperts];   // first M-block of expert e in its owner's pool
   int32_t my_prefix[kFusedMaxExperts];      // this rank's slots of experts < e (comb order)
+  int32_t copy_prefix[kFusedMaxExperts];    // this rank's slots before expert e's in copy order
   int32_t rows[kFusedMaxExperts];           // rows of expert e over all sources
 };
 static_assert(sizeof(RoutingScratch) <= sizeof(Engine::SharedStorage::a) +
@@ -160,7 +188,8 @@ struct alignas(128) RankParams {
   const int32_t* ids;
   const float* weights;
   __nv_bfloat16* y;
-  int32_t* chunk_counts;
+  int32_t* chunk_counts;  // the scratch's first part: [E, ceil(T / 32)]
+  CopyRow* copy_plan;     // its second part: [T * k] in copy order
   int32_t* slot_rows;
   int32_t* slot_dest;
   int32_t* stats;
@@ -178,6 +207,7 @@ struct KernelParams {
   int64_t pool_scale_pitch;   // FusedScalePitch(fused_rows)
   int32_t debug;              // FusedForwardProblem::debug (kFusedDebug* bits; 0 normally)
   int32_t l1_n_major;         // L1 tiles N-block-major in an expert (fused_tile_order.h)
+  int32_t copy_head_percent;  // of the copy plan, copied before the GEMMs (fused_copy_head.h)
 };
 // Kernel parameters may take 32,764 bytes (CUDA 12.1+, sm_70+).
 static_assert(sizeof(KernelParams) <= 32764, "the fused kernel's parameters are too large");
@@ -267,6 +297,54 @@ __device__ __forceinline__ unsigned ChunkMasks(const int32_t* __restrict__ ids, 
   return repeated;
 }
 
+// The calling warp's share of the plan rows [first, end): first, first + stride, ... (so that the
+// copy of all the warps advances in plan order). Each token row is read and written to its
+// pool row (FP8: with its scales), then its M-block's arrival is counted, released after the
+// warp's stores and after the proxy fence (the expert rank's TMA reads the rows). The next plan
+// row is loaded while this one is copied.
+template <class Eng>
+__device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const RankParams& A,
+                                                int first, int end, int stride) {
+  const int lane = threadIdx.x & 31;
+  const int H = P.hidden;
+  const int nvec = H * Eng::kElemBytes / 16;
+  const auto load_row = [&](int c) {
+    CopyRow r{-1, -1, -1, -1};
+    if (c < end) {
+      const int4 q = __ldcg(reinterpret_cast<const int4*>(A.copy_plan + c));
+      r = CopyRow{q.x, q.y, q.z, q.w};
+    }
+    return r;
+  };
+  CopyRow next = load_row(first);
+  for (int c = first; c < end; c += stride) {
+    const CopyRow r = next;
+    next = load_row(c + stride);
+    if (r.token < 0) continue;  // dropped at capacity
+    const uint4* src = reinterpret_cast<const uint4*>(
+        reinterpret_cast<const char*>(A.x) + static_cast<size_t>(r.token) * H * Eng::kElemBytes);
+    uint4* dst = reinterpret_cast<uint4*>(A.pool[r.rank]) + static_cast<size_t>(r.pool_row) * nvec;
+    ep::WarpCopyRow<kCopyUnroll>(
+        nvec, [&](int i) { return __ldg(src + i); }, [&](auto&& store) { store(dst); });
+    if constexpr (Eng::kFp8) {  // the row's H/128 scales, K-block-major in the pool
+      const int nblk = H / 128;
+      float* scales = reinterpret_cast<float*>(A.pool[r.rank] + P.pool_scale_offset);
+      for (int b = lane; b < nblk; b += 32) {
+        scales[static_cast<size_t>(b) * P.pool_scale_pitch + r.pool_row] =
+            __ldg(A.x_scale + static_cast<size_t>(r.token) * nblk + b);
+      }
+    }
+    __syncwarp();
+    sm90::detail::fence_proxy_async_global();
+    if (lane == 0) {
+      const PeerView& v = A.view;
+      ep::AddReleaseSys(
+          reinterpret_cast<unsigned long long*>(v.base[r.rank] + v.layout.ftiles) + r.mblock,
+          1ull);
+    }
+  }
+}
+
 // ------------------------------------------------------------------------ the kernel
 
 template <class Eng>
@@ -292,10 +370,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // CTA 0's clock at each phase's end (fused_moe.h: kFusedPhases), for the breakdown benchmark.
   const unsigned long long t0 = ep::GlobalTimerNs();
+  auto stamp = [&](int phase) { A.phases[phase] = static_cast<int32_t>(ep::GlobalTimerNs() - t0); };
   auto mark = [&](int phase) {
-    if (cta == 0 && threadIdx.x == 0) {
-      A.phases[phase] = static_cast<int32_t>(ep::GlobalTimerNs() - t0);
-    }
+    if (cta == 0 && threadIdx.x == 0) stamp(phase);
   };
   mark(0);
   if (threadIdx.x == 0) S.epoch = *reinterpret_cast<volatile unsigned long long*>(&sig->uses);
@@ -410,6 +487,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       carry += __shfl_sync(0xffffffffu, incl, 31);
     }
   }
+  if (warp == kWarps - 1) {
+    // This rank's copy order: local expert index first, then owner rank. Every source then
+    // fills every rank's pool from its first M-blocks on, as the tiles consume them.
+    const int32_t* mine = counts + static_cast<size_t>(me) * kFusedMaxExperts;
+    int carry = 0;
+    for (int base = 0; base < E; base += 32) {
+      const int k = base + lane;
+      const int e = k < E ? (k % R) * El + k / R : 0;
+      const int c = k < E ? __ldcg(mine + e) : 0;
+      const int incl = WarpInclusiveSum(c, lane);
+      if (k < E) RS.copy_prefix[e] = carry + incl - c;
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) S.copy_rows = carry;
+  }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += kThreads) RS.dst_base[e] += RS.owner_offset[e];
   for (int el = threadIdx.x; el < El; el += kThreads) {
@@ -433,7 +525,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // ---- 4 dispatch. (a) every slot's pool row at its expert rank and row in this rank's comb.
+  // ---- 4 plan: every slot's pool row at its expert rank, its row in this rank's comb, and its
+  // row of the copy plan.
   int repeated_here = 0;
   for (int chunk = gwarp; chunk < n_chunks; chunk += nwarps) {
     const unsigned repeated = ChunkMasks(A.ids, chunk, T, K, E, mask, lane);
@@ -451,10 +544,14 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int within = __ldcg(A.chunk_counts + static_cast<size_t>(e) * n_chunks + chunk) +
                                __popc(mask[e] & lower);
             const int p = RS.dst_base[e] + within;
+            CopyRow row{-1, -1, -1, -1};
             if (p < n_cap) {  // else dropped: the expert rank reports its overflow (stats)
               dest = p;
               comb = RS.my_prefix[e] + within;
+              row = CopyRow{t, p, e / El,
+                            RS.owner_mblock[e] + (p - RS.owner_offset[e]) / Engine::kBlockM};
             }
+            A.copy_plan[RS.copy_prefix[e] + within] = row;
           }
         }
         A.slot_dest[sj] = dest;
@@ -467,58 +564,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   ep::RankBarrier(v, G);
   mark(3);
 
-  // (b) each token's row, read once, written to the pool row of each of its slots; then the
-  // arrival of those rows counted on their M-blocks (release after the warp's stores).
-  // A row's 16-byte vectors (bf16 or e4m3 values); FP8 rows also carry H/128 scales.
-  const int nvec = H * Eng::kElemBytes / 16;
-  const int row_vecs_bf16 = H * static_cast<int>(sizeof(__nv_bfloat16)) / 16;  // y, comb rows
-  const int nblk = H / 128;
-  for (int t = routed ? gwarp : T; t < T; t += nwarps) {
-    const size_t s0 = static_cast<size_t>(t) * K;
-    const int p_j = lane < K ? __ldcg(A.slot_dest + s0 + lane) : -1;
-    const int e_j = lane < K ? __ldg(A.ids + s0 + lane) : -1;
-    const unsigned valid = __ballot_sync(0xffffffffu, p_j >= 0);
-    if (valid == 0u) continue;
-    const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(A.x) +
-                                                      static_cast<size_t>(t) * H * Eng::kElemBytes);
-    ep::WarpCopyRow<kCopyUnroll>(
-        nvec, [&](int c) { return __ldg(src + c); },
-        [&](auto&& store) {
-          for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
-            const int j = __ffs(bits) - 1;
-            const int p = __shfl_sync(0xffffffffu, p_j, j);
-            const int q = __shfl_sync(0xffffffffu, e_j, j) / El;
-            store(reinterpret_cast<uint4*>(A.pool[q]) + static_cast<size_t>(p) * nvec);
-          }
-        });
-    if constexpr (Eng::kFp8) {  // the row's scales, lane b: block b (then b + 32, ...)
-      for (int b0 = 0; b0 < nblk; b0 += 32) {
-        const int b = b0 + lane;
-        const float sc = b < nblk ? __ldg(A.x_scale + static_cast<size_t>(t) * nblk + b) : 0.f;
-        for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
-          const int j = __ffs(bits) - 1;
-          const int p = __shfl_sync(0xffffffffu, p_j, j);
-          const int q = __shfl_sync(0xffffffffu, e_j, j) / El;
-          if (b < nblk) {
-            reinterpret_cast<float*>(A.pool[q] + P.pool_scale_offset)
-                [static_cast<size_t>(b) * P.pool_scale_pitch + p] = sc;
-          }
-        }
-      }
-    }
-    __syncwarp();
-    sm90::detail::fence_proxy_async_global();  // the rows are read by TMA on the expert rank
-    if (p_j >= 0) {
-      const int q = e_j / El;
-      const int mb = RS.owner_mblock[e_j] + (p_j - RS.owner_offset[e_j]) / Engine::kBlockM;
-      ep::AddReleaseSys(reinterpret_cast<unsigned long long*>(v.base[q] + L.ftiles) + mb, 1ull);
-    }
-  }
+  // The plan's head, copied by every warp before the tiles start: the first tiles' rows, and a
+  // lead for the copy warps, which copy the rest beside the tiles (phase 5).
+  const int head = static_cast<int>(static_cast<int64_t>(S.copy_rows) * P.copy_head_percent / 100);
+  if (routed) CopyPlannedRows<Eng>(P, A, gwarp, head, nwarps);
+  mark(4);
+
   // The stage ring is the engine's from here: its generic (routing) accesses are ordered before
   // the TMA writes that refill it (async proxy).
   cutlass::arch::fence_view_async_shared();
   __syncthreads();
-  mark(4);
 
   // ---- 5 GEMMs on the tile engine.
   if (threadIdx.x == 0) Eng::init(S.engine);
@@ -546,6 +601,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else if (warp == Eng::kSignallerWarp) {
       const TileHooks hooks{&v, rows_arrived, l1_done, l1_n};
       Eng::signaller(S.engine, A.engine, hooks);
+    } else {  // the copy warps
+      const int w = warp - kFirstCopyWarp;
+      if (routed) CopyPlannedRows<Eng>(P, A, head + cta * kCopyWarps + w, S.copy_rows, G * kCopyWarps);
+      if (cta == 0 && w == 0 && lane == 0) stamp(5);
     }
     cutlass::arch::warpgroup_reg_alloc<168>();
   } else {
@@ -556,7 +615,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- 6 results: every result of this rank's tiles is stored; tell the sources, wait for ours.
   ep::RankBarrier(v, G);
-  mark(5);
+  mark(6);
   if (cta == 0 && threadIdx.x == 0 && !ep::RankFailed(v)) {
     __threadfence_system();
     for (int q = 0; q < R; ++q) {
@@ -571,9 +630,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   const bool failed = ep::BlockRankFailed(v);
-  mark(6);
+  mark(7);
 
   // ---- 7 combine: y[t] = sum over slots j (in order) of w[t, j] * comb[slot row] in fp32.
+  const int row_vecs_bf16 = H * static_cast<int>(sizeof(__nv_bfloat16)) / 16;  // y, comb rows
   const uint4* comb = reinterpret_cast<const uint4*>(A.comb);
   const auto load = [&](int row, int c) {
     return ep::LoadPeerWritten(comb + static_cast<size_t>(row) * row_vecs_bf16 + c);
@@ -605,7 +665,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  mark(7);
+  mark(8);
   if (cta == 0 && threadIdx.x == 0) {
     A.stats[0] = S.total_rows;
     A.stats[1] = n_cap;
@@ -617,8 +677,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-int64_t FusedChunkCountInts(int64_t num_tokens, int64_t num_experts) {
-  return num_experts * ((num_tokens + kChunk - 1) / kChunk);
+int64_t FusedScratchInts(int64_t num_tokens, int64_t num_experts, int64_t top_k) {
+  static_assert(sizeof(CopyRow) == 4 * sizeof(int32_t), "a plan row is 4 ints");
+  return CopyPlanOffsetInts(num_tokens, num_experts) + num_tokens * top_k * 4;
 }
 
 std::string FusedForwardUnsupported(const FusedForwardProblem& p, const ep::WorkspaceLayout& l,
@@ -721,6 +782,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   params.n_cap = p.n_cap;
   params.debug = p.debug;
   params.l1_n_major = heuristics::FusedL1NMajor(p.hidden, p.ffn, p.fp8 != 0) ? 1 : 0;
+  params.copy_head_percent = heuristics::FusedCopyHeadPercent();
   const int R = ranks[0].view->num_ranks;
   const int64_t El = p.num_experts / R, H = p.hidden, F = p.ffn;
   const bool fp8 = p.fp8 != 0;
@@ -737,7 +799,9 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     rp.ids = o.ids;
     rp.weights = o.weights;
     rp.y = static_cast<__nv_bfloat16*>(o.y);
-    rp.chunk_counts = o.chunk_counts;
+    rp.chunk_counts = o.scratch;
+    rp.copy_plan = reinterpret_cast<CopyRow*>(
+        o.scratch + CopyPlanOffsetInts(p.num_tokens, p.num_experts));
     rp.slot_rows = o.slot_rows;
     rp.slot_dest = o.slot_dest;
     rp.group_sizes = o.group_sizes;

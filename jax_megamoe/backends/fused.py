@@ -8,7 +8,10 @@ rank's comb buffer, and reduces each token's slots at the source in slot order: 
 gather or permute, and bitwise reproducible. One custom call per forward per GPU, one
 cooperative launch (every CTA co-resident; at most MEGAMOE_FUSED_MAX_CTAS CTAs, default one per
 SM on one GPU and all but 8 SMs when EP spans GPUs, so that a collective XLA runs beside it on
-another stream keeps room).
+another stream keeps room). Besides its outputs and residuals the call takes an int32 scratch
+of E x ceil(T / 32) + 4 x T x k ints per rank (2.25 MiB at 16,384 tokens, 128 experts, top-8):
+the routing's chunk counts and the copy plan (each slot's token row, pool row and M-block, in
+pool order: the rows are copied beside the GEMMs, in the order the tiles consume them).
 
 Backward (until the fused backward exists) runs backend "cuda"'s kernels, from residuals:
 - one rank (no mesh, or an expert axis of size 1): the kernel keeps what cuda's backward reads
@@ -69,7 +72,13 @@ from jax_megamoe.validation import LayerShape
 NAME = "fused"
 TARGET = "megamoe_fused_moe_fwd"
 MAX_EXPERTS = symmetric.FUSED_MAX_EXPERTS
-CHUNK = 32  # tokens of a routing chunk (the kernel's chunk_counts layout)
+CHUNK = 32  # tokens of a routing chunk (the layout of the kernel's scratch)
+
+
+def scratch_ints(tokens: int, experts: int, top_k: int) -> int:
+  """Int32 scratch per rank of the kernel (fused_moe.h: FusedScratchInts): the chunk counts
+  [E, ceil(T / 32)] padded to 4 ints, then the copy plan, 4 ints per slot."""
+  return -(-experts * -(-tokens // CHUNK) // 4) * 4 + 4 * tokens * top_k
 FP8_RECIPES = ("fp8", "fp8_pow2")
 # SMs left to other kernels when EP spans GPUs (a collective on another stream must find room:
 # DESIGN.md §7, deadlock across GPUs).
@@ -204,8 +213,10 @@ def cuda_mlp(recipe: str | None):
   return cuda_bf16.grouped_mlp if recipe is None else cuda_fp8.RowsMlp(pow2=recipe == "fp8_pow2")
 
 
-PHASES = ("start", "route", "counts exchanged", "slot positions", "rows copied",
-          "GEMM tiles done", "results here", "combine done")  # fused_moe.h: kFusedPhases
+# fused_moe.h: kFusedPhases. "head copied": the copy plan's first rows, before the GEMMs;
+# "rows copied": the rest, by CTA 0's first copy warp beside the tiles (MEGAMOE_FUSED_COPY_HEAD).
+PHASES = ("start", "route", "counts exchanged", "slot positions", "head copied", "rows copied",
+          "GEMM tiles done", "results here", "combine done")
 
 
 def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bool = False,
@@ -222,7 +233,6 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
   top_k = ids.shape[-1]
   ffn = w_down.shape[-1] if fp8 else w_down.shape[-2]
   n_cap = cfg.plan.n_cap
-  n_chunks = -(-tokens // CHUNK)
   kept = lambda keep, *shape: jax.ShapeDtypeStruct((*lead, *shape) if keep else (0,),
                                                   jnp.bfloat16)
   rows = residuals and cfg.one_rank and not fp8
@@ -231,7 +241,7 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
   out_types = (
       jax.ShapeDtypeStruct((*lead, tokens, hidden), jnp.bfloat16),
       jax.ShapeDtypeStruct((*lead, n_cap, ffn), x.dtype),  # h (FP8: e4m3)
-      jax.ShapeDtypeStruct((*lead, cfg.num_experts * n_chunks), jnp.int32),  # scratch
+      jax.ShapeDtypeStruct((*lead, scratch_ints(tokens, cfg.num_experts, top_k)), jnp.int32),
       jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),  # slot_rows (scratch)
       jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),  # slot_dest
       jax.ShapeDtypeStruct((*lead, w_gate_up.shape[-3]), jnp.int32),  # group_sizes

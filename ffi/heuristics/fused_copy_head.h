@@ -1,0 +1,32 @@
+// How much of the fused kernel's row copy (its dispatch at EP = 1, its NVLink traffic at EP > 1)
+// runs before the GEMMs start, decided here for every launch, with an environment override for
+// benchmarking:
+//   MEGAMOE_FUSED_COPY_HEAD   an integer percent 0..100 of this rank's rows in plan order that
+//                             every warp copies before the tile engine starts; the rest is
+//                             copied beside the tiles by the producer warpgroup's two free
+//                             warps. 100: the whole copy first (nothing overlapped). Anything
+//                             else or unset: the default below.
+// The plan is in pool order (ffi/impls/sm90_fused_moe_fwd.cu, phase 4), so the head holds the
+// first tiles' rows and gives the two copy warps per CTA a lead over the tiles, which consume
+// the pool in the same order.
+#pragma once
+
+#include <cstdlib>
+
+namespace megamoe::heuristics {
+
+// Not yet measured on a GPU: a first wave of L1 tiles needs ~2% of the rows at the 30B shape
+// (132 tiles of 6 per M-block, ~1,030 M-blocks); the rest of the head is the copy warps' lead.
+inline constexpr int kFusedCopyHeadPercent = 12;
+
+// Read at every call (a process may A/B several values).
+inline int FusedCopyHeadPercent() {
+  const char* env = std::getenv("MEGAMOE_FUSED_COPY_HEAD");
+  if (env == nullptr || env[0] == '\0') return kFusedCopyHeadPercent;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  if (*end != '\0' || v < 0 || v > 100) return kFusedCopyHeadPercent;
+  return static_cast<int>(v);
+}
+
+}  // namespace megamoe::heuristics
