@@ -8,8 +8,9 @@ calls of the layer benchmark's problem (EP=1, one GPU), beside the whole call's 
 The phases are seen from CTA 0 (the other CTAs' work overlaps the boundaries: "head copied" is
 CTA 0's share of the copy plan's head, before the GEMMs; "rows copied" ends when CTA 0's first
 copy warp has copied its share of the rest beside the tiles, and "GEMM tiles done" is measured
-from there, waiting for every CTA's tiles). Set MEGAMOE_FUSED_COPY_HEAD (a percent) to move the
-split between the two copies.
+from there, waiting for every CTA's tiles). --copy-heads 100,12,0 times the kernel at each of
+those MEGAMOE_FUSED_COPY_HEAD values (the percent of the rows copied before the GEMMs; 100:
+the whole copy first), the calls interleaved value by value so that clocks and heat are shared.
 
 --overhead also measures, for backends "fused" and "cuda" (the layer as bench_layer runs it),
 where a host-timed call's time goes beyond the kernels: the call timed alone
@@ -34,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -122,6 +125,24 @@ def call_overhead(fn, args, reps: int) -> dict:
           "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
+@contextlib.contextmanager
+def _copy_head(percent: str | None):
+  """MEGAMOE_FUSED_COPY_HEAD set to `percent` (None: as it was) for the calls inside; the
+  handler reads it at every call."""
+  if percent is None:
+    yield
+    return
+  before = os.environ.get("MEGAMOE_FUSED_COPY_HEAD")
+  os.environ["MEGAMOE_FUSED_COPY_HEAD"] = percent
+  try:
+    yield
+  finally:
+    if before is None:
+      del os.environ["MEGAMOE_FUSED_COPY_HEAD"]
+    else:
+      os.environ["MEGAMOE_FUSED_COPY_HEAD"] = before
+
+
 def one_gpu_mesh():
   """bench_layer's mesh at EP=1 on one device: ("data", "expert") = (1, 1)."""
   return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "expert"))
@@ -157,6 +178,9 @@ def main(argv=None) -> dict:
   ap.add_argument("--recipe", default="bf16", choices=("bf16", "fp8", "fp8_pow2"),
                   help="the kernel's recipe (FP8: rows and weights quantised before the call)")
   ap.add_argument("--out", default="")
+  ap.add_argument("--copy-heads", default="",
+                  help="comma-separated MEGAMOE_FUSED_COPY_HEAD percents to compare (interleaved "
+                       "call by call); empty: the kernel's default only")
   ap.add_argument("--overhead", action="store_true",
                   help="also measure host/launch overhead of fused and cuda (see the doc)")
   ap.add_argument("--overhead-pass", default="fwd", choices=("fwd", "grad"),
@@ -176,24 +200,31 @@ def main(argv=None) -> dict:
     ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
     fn = jax.jit(functools.partial(fused.forward_with_phases,
                                    recipe=None if args.recipe == "bf16" else args.recipe))
-    jax.block_until_ready(fn(x, ids, w, wgu, wd))
-    walls, phases = [], []
-    for _ in range(args.reps):
-      t = time.perf_counter()
-      _, ph = jax.block_until_ready(fn(x, ids, w, wgu, wd))
-      walls.append((time.perf_counter() - t) * 1e3)
-      phases.append(np.asarray(ph, np.int64))
-    phases = np.stack(phases)  # [reps, len(PHASES)] ns from the start
-    steps = np.diff(phases, axis=1)
-    row = {"shape": shape, "recipe": args.recipe, "tokens": args.tokens,
-           "wall_ms": statistics.median(walls),
-           "kernel_ms": float(np.median(phases[:, -1])) * 1e-6,
-           "phases_ms": {name: float(np.median(steps[:, i])) * 1e-6
-                         for i, name in enumerate(fused.PHASES[1:])}}
-    results.append(row)
-    print(f"{shape}: kernel {row['kernel_ms']:.3f} ms (call {row['wall_ms']:.3f} ms host-timed)")
-    for name, ms in row["phases_ms"].items():
-      print(f"    {name:18s} {ms:7.3f} ms")
+    heads = [h.strip() for h in args.copy_heads.split(",") if h.strip()] or [None]
+    walls = {h: [] for h in heads}
+    phases = {h: [] for h in heads}
+    for rep in range(args.reps + 1):  # the first round warms up
+      for head in heads:
+        with _copy_head(head):
+          t = time.perf_counter()
+          _, ph = jax.block_until_ready(fn(x, ids, w, wgu, wd))
+          if rep:
+            walls[head].append((time.perf_counter() - t) * 1e3)
+            phases[head].append(np.asarray(ph, np.int64))
+    for head in heads:
+      clock = np.stack(phases[head])  # [reps, len(PHASES)] ns from the start
+      steps = np.diff(clock, axis=1)
+      row = {"shape": shape, "recipe": args.recipe, "tokens": args.tokens,
+             "copy_head_percent": head, "wall_ms": statistics.median(walls[head]),
+             "kernel_ms": float(np.median(clock[:, -1])) * 1e-6,
+             "phases_ms": {name: float(np.median(steps[:, i])) * 1e-6
+                           for i, name in enumerate(fused.PHASES[1:])}}
+      results.append(row)
+      label = "" if head is None else f" [MEGAMOE_FUSED_COPY_HEAD={head}]"
+      print(f"{shape}{label}: kernel {row['kernel_ms']:.3f} ms (call {row['wall_ms']:.3f} ms "
+            f"host-timed)")
+      for name, ms in row["phases_ms"].items():
+        print(f"    {name:18s} {ms:7.3f} ms")
     if args.overhead:
       dy = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16)
       for backend in ("fused", "cuda"):

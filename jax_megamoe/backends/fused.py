@@ -411,7 +411,7 @@ def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
 
 
 def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=None):
-  """One device, no mesh (for the breakdown benchmark): (y, phase clock [8] int32: ns from the
+  """One device, no mesh (for the breakdown benchmark): (y, phase clock [len(PHASES)] int32: ns from the
   kernel's start to the end of each of PHASES, on its CTA 0). Forward only; FP8 recipes: the
   kernel alone (rows and weights quantised before it, outside the clock)."""
   from jax_megamoe.validation import check_layer_args
