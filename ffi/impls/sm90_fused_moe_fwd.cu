@@ -84,6 +84,10 @@ constexpr int kChunk = 32;        // tokens of a routing chunk: one per lane
 constexpr int kCopyUnroll = 4;    // 16-byte vectors in flight per lane when copying rows
 // The producer warpgroup's warps that the tile engine leaves free copy the rows (phase 5).
 constexpr int kFirstCopyWarp = 2, kCopyWarps = 2;
+// Plan rows a warp copies between two releases: before the GEMMs every warp copies (small chunks
+// spread the head over them all), beside them two warps per CTA do (larger chunks, fewer
+// releases).
+constexpr int kHeadChunkRows = 4, kCopyChunkRows = 16;
 static_assert(Engine::kProducerWarp < kFirstCopyWarp && Engine::kSignallerWarp < kFirstCopyWarp &&
                   kFirstCopyWarp + kCopyWarps <= Engine::kFirstMathWarp,
               "the copy warps are the producer warpgroup's free warps");
@@ -297,51 +301,71 @@ __device__ __forceinline__ unsigned ChunkMasks(const int32_t* __restrict__ ids, 
   return repeated;
 }
 
-// The calling warp's share of the plan rows [first, end): first, first + stride, ... (so that the
-// copy of all the warps advances in plan order). Each token row is read and written to its
-// pool row (FP8: with its scales), then its M-block's arrival is counted, released after the
-// warp's stores and after the proxy fence (the expert rank's TMA reads the rows). The next plan
-// row is loaded while this one is copied.
-template <class Eng>
+// The calling warp's share of the plan rows [begin, end), in chunks of kChunkRows rows: chunks
+// first, first + stride, ... (so that the copy of all the warps advances in plan order). Each
+// token row is read and written to its pool row (FP8: with its scales); the arrivals are
+// counted once per run of rows in one M-block, released after the warp's stores and after the
+// proxy fence (the expert rank's TMA reads the rows). One release per run, not per row: a
+// release waits for the warp's stores to land, so per row it bounded the copy by the store
+// latency (session 13: 1.4 ms for the 30B shape's rows on two warps per SM, as long as L1).
+template <class Eng, int kChunkRows>
 __device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const RankParams& A,
-                                                int first, int end, int stride) {
+                                                int begin, int end, int first, int stride) {
+  static_assert(kChunkRows >= 1 && kChunkRows <= 32, "a chunk's plan rows are one per lane");
   const int lane = threadIdx.x & 31;
   const int H = P.hidden;
   const int nvec = H * Eng::kElemBytes / 16;
-  const auto load_row = [&](int c) {
-    CopyRow r{-1, -1, -1, -1};
-    if (c < end) {
-      const int4 q = __ldcg(reinterpret_cast<const int4*>(A.copy_plan + c));
-      r = CopyRow{q.x, q.y, q.z, q.w};
+  const PeerView& v = A.view;
+  const auto load_chunk = [&](int c0) {
+    int4 q = make_int4(-1, -1, -1, -1);
+    if (lane < kChunkRows && c0 + lane < end) {
+      q = __ldcg(reinterpret_cast<const int4*>(A.copy_plan + c0 + lane));
     }
-    return r;
+    return q;
   };
-  CopyRow next = load_row(first);
-  for (int c = first; c < end; c += stride) {
-    const CopyRow r = next;
-    next = load_row(c + stride);
-    if (r.token < 0) continue;  // dropped at capacity
-    const uint4* src = reinterpret_cast<const uint4*>(
-        reinterpret_cast<const char*>(A.x) + static_cast<size_t>(r.token) * H * Eng::kElemBytes);
-    uint4* dst = reinterpret_cast<uint4*>(A.pool[r.rank]) + static_cast<size_t>(r.pool_row) * nvec;
-    ep::WarpCopyRow<kCopyUnroll>(
-        nvec, [&](int i) { return __ldg(src + i); }, [&](auto&& store) { store(dst); });
-    if constexpr (Eng::kFp8) {  // the row's H/128 scales, K-block-major in the pool
-      const int nblk = H / 128;
-      float* scales = reinterpret_cast<float*>(A.pool[r.rank] + P.pool_scale_offset);
-      for (int b = lane; b < nblk; b += 32) {
-        scales[static_cast<size_t>(b) * P.pool_scale_pitch + r.pool_row] =
-            __ldg(A.x_scale + static_cast<size_t>(r.token) * nblk + b);
-      }
-    }
+  // Counts `rows` arrivals on M-block `mblock` of rank `rank`'s pool (nothing when rows is 0).
+  const auto release = [&](int rank, int mblock, int rows) {
+    if (rows == 0) return;
     __syncwarp();
     sm90::detail::fence_proxy_async_global();
     if (lane == 0) {
-      const PeerView& v = A.view;
       ep::AddReleaseSys(
-          reinterpret_cast<unsigned long long*>(v.base[r.rank] + v.layout.ftiles) + r.mblock,
-          1ull);
+          reinterpret_cast<unsigned long long*>(v.base[rank] + v.layout.ftiles) + mblock,
+          static_cast<unsigned long long>(rows));
     }
+  };
+  for (int c0 = begin + first * kChunkRows; c0 < end; c0 += stride * kChunkRows) {
+    const int4 mine = load_chunk(c0);  // lane i: plan row c0 + i
+    const int n = min(kChunkRows, end - c0);
+    int run_rank = -1, run_mblock = -1, run_rows = 0;
+    for (int i = 0; i < n; ++i) {
+      const int token = __shfl_sync(0xffffffffu, mine.x, i);
+      if (token < 0) continue;  // dropped at capacity
+      const int pool_row = __shfl_sync(0xffffffffu, mine.y, i);
+      const int rank = __shfl_sync(0xffffffffu, mine.z, i);
+      const int mblock = __shfl_sync(0xffffffffu, mine.w, i);
+      if (rank != run_rank || mblock != run_mblock) {
+        release(run_rank, run_mblock, run_rows);
+        run_rank = rank;
+        run_mblock = mblock;
+        run_rows = 0;
+      }
+      const uint4* src = reinterpret_cast<const uint4*>(
+          reinterpret_cast<const char*>(A.x) + static_cast<size_t>(token) * H * Eng::kElemBytes);
+      uint4* dst = reinterpret_cast<uint4*>(A.pool[rank]) + static_cast<size_t>(pool_row) * nvec;
+      ep::WarpCopyRow<kCopyUnroll>(
+          nvec, [&](int c) { return __ldg(src + c); }, [&](auto&& store) { store(dst); });
+      if constexpr (Eng::kFp8) {  // the row's H/128 scales, K-block-major in the pool
+        const int nblk = H / 128;
+        float* scales = reinterpret_cast<float*>(A.pool[rank] + P.pool_scale_offset);
+        for (int b = lane; b < nblk; b += 32) {
+          scales[static_cast<size_t>(b) * P.pool_scale_pitch + pool_row] =
+              __ldg(A.x_scale + static_cast<size_t>(token) * nblk + b);
+        }
+      }
+      ++run_rows;
+    }
+    release(run_rank, run_mblock, run_rows);
   }
 }
 
@@ -567,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The plan's head, copied by every warp before the tiles start: the first tiles' rows, and a
   // lead for the copy warps, which copy the rest beside the tiles (phase 5).
   const int head = static_cast<int>(static_cast<int64_t>(S.copy_rows) * P.copy_head_percent / 100);
-  if (routed) CopyPlannedRows<Eng>(P, A, gwarp, head, nwarps);
+  if (routed) CopyPlannedRows<Eng, kHeadChunkRows>(P, A, 0, head, gwarp, nwarps);
   mark(4);
 
   // The stage ring is the engine's from here: its generic (routing) accesses are ordered before
@@ -603,7 +627,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       Eng::signaller(S.engine, A.engine, hooks);
     } else {  // the copy warps
       const int w = warp - kFirstCopyWarp;
-      if (routed) CopyPlannedRows<Eng>(P, A, head + cta * kCopyWarps + w, S.copy_rows, G * kCopyWarps);
+      if (routed) {
+        CopyPlannedRows<Eng, kCopyChunkRows>(P, A, head, S.copy_rows, cta * kCopyWarps + w,
+                                             G * kCopyWarps);
+      }
       if (cta == 0 && w == 0 && lane == 0) stamp(5);
     }
     cutlass::arch::warpgroup_reg_alloc<168>();
