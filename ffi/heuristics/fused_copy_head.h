@@ -15,8 +15,12 @@
 
 namespace megamoe::heuristics {
 
-// Not yet measured on a GPU: a first wave of L1 tiles needs ~2% of the rows at the 30B shape
-// (132 tiles of 6 per M-block, ~1,030 M-blocks); the rest of the head is the copy warps' lead.
+// Measured (benchmarks/RESULTS.md, session 13 call 3; fused_phases.py --copy-heads, one H200,
+// EP = 1, 16,384 tokens, kernel ms at head 100 / 25 / 12 / 0): 30B bf16 2.585 / 2.431 / 2.403 /
+// 2.391; 235B bf16 9.278 / 8.817 / 8.760 / 8.786; 30B fp8 2.010 / 1.926 / 1.909 / 1.915; 235B
+// fp8 6.414 / 6.244 / 6.249 / 6.233. 12 is within 0.03 ms of the best everywhere; a first wave
+// of L1 tiles needs ~2% of the rows at 30B, the rest of the head is the copy warps' lead.
+// Not measured where rows cross NVLink (EP over GPUs): 100 copies everything first there.
 inline constexpr int kFusedCopyHeadPercent = 12;
 
 // Read at every call (a process may A/B several values).
