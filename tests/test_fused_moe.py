@@ -188,7 +188,8 @@ def test_copy_before_or_beside_the_gemms_changes_no_bit(monkeypatch, num_ranks, 
   """The row copy all before the GEMMs (MEGAMOE_FUSED_COPY_HEAD=100), all beside them on the
   copy warps (0), or split (the default, and 37): the same rows reach the same pool rows, so y
   is the same bit for bit, and (bf16) matches the reference. 1000 tokens per rank on 24
-  experts: several M-tiles per expert, rows of every source rank in each."""
+  experts: several M-tiles per expert, rows of every source rank in each. One rank: the value
+  reaches the kernel (its phase clock), and one outside [0, 100] is refused by name."""
   tokens, experts, top_k = 1000, 24, 4
   x, ids, w, wgu, wd, _ = _inputs(77 + num_ranks, num_ranks * tokens, experts, top_k, "masked")
   ws = None
@@ -208,6 +209,10 @@ def test_copy_before_or_beside_the_gemms_changes_no_bit(monkeypatch, num_ranks, 
       monkeypatch.delenv("MEGAMOE_FUSED_COPY_HEAD", raising=False)
     else:
       monkeypatch.setenv("MEGAMOE_FUSED_COPY_HEAD", head)
+    # The pool persists between calls: a call on other rows first, so that a row the copy
+    # misses (or a tile that reads before its rows land) shows in y instead of reusing the
+    # previous call's copy.
+    jax.block_until_ready(fwd(-x, ids, w, wgu, wd))
     _poison()
     outs[head] = np.asarray(fwd(x, ids, w, wgu, wd), np.float32)
   assert np.all(np.isfinite(outs[None])), "y has non-finite rows"
@@ -216,6 +221,20 @@ def test_copy_before_or_beside_the_gemms_changes_no_bit(monkeypatch, num_ranks, 
   if recipe is None:
     err = ep_helpers.rel_err(outs[None], np.asarray(_reference(x, ids, w, wgu, wd), np.float32))
     assert err < 1e-2, err
+  if num_ranks == 1:
+    # The value reaches the kernel: CTA 0 copies part of the head before the GEMMs at 100
+    # (phase "head copied" takes time) and nothing at 0.
+    head_phase = fused.PHASES.index("head copied")
+    def head_ns(head):
+      monkeypatch.setenv("MEGAMOE_FUSED_COPY_HEAD", head)
+      _, clock = jax.jit(lambda *a: fused.forward_with_phases(*a, recipe=recipe))(
+          x, ids, w, wgu, wd)
+      clock = np.asarray(clock, np.int64)
+      return clock[head_phase] - clock[head_phase - 1]
+    assert head_ns("100") > head_ns("0"), "MEGAMOE_FUSED_COPY_HEAD did not reach the kernel"
+    monkeypatch.setenv("MEGAMOE_FUSED_COPY_HEAD", "150")
+    with pytest.raises(Exception, match=r"MEGAMOE_FUSED_COPY_HEAD must be an integer percent"):
+      jax.block_until_ready(fwd(x, ids, w, wgu, wd))
   if ws is not None:
     ws.close()
 

@@ -143,9 +143,10 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   if (oy.dims[0] != T || oy.dims[1] != H) return Fail("y must be [T, H] per rank");
   if (oh.dims[0] != n_cap || oh.dims[1] != F)
     return Fail("h must be [n_cap=" + n(n_cap) + ", F=" + n(F) + "] per rank");
-  if (occ.dims[0] < FusedScratchInts(T, num_experts, K))
-    return Fail("scratch must hold " + n(FusedScratchInts(T, num_experts, K)) +
-                " ints per rank, it has " + n(occ.dims[0]));
+  // Exactly: the copy plan's int4 rows of every stacked rank stay 16-byte aligned.
+  if (occ.dims[0] != FusedScratchInts(T, num_experts, K))
+    return Fail("scratch must be [" + n(FusedScratchInts(T, num_experts, K)) +
+                "] ints per rank, it is [" + n(occ.dims[0]) + "]");
   if (orows.dims[0] != T || orows.dims[1] != K || odest.dims[0] != T || odest.dims[1] != K)
     return Fail("slot_rows and slot_dest must be [T, k] per rank");
   if (ogs.dims[0] != El) return Fail("group_sizes must be [E/R=" + n(El) + "] per rank");

@@ -4,14 +4,16 @@
 //   MEGAMOE_FUSED_COPY_HEAD   an integer percent 0..100 of this rank's rows in plan order that
 //                             every warp copies before the tile engine starts; the rest is
 //                             copied beside the tiles by the producer warpgroup's two free
-//                             warps. 100: the whole copy first (nothing overlapped). Anything
-//                             else or unset: the default below.
+//                             warps. 100: the whole copy first (nothing overlapped). Unset or
+//                             empty: the default below; anything else refuses the call.
 // The plan is in pool order (ffi/impls/sm90_fused_moe_fwd.cu, phase 4), so the head holds the
 // first tiles' rows and gives the two copy warps per CTA a lead over the tiles, which consume
 // the pool in the same order.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
+#include <string>
 
 namespace megamoe::heuristics {
 
@@ -20,17 +22,24 @@ namespace megamoe::heuristics {
 // 2.391; 235B bf16 9.278 / 8.817 / 8.760 / 8.786; 30B fp8 2.010 / 1.926 / 1.909 / 1.915; 235B
 // fp8 6.414 / 6.244 / 6.249 / 6.233. 12 is within 0.03 ms of the best everywhere; a first wave
 // of L1 tiles needs ~2% of the rows at 30B, the rest of the head is the copy warps' lead.
-// Not measured where rows cross NVLink (EP over GPUs): 100 copies everything first there.
+// Not measured where rows cross NVLink (EP over GPUs): the default applies there too, and
+// MEGAMOE_FUSED_COPY_HEAD=100 copies everything before the GEMMs.
 inline constexpr int kFusedCopyHeadPercent = 12;
 
-// Read at every call (a process may A/B several values).
-inline int FusedCopyHeadPercent() {
+// Read at every call (a process may A/B several values): *percent for this launch, or an error
+// naming a value that is not an integer in [0, 100].
+inline std::string FusedCopyHeadPercent(int32_t* percent) {
+  *percent = kFusedCopyHeadPercent;
   const char* env = std::getenv("MEGAMOE_FUSED_COPY_HEAD");
-  if (env == nullptr || env[0] == '\0') return kFusedCopyHeadPercent;
+  if (env == nullptr || env[0] == '\0') return "";
   char* end = nullptr;
   const long v = std::strtol(env, &end, 10);
-  if (*end != '\0' || v < 0 || v > 100) return kFusedCopyHeadPercent;
-  return static_cast<int>(v);
+  if (*end != '\0' || v < 0 || v > 100) {
+    return std::string("MEGAMOE_FUSED_COPY_HEAD must be an integer percent in [0, 100], got \"") +
+           env + "\"";
+  }
+  *percent = static_cast<int32_t>(v);
+  return "";
 }
 
 }  // namespace megamoe::heuristics

@@ -585,13 +585,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncwarp();
   }
   if (repeated_here) atomicAdd(A.stats + 3, repeated_here);
-  ep::RankBarrier(v, G);
+  // A CTA that leaves this barrier on an error of its rank may not have every CTA's plan rows:
+  // it copies nothing (the rank's waits then fail on the recorded error).
+  const bool copying = ep::RankBarrier(v, G) && routed;
   mark(3);
 
   // The plan's head, copied by every warp before the tiles start: the first tiles' rows, and a
   // lead for the copy warps, which copy the rest beside the tiles (phase 5).
   const int head = static_cast<int>(static_cast<int64_t>(S.copy_rows) * P.copy_head_percent / 100);
-  if (routed) CopyPlannedRows<Eng, kHeadChunkRows>(P, A, 0, head, gwarp, nwarps);
+  if (copying) CopyPlannedRows<Eng, kHeadChunkRows>(P, A, 0, head, gwarp, nwarps);
   mark(4);
 
   // The stage ring is the engine's from here: its generic (routing) accesses are ordered before
@@ -627,7 +629,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       Eng::signaller(S.engine, A.engine, hooks);
     } else {  // the copy warps
       const int w = warp - kFirstCopyWarp;
-      if (routed) {
+      if (copying) {
         CopyPlannedRows<Eng, kCopyChunkRows>(P, A, head, S.copy_rows, cta * kCopyWarps + w,
                                              G * kCopyWarps);
       }
@@ -809,7 +811,8 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   params.n_cap = p.n_cap;
   params.debug = p.debug;
   params.l1_n_major = heuristics::FusedL1NMajor(p.hidden, p.ffn, p.fp8 != 0) ? 1 : 0;
-  params.copy_head_percent = heuristics::FusedCopyHeadPercent();
+  if (std::string err = heuristics::FusedCopyHeadPercent(&params.copy_head_percent); !err.empty())
+    return err;
   const int R = ranks[0].view->num_ranks;
   const int64_t El = p.num_experts / R, H = p.hidden, F = p.ffn;
   const bool fp8 = p.fp8 != 0;
