@@ -73,12 +73,6 @@ NAME = "fused"
 TARGET = "megamoe_fused_moe_fwd"
 MAX_EXPERTS = symmetric.FUSED_MAX_EXPERTS
 CHUNK = 32  # tokens of a routing chunk (the layout of the kernel's scratch)
-
-
-def scratch_ints(tokens: int, experts: int, top_k: int) -> int:
-  """Int32 scratch per rank of the kernel (fused_moe.h: FusedScratchInts): the chunk counts
-  [E, ceil(T / 32)] padded to 4 ints, then the copy plan, 4 ints per slot."""
-  return -(-experts * -(-tokens // CHUNK) // 4) * 4 + 4 * tokens * top_k
 FP8_RECIPES = ("fp8", "fp8_pow2")
 # SMs left to other kernels when EP spans GPUs (a collective on another stream must find room:
 # DESIGN.md §7, deadlock across GPUs).
@@ -211,6 +205,12 @@ def cuda_mlp(recipe: str | None):
   """Backend cuda's expert MLP for a layer the fused kernel takes (bf16, H and F multiples of
   128): the one its backward path runs."""
   return cuda_bf16.grouped_mlp if recipe is None else cuda_fp8.RowsMlp(pow2=recipe == "fp8_pow2")
+
+
+def scratch_ints(tokens: int, experts: int, top_k: int) -> int:
+  """Int32 scratch per rank of the kernel (fused_moe.h: FusedScratchInts): the chunk counts
+  [E, ceil(T / 32)] padded to 4 ints, then the copy plan, 4 ints per slot."""
+  return -(-experts * -(-tokens // CHUNK) // 4) * 4 + 4 * tokens * top_k
 
 
 # fused_moe.h: kFusedPhases. "head copied": the copy plan's first rows, before the GEMMs;
