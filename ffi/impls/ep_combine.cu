@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "ffi/impls/ep_dispatch_combine.h"
+#include "ffi/comm/slot_sum.cuh"
 #include "ffi/impls/ep_send.cuh"
 #include "ffi/layout/ep_layout.h"
 
@@ -53,32 +54,16 @@ __global__ void __launch_bounds__(kCombineThreads)
           slot_values[static_cast<size_t>(i) * top_k + lane];
     }
     uint4* dst = reinterpret_cast<uint4*>(v.base[s] + L.pool_c) + slot * nvec;
-    for (int c0 = 0; c0 < nvec; c0 += 32 * kCombineUnroll) {
-      float acc[kCombineUnroll][N];
+    const auto load = [&](int p, int c) { return __ldg(ysrc + static_cast<size_t>(p) * nvec + c); };
+    for (int c0 = 0; c0 < nvec; c0 += 32 * kSlotSumVecs) {
+      float acc[kSlotSumVecs][N];
 #pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u)
+      for (int u = 0; u < kSlotSumVecs; ++u)
 #pragma unroll
         for (int q = 0; q < N; ++q) acc[u][q] = 0.f;
-      for (unsigned bits = valid; bits != 0u; bits &= bits - 1u) {
-        const int j = __ffs(bits) - 1;
-        const int p = __shfl_sync(0xffffffffu, p_j, j);
-        const float w = kWeighted ? __shfl_sync(0xffffffffu, w_j, j) : 1.f;
+      WarpSlotSum<T, kWeighted>(valid, p_j, w_j, c0, nvec, load, acc);
 #pragma unroll
-        for (int u = 0; u < kCombineUnroll; ++u) {
-          const int c = c0 + u * 32 + lane;
-          if (c < nvec) {
-            float f[N];
-            Unpack(__ldg(ysrc + static_cast<size_t>(p) * nvec + c), f,
-                   static_cast<const T*>(nullptr));
-#pragma unroll
-            for (int q = 0; q < N; ++q) {
-              acc[u][q] = kWeighted ? fmaf(w, f[q], acc[u][q]) : acc[u][q] + f[q];
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {
+      for (int u = 0; u < kSlotSumVecs; ++u) {
         const int c = c0 + u * 32 + lane;
         if (c < nvec) dst[c] = Pack(acc[u], static_cast<const T*>(nullptr));
       }
@@ -130,28 +115,20 @@ __global__ void __launch_bounds__(kCombineThreads)
                     : 0.f;
     }
     uint4* dst = dst_all + static_cast<size_t>(t) * nvec;
-    for (int c0 = 0; c0 < nvec; c0 += 32 * kCombineUnroll) {
-      float acc[kCombineUnroll][N];
+    // Lane r holds rank r's partial row; the sum runs over the visited ranks in ascending order.
+    const int slot_r = lane < R ? static_cast<int>(PoolSlot(lane, t, L.max_tokens)) : -1;
+    const auto load = [&](int slot, int c) {
+      return LoadPeerWritten(pool + static_cast<size_t>(slot) * nvec + c);
+    };
+    for (int c0 = 0; c0 < nvec; c0 += 32 * kSlotSumVecs) {
+      float acc[kSlotSumVecs][N];
 #pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u)
+      for (int u = 0; u < kSlotSumVecs; ++u)
 #pragma unroll
         for (int q = 0; q < N; ++q) acc[u][q] = 0.f;
-      for (int r = 0; r < R; ++r) {
-        if (!((routes >> r) & 1u)) continue;
-        const uint4* src = pool + PoolSlot(r, t, L.max_tokens) * nvec;
+      WarpSlotSum<T, false>(routes, slot_r, 1.f, c0, nvec, load, acc);
 #pragma unroll
-        for (int u = 0; u < kCombineUnroll; ++u) {
-          const int c = c0 + u * 32 + lane;
-          if (c < nvec) {
-            float f[N];
-            Unpack(LoadPeerWritten(src + c), f, static_cast<const T*>(nullptr));
-#pragma unroll
-            for (int q = 0; q < N; ++q) acc[u][q] += f[q];
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {
+      for (int u = 0; u < kSlotSumVecs; ++u) {
         const int c = c0 + u * 32 + lane;
         if (c < nvec) dst[c] = Pack(acc[u], static_cast<const T*>(nullptr));
       }
