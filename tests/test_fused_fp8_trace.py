@@ -4,10 +4,10 @@ lowered, never executed; the kernel itself is checked on a GPU by test_fused_moe
 What is checked: the forward is one fused custom call whose row and weight operands are e4m3
 with their fp32 scales (x quantised 1x128 before it travels, the weights K-major in 128x128
 blocks), the h scratch is e4m3 with its scale matrix; the weights are quantised once per step;
-at one rank the backward reads the kernel's residuals (gate_up, y_sorted) and runs backend
-cuda's FP8 backward kernels with no forward GEMM again; with several (virtual) ranks it runs
-cuda's FP8 layer again on the same weight blocks; stacked operands keep their rank axis; the
-recipes the backend admits.
+the backward reads the kernel's residuals (gate_up, y_sorted) and runs backend cuda's FP8
+backward kernels with no forward GEMM again, at one rank and with several (virtual) ranks, where
+cuda's dispatch of the FP8 rows runs again; stacked operands keep their rank axis; the recipes
+the backend admits.
 """
 
 from __future__ import annotations
@@ -128,16 +128,23 @@ def test_virtual_group_keeps_the_rank_axis():
   assert ins[7] == f"tensor<{num_ranks}x{el}x{F // 128}x{H // 128}xf32>"
   assert outs[-1] == f"tensor<{num_ranks}x{F // 128}x{fused.scale_pitch(cfg.plan.n_cap)}xf32>"
 
-  # Backward: backend cuda's EP FP8 layer again on the same (stacked) weight blocks, rows in
-  # FP8 (no residuals kept across ranks).
+  # Backward: the kernel keeps gate_up and y_sorted per rank; cuda's dispatch of the FP8 rows
+  # runs again (the pool's rows and tables), then per rank h from gate_up and the FP8 dgrad and
+  # wgrad GEMMs: no forward GEMM, no combine forward.
   def loss(x, w, a, b):
     return jnp.sum(fused.fused_layer(x, ids, w, a, b, cfg).astype(jnp.float32) ** 2)
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
   (call,) = _fused_calls(text)
-  assert all(o == "tensor<0xbf16>" for o in _signature(call)[1][8:11])
+  n_cap = cfg.plan.n_cap
+  assert _signature(call)[1][8:11] == [
+      "tensor<0xbf16>", f"tensor<{num_ranks}x{n_cap}x{2 * F}xbf16>",
+      f"tensor<{num_ranks}x{n_cap}x{H}xbf16>"], _signature(call)[1]
   assert text.count("@megamoe_fp8_quantize_weights(") == 2
-  assert "@megamoe_ep_dispatch_fwd(" in text and "@megamoe_ep_dispatch_bwd(" in text
-  assert text.count("@megamoe_grouped_gemm_fp8(") == 2 * 4  # per rank: forward 2, dgrad 2
+  assert text.count("@megamoe_ep_dispatch_fwd(") == 1 and "@megamoe_ep_dispatch_bwd(" in text
+  assert "@megamoe_ep_combine_bwd(" in text and "@megamoe_ep_combine_fwd(" not in text
+  assert text.count("@megamoe_fp8_swiglu_quantize(") == num_ranks
+  assert text.count("@megamoe_grouped_gemm_fp8(") == 2 * num_ranks  # dgrad only
+  assert text.count("@megamoe_grouped_wgrad_fp8(") == 2 * num_ranks
 
 
 def test_bf16_call_is_unchanged_apart_from_empty_scales():

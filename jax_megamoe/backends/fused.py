@@ -40,9 +40,11 @@ the definition does) into e4m3 + 1 x 128 scales for L2; combine stays bf16. Back
   scattered from x by slot_dest and h recomputed from gate_up by cuda_fp8.swiglu_quantize, both
   in the backward): no forward GEMM recomputed; dW_gate_up from the bf16 rows, as backend cuda
   without a mesh computes it.
-- several ranks: backend cuda's FP8 layer run again from the inputs and the same weight blocks
-  (rows in FP8 across ranks, so dW_gate_up from the FP8 rows, as backend cuda's EP path), then
-  its backward.
+- several ranks: the kernel keeps gate_up and y_sorted as with bf16; the backward runs cuda's
+  dispatch of the same FP8 rows again (the pool's rows and tables, as the bf16 path does), then
+  the same FP8 backward. dW_gate_up is computed from those dequantised FP8 rows, the rows that
+  reached the expert rank, as in backend cuda's EP path. No forward GEMM is recomputed
+  (sessions 1-13 ran cuda's whole FP8 layer again here).
 
 What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, recipe
 None, "fp8" or "fp8_pow2". Other layers (and meshes the NVLink kernels cannot serve) run on
@@ -175,7 +177,7 @@ class FusedConfig:
   @property
   def one_rank(self) -> bool:
     """One rank alone: the forward also keeps its slot table (slot_dest) and, bf16, its pool
-    rows (x_sorted); FP8 keeps residuals at one rank only (several: cuda's FP8 layer again)."""
+    rows (x_sorted); with several ranks the backward dispatches the rows again instead."""
     return self.workspace.num_ranks == 1 and not self.stacked
 
   def mlp(self):
@@ -191,8 +193,8 @@ class FusedConfig:
 class FusedResiduals(NamedTuple):
   """What the forward keeps for the backward (rows in the pool's expert order; with one rank,
   slot (t, j) of the token-major input is row slot_dest[t, j], -1 for none). x_sorted and
-  slot_dest are None with several ranks; FP8 (one rank only) keeps no x_sorted and no h (the
-  pool and h hold e4m3 rows; the backward rebuilds their bf16 values)."""
+  slot_dest are None with several ranks; FP8 keeps no x_sorted and no h (the pool and h hold
+  e4m3 rows; the backward rebuilds their bf16 values)."""
   gate_up: jax.Array      # [.., n_cap, 2F] L1's output before SwiGLU
   h: jax.Array | None     # [.., n_cap, F] SwiGLU's output, L2's input
   y_sorted: jax.Array     # [.., n_cap, H] L2's output rows
@@ -263,14 +265,6 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
     if cfg.one_rank:
       kept_res = kept_res._replace(x_sorted=x_sorted if rows else None, slot_dest=slot_dest)
   return y, stats, phases, kept_res
-
-
-def _cuda_fp8_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, blocks):
-  """Backend "cuda"'s FP8 layer on this device's local ranks, on the weight blocks the fused
-  forward used (not quantised again): the backward's path with several ranks."""
-  return cuda_ep.layer_on_local_ranks(x, ids, w, w_gate_up, w_down, workspace=cfg.workspace,
-                                      num_experts=cfg.num_experts, mlp=cfg.mlp(),
-                                      plan=cfg.plan, blocks=blocks)
 
 
 def _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals: bool):
@@ -356,7 +350,7 @@ def _fused_fp8_layer(x, ids, w, w_gate_up, w_down, blocks, cfg):
 
 
 def _fused_fp8_layer_fwd(x, ids, w, w_gate_up, w_down, blocks, cfg):
-  y, kept = _fp8_call(x, ids, w, blocks, cfg, residuals=cfg.one_rank)
+  y, kept = _fp8_call(x, ids, w, blocks, cfg, residuals=True)
   return y, (x, ids, w, w_gate_up, w_down, blocks, kept)
 
 
@@ -374,24 +368,40 @@ def _pool_rows(x, slot_dest, n_cap: int):
   return jnp.where((source >= 0)[:, None], rows, jnp.zeros((), x.dtype))
 
 
+def _fp8_pool_rows(x, ids, w, cfg: FusedConfig, ep: cuda_ep.EpConfig):
+  """Several ranks: the dispatched rows as the kernel's pool held them (its e4m3 rows, in bf16),
+  their layout (slot_pos) and received weights, from cuda's dispatch of the same FP8 rows (the
+  same (expert, source, token) order as the kernel's pool)."""
+  hidden = x.shape[-1]
+  quantize = lambda a: cuda_fp8.pack_rows(cuda_fp8.quantize_rows(a, pow2=cfg.pow2))
+  d = cuda_ep.dispatch_rows(ep.per_rank(quantize, x), ids, w, ep, cfg.plan.n_cap)
+  rows = lambda packed: cuda_fp8.dequantize_rows(cuda_fp8.unpack_rows(packed, hidden))
+  return ep.per_rank(rows, d.x_sorted), d.slot_pos, d.recv_w
+
+
 def _fused_fp8_layer_bwd(cfg, residuals, dy):
+  """cuda's EP backward with its FP8 MLP backward, from the kernel's gate_up and y_sorted; no
+  forward GEMM runs again. dW_gate_up's rows: x's bf16 rows at one rank (as backend cuda without
+  a mesh), the dequantised FP8 rows that reached the expert rank with several (as backend cuda's
+  EP path)."""
   x, ids, w, w_gate_up, w_down, blocks, kept = residuals
   dy = dy.astype(x.dtype)
-  if kept is None:  # several ranks: cuda's FP8 layer again (same rows, same blocks), backward
-    layer = lambda x, w, wgu, wd: _cuda_fp8_layer(x, ids, w, wgu, wd, cfg, blocks)
-    _, vjp = jax.vjp(layer, x, w, w_gate_up, w_down)
-    dx, dw, dwgu, dwd = vjp(dy)
-    return dx, None, dw, dwgu, dwd, cuda_fp8.zero_cotangent(blocks)
-  # One rank: cuda's EP backward with its FP8 MLP backward, from the kept rows.
   ep = cfg.ep_config()
-  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, kept.slot_dest, w, ids,
+  if kept.slot_dest is not None:  # one rank: the kernel's slot table is dispatch's slot_pos
+    x_sorted, slot_pos, recv_w = _pool_rows(x, kept.slot_dest, cfg.plan.n_cap), kept.slot_dest, w
+  else:
+    x_sorted, slot_pos, recv_w = _fp8_pool_rows(x, ids, w, cfg, ep)
+  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, slot_pos, recv_w, ids,
                                                   kept.group_sizes, ep)
-  x_sorted = _pool_rows(x, kept.slot_dest, cfg.plan.n_cap)
-  hidden, _ = cuda_fp8.swiglu_quantize(kept.gate_up, kept.group_sizes, pow2=cfg.pow2)
-  mlp_res = cuda_fp8.MlpResiduals(kept.gate_up, hidden, blocks)
-  dx_sorted, dwgu, dwd = cuda_fp8.mlp_backward(dy_sorted, x_sorted, kept.group_sizes, mlp_res,
-                                               cfg.pow2)
-  dx, dw = cuda_ep.dispatch_backward(dx_sorted, d_w_slots, kept.slot_dest, ids, ep)
+
+  def mlp_backward(dy_sorted, x_sorted, group_sizes, gate_up, blocks):
+    hidden, _ = cuda_fp8.swiglu_quantize(gate_up, group_sizes, pow2=cfg.pow2)
+    res = cuda_fp8.MlpResiduals(gate_up, hidden, blocks)
+    return cuda_fp8.mlp_backward(dy_sorted, x_sorted, group_sizes, res, cfg.pow2)
+
+  dx_sorted, dwgu, dwd = ep.per_rank(mlp_backward, dy_sorted, x_sorted, kept.group_sizes,
+                                     kept.gate_up, blocks)
+  dx, dw = cuda_ep.dispatch_backward(dx_sorted, d_w_slots, slot_pos, ids, ep)
   return dx, None, dw, dwgu, dwd, cuda_fp8.zero_cotangent(blocks)
 
 
