@@ -44,7 +44,7 @@ the definition does) into e4m3 + 1 x 128 scales for L2; combine stays bf16. Back
   dispatch of the same FP8 rows again (the pool's rows and tables, as the bf16 path does), then
   the same FP8 backward. dW_gate_up is computed from those dequantised FP8 rows, the rows that
   reached the expert rank, as in backend cuda's EP path. No forward GEMM is recomputed
-  (sessions 1-13 ran cuda's whole FP8 layer again here).
+  (until session 14 it ran cuda's whole FP8 layer again here).
 
 What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, recipe
 None, "fp8" or "fp8_pow2". Other layers (and meshes the NVLink kernels cannot serve) run on
