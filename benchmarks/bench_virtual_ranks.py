@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 
@@ -26,16 +25,9 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import problem, timing  # noqa: E402
+from benchmarks.bench_layer import git_commit  # noqa: E402
 from jax_megamoe import virtual_ranks  # noqa: E402
 from jax_megamoe.backends import cuda_bf16, cuda_fp8  # noqa: E402
-
-
-def _git_commit() -> str:
-  try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 def _layer(impl: str, recipe: str | None, ws, ranks: int, tokens: int):
@@ -106,7 +98,7 @@ def main(argv=None) -> dict:
   result = dict(bench="virtual_ranks", label=args.label, ranks=r, tokens_per_rank=t,
                 shape=args.shape, hidden=hidden, ffn=ffn, experts=e, top_k=k,
                 device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-                commit=_git_commit(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                commit=git_commit(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 rows=rows)
   if args.out:
     with open(args.out, "w") as f:
