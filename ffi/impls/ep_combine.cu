@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "ffi/impls/ep_dispatch_combine.h"
 #include "ffi/comm/slot_sum.cuh"
+#include "ffi/impls/ep_dispatch_combine.h"
 #include "ffi/impls/ep_send.cuh"
 #include "ffi/layout/ep_layout.h"
 
