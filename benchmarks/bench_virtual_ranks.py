@@ -21,13 +21,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import problem, timing  # noqa: E402
 from benchmarks.bench_layer import git_commit  # noqa: E402
 from jax_megamoe import virtual_ranks  # noqa: E402
-from jax_megamoe.backends import cuda_bf16, cuda_fp8  # noqa: E402
+from jax_megamoe.backends import fused  # noqa: E402
 
 
 def _layer(impl: str, recipe: str | None, ws, ranks: int, tokens: int):
@@ -37,9 +36,8 @@ def _layer(impl: str, recipe: str | None, ws, ranks: int, tokens: int):
     call = lambda x, ids, w, wgu, wd: virtual_ranks.fused_moe(
         stack(x), stack(ids), stack(w), wgu, wd, workspace=ws, recipe=recipe)
   elif impl == "cuda":
-    mlp = cuda_bf16.grouped_mlp if recipe is None else cuda_fp8.RowsMlp(pow2=recipe == "fp8_pow2")
     call = lambda x, ids, w, wgu, wd: virtual_ranks.expert_parallel_moe(
-        stack(x), stack(ids), stack(w), wgu, wd, workspace=ws, mlp=mlp)
+        stack(x), stack(ids), stack(w), wgu, wd, workspace=ws, mlp=fused.cuda_mlp(recipe))
   else:
     raise ValueError(f"--impls: unknown impl {impl!r} (fused, cuda)")
   return lambda x, ids, w, wgu, wd: call(x, ids, w, wgu, wd).reshape(ranks * tokens, -1)

@@ -362,21 +362,15 @@ def _multi_rank_kernel_stand_in(xq, ids, w, wgu_q, wd_q, cfg, *, residuals=False
   return y, jnp.zeros((ranks, 4), jnp.int32), None, kept
 
 
-def _slot_pos(ids, cfg):
-  """cuda dispatch's slot_pos [R, R*T, k]: the pool row at rank q of each slot q owns, else -1."""
-  ranks, tokens, top_k = ids.shape
-  rows, owner, _, _ = _pool_layout(ids, ranks, cfg.num_experts)
-  mine = owner[None, :] == jnp.arange(ranks)[:, None]
-  return jnp.where(mine, rows[None, :], -1).reshape(ranks, ranks * tokens, top_k)
-
-
 def _dispatch_rows_stand_in(packed, ids, w, cfg, n_cap):
   ranks, tokens, top_k = ids.shape
-  _, _, order, group_sizes = _pool_layout(ids, ranks, cfg.num_experts)
+  rows, owner, order, group_sizes = _pool_layout(ids, ranks, cfg.num_experts)
   per_slot = jnp.repeat(packed.reshape(ranks * tokens, -1), top_k, axis=0)
   x_sorted = jnp.stack([_to_pool(per_slot, order[q], jnp.sum(group_sizes[q]), n_cap)
                         for q in range(ranks)])
-  slot_pos = _slot_pos(ids, cfg)
+  # slot_pos [R, R*T, k]: the pool row at rank q of each slot q owns, else -1.
+  mine = owner[None, :] == jnp.arange(ranks)[:, None]
+  slot_pos = jnp.where(mine, rows[None, :], -1).reshape(ranks, ranks * tokens, top_k)
   recv_w = jnp.where(slot_pos >= 0, w.reshape(1, ranks * tokens, top_k), 0.0)
   return cuda_ep.Dispatched(x_sorted, group_sizes, slot_pos, recv_w,
                             jnp.zeros((ranks, 4), jnp.int32))
