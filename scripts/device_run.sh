@@ -5,7 +5,8 @@
 #   scripts/device_run.sh [STEP ...]     steps: build keep tests bench   (default: build tests bench)
 #
 # Needs: python3 with jax[cuda], nanobind, cmake, ninja, nvcc (the device image has them).
-# CUTLASS headers: a nvidia-cutlass wheel under .whl/ (carried; see scripts/fetch_device_deps.sh)
+# CUTLASS headers: a nvidia-cutlass wheel under .whl/, carried (the device has no network; fetch it
+# here with `pip download --no-deps -d .whl nvidia-cutlass==4.2.0.0`)
 # or JAX_MEGAMOE_CUTLASS_INCLUDE pointing at an include dir.
 # Extra pytest args: PYTEST_ARGS (split on spaces); test paths: PYTEST_PATHS (default tests);
 # a -k expression with spaces: PYTEST_K; benchmark commands: BENCH_CMDS (one per line).
