@@ -234,7 +234,8 @@ def run_jax(args, mesh, ids, weights, deadline, records: list[dict], save=lambda
                                       "error": f"inputs: {message}"}) for p in args.passes]
             continue
         layer = jax_impls.make_layer(impl, recipe, mesh)
-        per_pass = jax_impls.time_passes(layer, inputs, dy, args.passes, reps=args.reps,
+        per_pass = jax_impls.time_passes(layer, jax_impls.layer_inputs(impl, recipe, mesh, inputs),
+                                         dy, args.passes, reps=args.reps,
                                          case_cap_s=args.case_cap, deadline=deadline, log=log)
         records += [dict(base, **{"pass": p}, **r) for p, r in per_pass.items()]
         save()

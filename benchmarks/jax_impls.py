@@ -1,7 +1,11 @@
 """The JAX implementations the layer benchmark compares, and how each pass of one is timed.
 
 Implementations share one signature, layer(x, topk_ids, topk_weights, w_gate_up, w_down) -> y,
-under one mesh: jax_megamoe.moe with each backend, and the JAX-native baseline.
+under one mesh: jax_megamoe.moe with each backend, and the JAX-native baseline. "megamoe:B+blocks"
+(FP8 recipes) is backend B with its weights quantised once before the timed
+calls (jax_megamoe.quantize_expert_weights, moe(..., weight_blocks=)), as a training step
+that quantises once per step or an inference loop sees it: its w_gate_up input is the pair
+(w_gate_up, blocks), made by layer_inputs.
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ from benchmarks import timing
 from benchmarks.baselines import jax_native
 
 MEGAMOE_BACKENDS = ("reference", "cuda", "fused")
-IMPLS = tuple(f"megamoe:{b}" for b in MEGAMOE_BACKENDS) + ("jax_native",)
+BLOCKS = "+blocks"
+IMPLS = (tuple(f"megamoe:{b}" for b in MEGAMOE_BACKENDS) + ("jax_native",)
+         + tuple(f"megamoe:{b}{BLOCKS}" for b in MEGAMOE_BACKENDS))
+
+
+def _backend(impl: str) -> str:
+  return impl.split(":")[1].removesuffix(BLOCKS)
+
+
 def recipe_arg(recipe: str) -> str | None:
   """Benchmark recipe name -> jax_megamoe.moe's recipe ("bf16" is None; others pass through,
   e.g. "fp8", "mxfp8", or any recipe a backend adds)."""
@@ -26,9 +38,11 @@ def recipe_arg(recipe: str) -> str | None:
 def unavailable_reason(impl: str, recipe: str) -> str | None:
   if impl == "jax_native":
     return None if recipe == "bf16" else "bf16 only (ragged_dot has no blockwise FP8 path)"
+  if impl.endswith(BLOCKS) and recipe not in ("fp8", "fp8_pow2"):
+    return "weight blocks are for recipes fp8 and fp8_pow2"
   try:
     from jax_megamoe import backends  # noqa: PLC0415  (after the platform is set up)
-    return backends.unavailable_reason(impl.split(":")[1], recipe_arg(recipe))
+    return backends.unavailable_reason(_backend(impl), recipe_arg(recipe))
   except Exception as e:  # noqa: BLE001  (a broken backend must not stop the others)
     return f"the backend failed to load: {timing.classify_error(e)[1]}"
 
@@ -37,8 +51,25 @@ def make_layer(impl: str, recipe: str, mesh, expert_axis: str = "expert"):
   if impl == "jax_native":
     return functools.partial(jax_native.moe, mesh=mesh, expert_axis=expert_axis)
   import jax_megamoe  # noqa: PLC0415
-  return functools.partial(jax_megamoe.moe, mesh=mesh, expert_axis=expert_axis,
-                           backend=impl.split(":")[1], recipe=recipe_arg(recipe))
+  layer = functools.partial(jax_megamoe.moe, mesh=mesh, expert_axis=expert_axis,
+                            backend=_backend(impl), recipe=recipe_arg(recipe))
+  if not impl.endswith(BLOCKS):
+    return layer
+  return lambda x, ids, w, wgu_blocks, wd: layer(x, ids, w, wgu_blocks[0], wd,
+                                                 weight_blocks=wgu_blocks[1])
+
+
+def layer_inputs(impl: str, recipe: str, mesh, inputs, expert_axis: str = "expert"):
+  """The inputs (x, topk_ids, topk_weights, w_gate_up, w_down) as make_layer(impl)'s layer takes
+  them: for "+blocks", w_gate_up becomes (w_gate_up, its and w_down's blocks), quantised here,
+  once, outside the timed calls."""
+  if not impl.endswith(BLOCKS):
+    return inputs
+  import jax_megamoe  # noqa: PLC0415
+  x, ids, w, wgu, wd = inputs
+  quantize = jax.jit(functools.partial(jax_megamoe.quantize_expert_weights, recipe=recipe,
+                                       mesh=mesh, expert_axis=expert_axis))
+  return x, ids, w, (wgu, quantize(wgu, wd)), wd
 
 
 def _differentiable(layer, topk_ids):

@@ -162,11 +162,32 @@ def quantize_grouped_rows(a: jax.Array, group_sizes: jax.Array, recipe: Recipe) 
   return jnp.where(in_group[:, None], q.astype(jnp.float32) * scale, a32)
 
 
-def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Recipe) -> jax.Array:
+def dequantize_weight_blocks(q: jax.Array, scale: jax.Array) -> jax.Array:
+  """The values of weights quantised in 128 x 128 blocks, in the kernels' layout (the B operand
+  of rows @ w: q [E, P, K] e4m3, K-major; scale [E, K / 128, P / 128] float32), as w [E, K, P]
+  float32: Q_w(w) of recipes "fp8" / "fp8_pow2" for the w they were quantised from."""
+  e, p, k = q.shape
+  kb, pb = scale.shape[1], scale.shape[2]
+  values = q.astype(jnp.float32).reshape(e, pb, p // pb, kb, k // kb)
+  values = values * jnp.transpose(scale, (0, 2, 1))[:, :, None, :, None]
+  return jnp.swapaxes(values.reshape(e, p, k), 1, 2)
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: Recipe,
+               w_rounded: jax.Array | None = None) -> jax.Array:
   """Grouped x [N, K] @ w [E, K, P] -> float32 [N, P], every GEMM in FP8 (module docstring):
   forward Q_act(x) Q_w(w); backward dx = Q_act(dy) Q_w(w^T), dw = Q_grad(x)^T Q_grad(dy) per
-  group, fp32 accumulation; the gradients pass straight through the rounding."""
-  return _ragged_dot(x, w, group_sizes, recipe)
+  group, fp32 accumulation; the gradients pass straight through the rounding.
+
+  w_rounded: Q_w(w) when the caller has it (weights quantised once for several calls,
+  dequantize_weight_blocks); 128 x 128 blocks only, whose Q_w(w^T) is Q_w(w)^T. w then only
+  takes the gradient."""
+  if w_rounded is None:
+    return _ragged_dot(x, w, group_sizes, recipe)
+  if recipe.weight_block != (128, 128):
+    raise ValueError(f"w_rounded needs 128 x 128 weight blocks, recipe {recipe.name!r} has "
+                     f"{recipe.weight_block}")
+  return _ragged_dot_rounded(x, w, w_rounded, group_sizes, recipe)
 
 
 def _product(a, b, group_sizes):
@@ -189,11 +210,38 @@ def _ragged_dot_bwd(recipe, res, dy):
   x, w, group_sizes = res
   w_t = quantize_weight(jnp.swapaxes(w, 1, 2), recipe)  # [E, P, K]: dgrad's (K, N) blocks
   dx = _product(quantize_activation(dy, recipe), w_t, group_sizes)
+  return dx.astype(x.dtype), _wgrad(x, dy, w, group_sizes, recipe), None
+
+
+_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
+def _wgrad(x, dy, w, group_sizes, recipe):
+  """dw = Q_grad(x)^T Q_grad(dy) per group, in w's dtype."""
   x_g = quantize_grouped_rows(x, group_sizes, recipe)
   dy_g = quantize_grouped_rows(dy, group_sizes, recipe)
   _, wgrad = jax.vjp(lambda b: _product(x_g, b, group_sizes), w.astype(jnp.float32))
   (dw,) = wgrad(dy_g)
-  return dx.astype(x.dtype), dw.astype(w.dtype), None
+  return dw.astype(w.dtype)
 
 
-_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged_dot_rounded(x, w, w_rounded, group_sizes, recipe):
+  """_ragged_dot with Q_w(w) given: w takes the gradient, w_rounded none."""
+  del w
+  return _product(quantize_activation(x, recipe), w_rounded, group_sizes)
+
+
+def _ragged_dot_rounded_fwd(x, w, w_rounded, group_sizes, recipe):
+  y = _ragged_dot_rounded(x, w, w_rounded, group_sizes, recipe)
+  return y, (x, w, w_rounded, group_sizes)
+
+
+def _ragged_dot_rounded_bwd(recipe, res, dy):
+  x, w, w_rounded, group_sizes = res
+  dx = _product(quantize_activation(dy, recipe), jnp.swapaxes(w_rounded, 1, 2), group_sizes)
+  return (dx.astype(x.dtype), _wgrad(x, dy, w, group_sizes, recipe),
+          jnp.zeros_like(w_rounded), None)
+
+
+_ragged_dot_rounded.defvjp(_ragged_dot_rounded_fwd, _ragged_dot_rounded_bwd)

@@ -110,8 +110,11 @@ class MoE(nnx.Module):
       return kind(value, out_sharding=sharding, eager_sharding=False)
     return kind(value, out_sharding=sharding, mesh=self.mesh)
 
-  def __call__(self, x: jax.Array, *, return_aux: bool = False
+  def __call__(self, x: jax.Array, *, return_aux: bool = False, weight_blocks=None
                ) -> jax.Array | tuple[jax.Array, RouterAux]:
+    """y [..., H] for x [..., H] (with return_aux also the router's RouterAux). weight_blocks:
+    recipes "fp8" / "fp8_pow2", this module's expert weights already quantised
+    (jax_megamoe.quantize_expert_weights of w_gate_up and w_down in `dtype`; see moe)."""
     if not isinstance(x, (jax.Array, np.ndarray)):
       raise ValueError(f"x must be a jax.Array or numpy array, got {type(x).__name__}")
     if x.ndim == 0 or x.shape[-1] != self.hidden_size:
@@ -132,7 +135,7 @@ class MoE(nnx.Module):
         y = moe(tokens.astype(self.dtype), topk_ids, topk_weights,
                 self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),
                 mesh=self.mesh, expert_axis=self.expert_axis, backend=self.backend,
-                recipe=self.recipe)
+                recipe=self.recipe, weight_blocks=weight_blocks)
       y = y.reshape(*lead, self.hidden_size)
     return (y, aux) if return_aux else y
 

@@ -8,6 +8,7 @@ from jax.sharding import Mesh
 
 from jax_megamoe import backends, eager, fp8
 from jax_megamoe.validation import COMPUTE_DTYPES, check_layer_args
+from jax_megamoe.weight_blocks import check_weight_blocks
 
 BACKENDS = backends.NAMES
 RECIPES = (None, *fp8.RECIPES)
@@ -16,7 +17,7 @@ __all__ = ["BACKENDS", "COMPUTE_DTYPES", "RECIPES", "moe"]
 
 def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: jax.Array,
         w_down: jax.Array, *, mesh: Mesh | None = None, expert_axis: str = "expert",
-        backend: str = "auto", recipe: str | None = None) -> jax.Array:
+        backend: str = "auto", recipe: str | None = None, weight_blocks=None) -> jax.Array:
   """Mixture-of-experts SwiGLU layer: y[t] = sum_j w[t,j] * Expert_{id[t,j]}(x[t]).
 
   Args:
@@ -38,6 +39,10 @@ def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: j
       "fp8" and "fp8_pow2"; its backward runs "cuda"'s kernels, so "auto" does not pick it yet).
     recipe: None (matmuls in x's dtype, fp32 accumulation), "fp8" / "fp8_pow2" (blockwise FP8,
       Hopper) or "mxfp8" (MXFP8, Blackwell).
+    weight_blocks: recipes "fp8" / "fp8_pow2": w_gate_up and w_down already quantised,
+      jax_megamoe.quantize_expert_weights(w_gate_up, w_down, recipe, mesh=mesh), so that
+      several calls with the same weights quantise them once (jax_megamoe/weight_blocks.py).
+      The result is the same as without them; gradients still go to w_gate_up and w_down.
 
   Returns:
     y [T, H] in x's dtype. Differentiable w.r.t. x, topk_weights, w_gate_up and w_down.
@@ -47,9 +52,20 @@ def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: j
   if recipe not in RECIPES:
     raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
   shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down, mesh, expert_axis)
+  if weight_blocks is not None:
+    check_weight_blocks(weight_blocks, shape, recipe)
   if mesh is not None and eager.is_eager(x, topk_ids, topk_weights, w_gate_up, w_down):
-    return eager.call(moe, x, topk_ids, topk_weights, w_gate_up, w_down, mesh=mesh,
-                      expert_axis=expert_axis, backend=backend, recipe=recipe)
+    return eager.call(_moe_with_blocks, x, topk_ids, topk_weights, w_gate_up, w_down,
+                      weight_blocks, mesh=mesh, expert_axis=expert_axis, backend=backend,
+                      recipe=recipe)
   impl = backends.resolve(backend, recipe, shape=shape, mesh=mesh, expert_axis=expert_axis)
   return impl.moe(x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up,
-                  w_down, mesh=mesh, expert_axis=expert_axis, recipe=recipe, shape=shape)
+                  w_down, mesh=mesh, expert_axis=expert_axis, recipe=recipe, shape=shape,
+                  weight_blocks=weight_blocks)
+
+
+def _moe_with_blocks(x, topk_ids, topk_weights, w_gate_up, w_down, weight_blocks, **options):
+  """moe with weight_blocks positional: eager.call keeps keyword options static, and the blocks
+  are arrays."""
+  return moe(x, topk_ids, topk_weights, w_gate_up, w_down, weight_blocks=weight_blocks,
+             **options)

@@ -29,6 +29,7 @@ from jax_megamoe.validation import LayerShape, check_layer_args
 
 # (x_sorted [N, H], group_sizes [E_local], w_gate_up, w_down) -> y_sorted [N, H]: the expert MLP
 # over rows grouped by expert, recipe already bound (contract: backends.reference.grouped_mlp).
+# FP8 MLPs also take blocks= (the weights already quantised: jax_megamoe.weight_blocks).
 GroupedMlp = Callable[..., jax.Array]
 
 
@@ -57,27 +58,43 @@ def shard_map(f, mesh: Mesh, in_specs, out_specs, *, check_vma: bool = True):
                          check_rep=check_vma)
 
 
+def _laid_out(mesh: Mesh, args, in_specs):
+  """args as shard_map expects them: explicit-axes meshes type their shardings, so the inputs
+  are resharded to the specs whatever sharding they arrive with (Auto meshes let shard_map
+  reshard by itself). An arg may be a pytree (its spec applies to every leaf)."""
+  if AxisType.Auto in tuple(getattr(mesh, "axis_types", (AxisType.Auto,))):
+    return args
+  return [jax.tree.map(lambda a, spec=spec: jax.reshard(a, NamedSharding(mesh, spec)), arg)
+          for arg, spec in zip(args, in_specs)]
+
+
 def shard_over_mesh(per_device: Callable[..., jax.Array], mesh: Mesh, expert_axis: str,
                     args, *, check_vma: bool = True) -> jax.Array:
-  """Runs per_device(x, topk_ids, topk_weights, w_gate_up, w_down) on every device of `mesh`
-  (DESIGN.md §3): tokens sharded over every mesh axis, experts over `expert_axis`; the result is
-  tokens-sharded. The one shard_map of every expert-parallel layer."""
+  """Runs per_device(x, topk_ids, topk_weights, w_gate_up, w_down[, weight_blocks]) on every
+  device of `mesh` (DESIGN.md §3): tokens sharded over every mesh axis, experts over
+  `expert_axis` (the weights and, when given, their blocks: jax_megamoe.weight_blocks); the
+  result is tokens-sharded. The one shard_map of every expert-parallel layer."""
   tokens = P(token_axes(mesh))
   experts = P(expert_axis)
-  in_specs = (tokens, tokens, tokens, experts, experts)
-  if AxisType.Auto not in tuple(getattr(mesh, "axis_types", (AxisType.Auto,))):
-    # Explicit-axes meshes type their shardings: lay the inputs out as the shard_map expects,
-    # whatever sharding they arrive with (Auto meshes let shard_map reshard by itself).
-    args = [jax.reshard(arg, NamedSharding(mesh, spec)) for arg, spec in zip(args, in_specs)]
+  in_specs = (tokens, tokens, tokens) + (experts,) * (len(args) - 3)
+  args = _laid_out(mesh, args, in_specs)
   return shard_map(per_device, mesh, in_specs, tokens, check_vma=check_vma)(*args)
+
+
+def shard_over_experts(per_device: Callable, mesh: Mesh, expert_axis: str, args):
+  """per_device(*args) on every device of `mesh` over its experts: every arg (a pytree) and the
+  result sharded along their leading axis over `expert_axis` (e.g. quantising the weights)."""
+  in_specs = (P(expert_axis),) * len(args)
+  return shard_map(per_device, mesh, in_specs, P(expert_axis))(*_laid_out(mesh, args, in_specs))
 
 
 def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh: Mesh,
                         expert_axis: str, mlp: GroupedMlp, shape: LayerShape | None = None,
-                        exchange: str = "auto"):
+                        exchange: str = "auto", weight_blocks=None):
   """moe() under a mesh with the collective exchange around `mlp` (x_sorted, group_sizes,
-  w_gate_up, w_down) -> y_sorted. `shape`: the validated sizes (jax_megamoe.validation); None
-  validates the arguments here."""
+  w_gate_up, w_down[, blocks=]) -> y_sorted. `shape`: the validated sizes
+  (jax_megamoe.validation); None validates the arguments here. weight_blocks: the weights
+  already quantised (jax_megamoe.weight_blocks), handed to `mlp` as blocks=."""
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
   if shape is None:
@@ -88,12 +105,17 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh: M
                                ep_size=shape.ep_size, num_experts=shape.num_experts, mlp=mlp,
                                exchange=exchange)
   args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
+  if weight_blocks is not None:
+    args += (weight_blocks,)
   return shard_over_mesh(shard_fn, mesh, expert_axis, args)
 
 
-def _expert_parallel_shard(x, topk_ids, topk_weights, w_gate_up, w_down, *, expert_axis,
-                           ep_size, num_experts, mlp, exchange):
-  """One device: x [T, H], topk_* [T, k], w_* [E / ep_size, ...] (its own experts)."""
+def _expert_parallel_shard(x, topk_ids, topk_weights, w_gate_up, w_down, weight_blocks=None, *,
+                           expert_axis, ep_size, num_experts, mlp, exchange):
+  """One device: x [T, H], topk_* [T, k], w_* [E / ep_size, ...] (its own experts; so are the
+  weight blocks, when given)."""
+  if weight_blocks is not None:
+    mlp = functools.partial(mlp, blocks=weight_blocks)
   num_tokens, top_k = topk_ids.shape
   experts_per_rank = num_experts // ep_size
 

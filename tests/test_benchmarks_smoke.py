@@ -38,6 +38,21 @@ def _is_png(path):
   return path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_layer_rows_with_weight_blocks(tmp_path):
+  """"megamoe:B+blocks": the layer with its FP8 weights quantised once before the timed calls
+  (jax_impls.layer_inputs); bf16 is recorded as not available."""
+  impls = "megamoe:reference,megamoe:reference+blocks"
+  bench_layer.main(["--smoke", "--impls", impls, "--passes", "fwd,2f1b", "--shapes", "small",
+                    "--recipes", "bf16,fp8", "--tokens", "16", *TINY,
+                    *_outputs(tmp_path, "layer")])
+  saved = json.loads((tmp_path / "layer.json").read_text())
+  status = {(r["impl"], r["recipe"], r["pass"]): r["status"] for r in saved["results"]}
+  assert status[("megamoe:reference+blocks", "bf16", "fwd")] == "not available"
+  for impl in impls.split(","):
+    for name in ("fwd", "2f1b"):
+      assert status[(impl, "fp8", name)] == "ok", (impl, name)
+
+
 def test_layer_smoke_writes_json_markdown_and_chart(tmp_path):
   impls = "megamoe:reference,megamoe:cuda,megamoe:fused,jax_native"
   result = bench_layer.main(["--smoke", "--impls", impls, "--passes", "fwd,2f1b", *TINY,

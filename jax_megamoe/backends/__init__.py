@@ -6,10 +6,14 @@ A backend is a module with
   auto_reason(shape, mesh, expert_axis)       (optional) why "auto" should not pick it for this
                                               layer (shape None: for any layer) although it
                                               can run (None: pick it)
-  moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, recipe, shape)
+  moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, recipe, shape,
+      weight_blocks=None)
                                               the layer; arguments already validated once by
                                               jax_megamoe.moe (`shape`: validation.LayerShape;
-                                              topk_ids int32, topk_weights float32)
+                                              topk_ids int32, topk_weights float32;
+                                              weight_blocks: the FP8 weights already quantised,
+                                              jax_megamoe.weight_blocks, read instead of
+                                              quantising them)
 "reference" and "cuda" build their layer from two parts: an expert MLP over rows grouped by
 expert (parallel.GroupedMlp) and, under a mesh, an exchange that moves the rows to the experts'
 ranks and back (parallel.expert_parallel_moe: XLA collectives; cuda_ep.expert_parallel_moe:

@@ -71,14 +71,14 @@ def grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, *, recipe: str | None 
 
 
 def moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, recipe,
-        shape: LayerShape):
+        shape: LayerShape, weight_blocks=None):
   """The layer (backend protocol: jax_megamoe.backends)."""
   mlp = expert_mlp(recipe, shape.dtype, shape.hidden, shape.ffn)
   args = (x, topk_ids, topk_weights, w_gate_up, w_down)
   if mesh is None:
-    return local_moe(*args, mlp=mlp)
+    return local_moe(*args, mlp=mlp, weight_blocks=weight_blocks)
   if cuda_ep.unavailable_reason(mesh, expert_axis, shape) is None:
     return cuda_ep.expert_parallel_moe(*args, mesh=mesh, expert_axis=expert_axis, mlp=mlp,
-                                       shape=shape)
+                                       shape=shape, weight_blocks=weight_blocks)
   return parallel.expert_parallel_moe(*args, mesh=mesh, expert_axis=expert_axis, mlp=mlp,
-                                      shape=shape)
+                                      shape=shape, weight_blocks=weight_blocks)

@@ -341,14 +341,14 @@ class LayerPlan:
     return cls(n_cap, bool(check_capacity), fp8_rows)
 
 
-def layer_on_local_ranks(x, ids, w, w_gate_up, w_down, *, workspace, num_experts: int,
-                         mlp: Callable, plan: LayerPlan,
-                         blocks: cuda_fp8.ExpertWeightBlocks | None = None):
+def layer_on_local_ranks(x, ids, w, w_gate_up, w_down,
+                         blocks: cuda_fp8.ExpertWeightBlocks | None = None, *, workspace,
+                         num_experts: int, mlp: Callable, plan: LayerPlan):
   """dispatch -> mlp -> combine for this device's local ranks of `workspace`: one rank inside
   shard_map (x [T, H], ids / w [T, k], its experts' weights), or all R ranks of a virtual group
-  (every operand with a leading rank axis). The kernels are the same either way. With FP8 rows,
-  `blocks` may give the weights as already quantised (mlp.quantize_weights of w_gate_up and
-  w_down, stacked like them), so that they are not quantised again."""
+  (every operand with a leading rank axis). The kernels are the same either way. `blocks` may
+  give the weights as already quantised (mlp.quantize_weights of w_gate_up and w_down, stacked
+  like them: jax_megamoe.weight_blocks), so that they are not quantised again."""
   cfg = _config(workspace, num_experts, x, ids)
   _check_inputs(x, ids, w, cfg.lead)
   if plan.fp8_rows:
@@ -360,7 +360,11 @@ def layer_on_local_ranks(x, ids, w, w_gate_up, w_down, *, workspace, num_experts
     d = Dispatched(None, group_sizes, slot_pos, recv_w, stats)
   else:
     d = _dispatch(x, ids, w, cfg, plan.n_cap)
-    y_sorted = cfg.per_rank(mlp, d.x_sorted, d.group_sizes, w_gate_up, w_down)
+    if blocks is None:
+      y_sorted = cfg.per_rank(mlp, d.x_sorted, d.group_sizes, w_gate_up, w_down)
+    else:  # bf16 rows (fp8_dispatch=False) into the FP8 MLP
+      y_sorted = cfg.per_rank(lambda *a: mlp(*a[:4], blocks=a[4]), d.x_sorted, d.group_sizes,
+                              w_gate_up, w_down, blocks)
   if plan.check_capacity:
     jax.debug.callback(raise_on_bad_stats, d.stats)
   return _combine(y_sorted.astype(x.dtype), d.slot_pos, d.recv_w, ids, d.group_sizes, cfg)
@@ -405,7 +409,7 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
                         workspace: symmetric.SymmetricWorkspace | None = None,
                         capacity_factor: float | None = None,
                         check_capacity: bool | None = None,
-                        fp8_dispatch: bool | None = None):
+                        fp8_dispatch: bool | None = None, weight_blocks=None):
   """The whole EP MoE layer over `mesh` with the NVLink exchange around `mlp`:
   y [T_total, H] (contract: jax_megamoe.moe).
 
@@ -416,6 +420,7 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
   capacity_factor, check_capacity: see the module doc.
   fp8_dispatch: rows travel in FP8 (quantised once on the sender); None = whenever `mlp`
     allows it, True = required (ValueError naming why not), False = bf16 rows.
+  weight_blocks: the weights already quantised for an FP8 `mlp` (jax_megamoe.weight_blocks).
   """
   if shape is None:
     shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down, mesh, expert_axis)
@@ -434,4 +439,6 @@ def expert_parallel_moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh,
   per_device = functools.partial(layer_on_local_ranks, workspace=workspace,
                                  num_experts=shape.num_experts, mlp=mlp, plan=plan)
   args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
+  if weight_blocks is not None:
+    args += (weight_blocks,)
   return parallel.shard_over_mesh(per_device, mesh, expert_axis, args, check_vma=False)

@@ -145,11 +145,16 @@ def dgrad_operand(blocks: QuantizedWeights) -> QuantizedWeights:
   return QuantizedWeights(jnp.swapaxes(blocks.q, 1, 2), jnp.swapaxes(blocks.scale, 1, 2))
 
 
-class ExpertWeightBlocks(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w_gate_up", "w_down"],
+                   meta_fields=["pow2"])
+@dataclasses.dataclass(frozen=True)
+class ExpertWeightBlocks:
   """Both expert weights of a layer in 128x128 blocks (quantize_weights), as the forward's GEMMs
-  read them."""
+  read them. pow2 (static): the scales are recipe "fp8_pow2"'s (powers of two), else "fp8"'s.
+  Public as jax_megamoe.ExpertWeightBlocks (jax_megamoe/weight_blocks.py)."""
   w_gate_up: QuantizedWeights
   w_down: QuantizedWeights
+  pow2: bool = False
 
 
 def quantize_expert_weights(w_gate_up, w_down, *, pow2: bool = False) -> ExpertWeightBlocks:
@@ -158,7 +163,7 @@ def quantize_expert_weights(w_gate_up, w_down, *, pow2: bool = False) -> ExpertW
   here, so the blocks carry none)."""
   blocks = ExpertWeightBlocks(
       quantize_weights(jax.lax.stop_gradient(w_gate_up), pow2=pow2),
-      quantize_weights(jax.lax.stop_gradient(w_down), pow2=pow2))
+      quantize_weights(jax.lax.stop_gradient(w_down), pow2=pow2), bool(pow2))
   return jax.tree.map(_named, blocks)
 
 
@@ -368,8 +373,11 @@ class RowsMlp:
   rows in FP8, quantised once on the sender."""
   pow2: bool = False
 
-  def __call__(self, x_sorted, group_sizes, w_gate_up, w_down):
-    return grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, self.pow2)
+  def __call__(self, x_sorted, group_sizes, w_gate_up, w_down, blocks=None):
+    """blocks: the weights already quantised (quantize_expert_weights), or None."""
+    if blocks is None:
+      return grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, self.pow2)
+    return grouped_mlp_from_blocks(x_sorted, group_sizes, w_gate_up, w_down, blocks, self.pow2)
 
   def quantize_weights(self, w_gate_up, w_down) -> ExpertWeightBlocks:
     return quantize_expert_weights(w_gate_up, w_down, pow2=self.pow2)

@@ -408,15 +408,18 @@ def _fused_fp8_layer_bwd(cfg, residuals, dy):
 _fused_fp8_layer.defvjp(_fused_fp8_layer_fwd, _fused_fp8_layer_bwd)
 
 
-def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig):
+def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig,
+                blocks: cuda_fp8.ExpertWeightBlocks | None = None):
   """The fused layer on this device's local ranks of cfg.workspace (one rank inside shard_map,
   or the R ranks of a virtual group, operands stacked), differentiable. FP8 recipes: the
-  weights are quantised here, outside the VJP (quantized_weights)."""
+  weights are quantised here, outside the VJP (quantized_weights), unless `blocks` gives them
+  already quantised (jax_megamoe.weight_blocks; stacked like the weights)."""
   x, w_gate_up, w_down = varying.align_varying(x, w_gate_up, w_down)
   ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
   if cfg.recipe is None:
     return _fused_layer(x, ids, w, w_gate_up, w_down, cfg)
-  blocks = quantized_weights(w_gate_up, w_down, cfg)
+  if blocks is None:
+    blocks = quantized_weights(w_gate_up, w_down, cfg)
   return _fused_fp8_layer(x, ids, w, w_gate_up, w_down, blocks, cfg)
 
 
@@ -455,19 +458,19 @@ def _local_workspace(shape: LayerShape, n_cap: int) -> symmetric.SymmetricWorksp
 
 
 def moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, recipe,
-        shape: LayerShape):
+        shape: LayerShape, weight_blocks=None):
   """The layer (backend protocol: jax_megamoe.backends). Layers or meshes the kernel cannot
   take run on backend "cuda" (see the module doc)."""
   args = (x, topk_ids, topk_weights, w_gate_up, w_down)
   fallback = functools.partial(cuda.moe, *args, mesh=mesh, expert_axis=expert_axis,
-                               recipe=recipe, shape=shape)
+                               recipe=recipe, shape=shape, weight_blocks=weight_blocks)
   if (recipe is not None and recipe not in FP8_RECIPES) or layer_unavailable_reason(shape):
     return fallback()
   if mesh is None:
     plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(recipe))
     cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
                       max_ctas(False), recipe=recipe)
-    return fused_layer(*args, cfg)
+    return fused_layer(*args, cfg, weight_blocks)
   if cuda_ep.unavailable_reason(mesh, expert_axis, shape) is not None:
     return fallback()
   plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(recipe))
@@ -477,5 +480,7 @@ def moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, reci
   cfg = FusedConfig(workspace, shape.num_experts, plan, max_ctas(shape.ep_size > 1),
                     recipe=recipe)
   args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
-  return parallel.shard_over_mesh(functools.partial(fused_layer, cfg=cfg), mesh, expert_axis,
-                                  args, check_vma=False)
+  if weight_blocks is not None:
+    args += (weight_blocks,)
+  per_device = lambda x, ids, w, a, b, blocks=None: fused_layer(x, ids, w, a, b, cfg, blocks)
+  return parallel.shard_over_mesh(per_device, mesh, expert_axis, args, check_vma=False)
