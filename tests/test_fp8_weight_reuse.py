@@ -2,8 +2,6 @@
 quantised once per step, in the optimised program of the default device's XLA (the CPU's in CI,
 the GPU's on a GPU machine), and the accumulated gradients are those of a Python loop."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +9,7 @@ import pytest
 
 from jax_megamoe import _ffi
 from jax_megamoe.backends import cuda_fp8
+from jaxpr_helpers import hlo_computations_holding
 
 _PLATFORM = "cpu" if jax.default_backend() == "cpu" else "CUDA"
 pytestmark = pytest.mark.skipif(
@@ -53,9 +52,7 @@ def test_fp8_mlp_in_a_gradient_accumulation_scan_quantises_each_weight_once(form
     return jax.lax.scan(body, zeros, xs, unroll=form == "unrolled")[0]
 
   compiled = jax.jit(accumulate).lower(wgu, wd, xs).compile().as_text()
-  computations = re.split(r"\n(?=\S.*\{\n)", compiled)
-  holding = [c.split("\n", 1)[0] for c in computations
-             if cuda_fp8.QUANTIZE_WEIGHTS_TARGET in c]
+  holding = hlo_computations_holding(compiled, cuda_fp8.QUANTIZE_WEIGHTS_TARGET)
   assert len(holding) == 1 and holding[0].startswith("ENTRY"), holding
   assert compiled.count(cuda_fp8.QUANTIZE_WEIGHTS_TARGET) == 2
   if form == "loop":

@@ -2,8 +2,6 @@
 the same layer, forward and gradients, bit for bit, in every backend and process layout; a
 rolled scan over micro-batches then quantises each weight once; bad blocks are refused."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +11,7 @@ from jax.sharding import Mesh
 import jax_megamoe as jm
 from jax_megamoe import _ffi
 from jax_megamoe.backends import cuda_fp8
+from jaxpr_helpers import hlo_computations_holding
 
 _PLATFORM = "cpu" if jax.default_backend() == "cpu" else "CUDA"
 needs_fp8_handlers = pytest.mark.skipif(
@@ -131,9 +130,7 @@ def test_rolled_scan_quantises_the_weights_once():
     return jax.lax.scan(body, zeros, xs)[0]
 
   compiled = jax.jit(accumulate).lower(wgu, wd, xs).compile().as_text()
-  computations = re.split(r"\n(?=\S.*\{\n)", compiled)
-  holding = [c.split("\n", 1)[0] for c in computations
-             if cuda_fp8.QUANTIZE_WEIGHTS_TARGET in c]
+  holding = hlo_computations_holding(compiled, cuda_fp8.QUANTIZE_WEIGHTS_TARGET)
   assert len(holding) == 1 and holding[0].startswith("ENTRY"), holding
   assert compiled.count(cuda_fp8.QUANTIZE_WEIGHTS_TARGET) == 2
   assert " while(" in compiled  # the loop is still a loop
