@@ -21,8 +21,8 @@ Backward (until the fused backward exists) runs backend "cuda"'s kernels, from r
   4 B per expert: 1.6 GiB, what backend "cuda" keeps), and the backward is cuda's EP backward
   on one rank: combine's VJP (dy_sorted = w * dy by slot, d topk_weights = <dy, y_sorted>), the
   grouped MLP backward, dispatch's VJP (dx summed over slots). No forward is recomputed.
-- several ranks (EP across GPUs, virtual ranks), bf16: the kernel keeps gate_up, h and y_sorted (L2's
-  rows, a second store of its epilogue) but not the pool (symmetric memory the next layer
+- several ranks (EP across GPUs, virtual ranks), bf16: the kernel keeps gate_up, h and y_sorted
+  (L2's rows, a second store of its epilogue) but not the pool (symmetric memory the next layer
   overwrites) nor expert-side slot tables, so the backward runs cuda's dispatch again (x_sorted,
   slot_pos, recv_w: the same (expert, source, token) row order as the kernel's pool), then
   cuda's EP backward. No GEMM is recomputed. (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: what
@@ -424,9 +424,9 @@ def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig,
 
 
 def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=None):
-  """One device, no mesh (for the breakdown benchmark): (y, phase clock [len(PHASES)] int32: ns from the
-  kernel's start to the end of each of PHASES, on its CTA 0). Forward only; FP8 recipes: the
-  kernel alone (rows and weights quantised before it, outside the clock)."""
+  """One device, no mesh (for the breakdown benchmark): (y, phase clock [len(PHASES)] int32: ns
+  from the kernel's start to the end of each of PHASES, on its CTA 0). Forward only; FP8
+  recipes: the kernel alone (rows and weights quantised before it, outside the clock)."""
   from jax_megamoe.validation import check_layer_args
   shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down)
   reason = layer_unavailable_reason(shape) or unavailable_reason(recipe)
