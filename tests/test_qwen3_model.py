@@ -204,3 +204,36 @@ def test_chunked_cross_entropy_bf16_backward_runs_bf16_gemms(chunk):
   assert len(dots) == 3, dots  # logits, d_hidden, d_head: the logits are made once
   assert all(a == b == jnp.bfloat16 for a, b in dots), dots
 
+
+
+def test_moe_weight_blocks_give_the_same_model():
+  """model(ids, moe_weight_blocks=model.quantize_moe_weights()) is model(ids) bit for bit,
+  logits and every parameter's gradient, with and without remat (recipe fp8, reference
+  backend; the dense layer's entry is None); a wrong length or a bf16 model is refused."""
+  config = get_config("tiny", vocab_size=64, hidden_size=128, num_layers=3, num_heads=2,
+                      num_kv_heads=1, head_dim=64, num_experts=4, top_k=2, moe_ffn_size=128,
+                      dense_ffn_size=64, mlp_only_layers=(1,))
+  ids = jax.random.randint(jax.random.key(3), (2, 16), 0, config.vocab_size)
+  for remat in ("none", "full"):
+    model = Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, backend="reference",
+                     recipe="fp8", remat=remat)
+    graphdef, params = nnx.split(model)
+
+    def loss(params, with_blocks):
+      m = nnx.merge(graphdef, params)
+      blocks = m.quantize_moe_weights() if with_blocks else None
+      return jnp.mean(m(ids, moe_weight_blocks=blocks) ** 2)
+
+    results = [jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, b)
+               for b in (False, True)]
+    (v0, g0), (v1, g1) = results
+    assert np.isfinite(float(v0)) and float(v0) > 0
+    np.testing.assert_array_equal(np.asarray(v0), np.asarray(v1))
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert model.quantize_moe_weights()[1] is None
+  with pytest.raises(ValueError, match="one entry per decoder layer \\(3\\), got 2"):
+    model(ids, moe_weight_blocks=(None, None))
+  plain = Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, backend="reference")
+  with pytest.raises(ValueError, match="got recipe None"):
+    plain.quantize_moe_weights()

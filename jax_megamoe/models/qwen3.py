@@ -25,6 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jax_megamoe import fp8
 from jax_megamoe.module import MoE
 from jax_megamoe.router import update_selection_bias
+from jax_megamoe.weight_blocks import quantize_expert_weights
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
 
 __all__ = ["CONFIGS", "FLOAT32_PARAMS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe",
@@ -176,12 +177,13 @@ class DecoderLayer(nnx.Module):
     else:
       self.mlp = DenseMlp(c, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """x [B, S, H] -> (x [B, S, H], RouterAux or None for a dense layer)."""
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, weight_blocks=None):
+    """x [B, S, H] -> (x [B, S, H], RouterAux or None for a dense layer). weight_blocks: the
+    MoE layer's FP8 expert weights already quantised (Qwen3Moe.quantize_moe_weights)."""
     x = x + self.attn(self.input_norm(x), cos, sin)
     h = self.post_attn_norm(x)
     if self.is_moe:
-      y, aux = self.mlp(h, return_aux=True)
+      y, aux = self.mlp(h, return_aux=True, weight_blocks=weight_blocks)
       return x + y, aux
     return x + self.mlp(h), None
 
@@ -231,16 +233,23 @@ class Qwen3Moe(nnx.Module):
                              param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-               return_aux: bool = False, return_hidden: bool = False
-               ) -> jax.Array | tuple[jax.Array, ModelAux]:
+               return_aux: bool = False, return_hidden: bool = False,
+               moe_weight_blocks=None) -> jax.Array | tuple[jax.Array, ModelAux]:
     """input_ids [B, S] int -> logits [B, S, V] float32 (and ModelAux with return_aux).
 
     positions: optional [B, S] or [S] RoPE positions (default 0..S-1).
     return_hidden: return the final normed hidden states [B, S, H] (compute dtype) instead of
       the logits, e.g. for models/losses.chunked_cross_entropy with `head()`.
+    moe_weight_blocks: recipes "fp8" / "fp8_pow2", quantize_moe_weights() of these parameters,
+      made once for several calls (e.g. the micro-batches of a rolled scan); the same model.
     """
     if input_ids.ndim != 2:
       raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+    if moe_weight_blocks is None:
+      moe_weight_blocks = (None,) * len(self.layers)
+    if len(moe_weight_blocks) != len(self.layers):
+      raise ValueError(f"moe_weight_blocks must have one entry per decoder layer "
+                       f"({len(self.layers)}), got {len(moe_weight_blocks)}")
     seq = input_ids.shape[1]
     if positions is None:
       positions = jnp.arange(seq, dtype=jnp.int32)
@@ -253,8 +262,8 @@ class Qwen3Moe(nnx.Module):
     if self.remat != "none":
       run_layer = nnx.remat(_run_layer, policy=REMAT_POLICIES[self.remat])
     auxes = []
-    for layer in self.layers:
-      x, aux = run_layer(layer, x, cos, sin)
+    for layer, blocks in zip(self.layers, moe_weight_blocks):
+      x, aux = run_layer(layer, x, cos, sin, blocks)
       x = self._shard_batch(x)
       if aux is not None:
         auxes.append(aux)
@@ -274,6 +283,21 @@ class Qwen3Moe(nnx.Module):
                            jnp.zeros((0, e)))
     return out, ModelAux(*(jnp.stack(field) for field in zip(*auxes)))
 
+  def quantize_moe_weights(self) -> tuple:
+    """Every MoE layer's expert weights in the compute dtype, quantised for the layers' FP8
+    recipe (jax_megamoe.quantize_expert_weights; None for a dense layer): pass it as
+    moe_weight_blocks to calls that share these parameters, so they quantise once."""
+    blocks = []
+    for layer in self.layers:
+      if not layer.is_moe:
+        blocks.append(None)
+        continue
+      moe = layer.mlp
+      blocks.append(quantize_expert_weights(
+          moe.w_gate_up[...].astype(moe.dtype), moe.w_down[...].astype(moe.dtype), moe.recipe,
+          mesh=moe.mesh, expert_axis=moe.expert_axis))
+    return tuple(blocks)
+
   def head(self) -> jax.Array:
     """The output projection [H, V] (param_dtype): lm_head, or the embedding when tied."""
     if self.config.tie_word_embeddings:
@@ -290,8 +314,9 @@ class Qwen3Moe(nnx.Module):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array):
-  return layer(x, cos, sin)
+def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array,
+               weight_blocks=None):
+  return layer(x, cos, sin, weight_blocks)
 
 
 def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: float,
