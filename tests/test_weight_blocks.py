@@ -89,6 +89,17 @@ def test_reference_backend_over_an_expert_mesh_with_blocks_is_the_same_layer(rec
 
 
 @needs_fp8_handlers
+def test_explicit_axes_mesh_with_blocks_is_the_same_layer():
+  """The same under a mesh with explicit axes, whose shardings are typed (the blocks are laid
+  out over the experts like the weights)."""
+  from jax.sharding import AxisType
+  mesh = jax.make_mesh((2, 2), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:4])
+  with jax.set_mesh(mesh):  # the test's own loss needs it under explicit axes
+    _assert_same_layer(_Maker("fp8", mesh, backend="reference"), tokens=64, seed=5)
+
+
+@needs_fp8_handlers
 def test_module_takes_blocks():
   """MoE(recipe="fp8")(x, weight_blocks=) is MoE(x), blocks made from its weights in its dtype."""
   from flax import nnx
