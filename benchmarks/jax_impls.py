@@ -38,10 +38,11 @@ def recipe_arg(recipe: str) -> str | None:
 def unavailable_reason(impl: str, recipe: str) -> str | None:
   if impl == "jax_native":
     return None if recipe == "bf16" else "bf16 only (ragged_dot has no blockwise FP8 path)"
-  if impl.endswith(BLOCKS) and recipe not in ("fp8", "fp8_pow2"):
-    return "weight blocks are for recipes fp8 and fp8_pow2"
   try:
     from jax_megamoe import backends  # noqa: PLC0415  (after the platform is set up)
+    from jax_megamoe.backends import cuda_fp8  # noqa: PLC0415
+    if impl.endswith(BLOCKS) and recipe not in cuda_fp8.RECIPES:
+      return f"weight blocks are for recipes {cuda_fp8.RECIPES}"
     return backends.unavailable_reason(_backend(impl), recipe_arg(recipe))
   except Exception as e:  # noqa: BLE001  (a broken backend must not stop the others)
     return f"the backend failed to load: {timing.classify_error(e)[1]}"

@@ -30,21 +30,16 @@ from jax_megamoe.backends import cuda_fp8
 from jax_megamoe.backends.cuda_fp8 import ExpertWeightBlocks
 from jax_megamoe.validation import LayerShape
 
-FP8_RECIPES = ("fp8", "fp8_pow2")
+FP8_RECIPES = cuda_fp8.RECIPES
 __all__ = ["ExpertWeightBlocks", "check_weight_blocks", "quantize_expert_weights"]
 
 
 def _check_weights(w_gate_up, w_down, recipe) -> None:
   if recipe not in FP8_RECIPES:
     raise ValueError(f"weight blocks exist for recipes {FP8_RECIPES}, got recipe {recipe!r}")
+  # Here, before any shard_map, and with the arguments' names (the quantiser checks "w").
   for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-    if getattr(w, "ndim", None) != 3 or str(w.dtype) != "bfloat16":
-      raise ValueError(f"{name} must be a 3-D bfloat16 array for weight blocks, got "
-                       f"{getattr(w, 'dtype', type(w).__name__)}{list(getattr(w, 'shape', []))}")
-    for axis in (1, 2):
-      if w.shape[axis] % cuda_fp8.BLOCK:
-        raise ValueError(f"{name} must have axes 1 and 2 multiples of {cuda_fp8.BLOCK} for weight "
-                         f"blocks, got shape {w.shape}")
+    cuda_fp8._require_bf16(name, w, 3, (1, 2))  # noqa: SLF001 (the FP8 operands' one check)
 
 
 def quantize_expert_weights(w_gate_up, w_down, recipe: str = "fp8", *, mesh: Mesh | None = None,

@@ -30,7 +30,7 @@ from jax_megamoe.backends.local import local_moe
 from jax_megamoe.validation import LayerShape
 
 NAME = "cuda"
-FP8_RECIPES = ("fp8", "fp8_pow2")
+FP8_RECIPES = cuda_fp8.RECIPES
 
 
 @functools.cache

@@ -62,6 +62,7 @@ WGRAD_TARGET = "megamoe_grouped_wgrad_fp8"
 TARGETS = (GEMM_TARGET, QUANTIZE_ROWS_TARGET, QUANTIZE_WEIGHTS_TARGET, SWIGLU_QUANTIZE_TARGET,
            SWIGLU_BACKWARD_QUANTIZE_TARGET, QUANTIZE_WGRAD_OPERAND_TARGET, WGRAD_TARGET)
 BLOCK = 128
+RECIPES = ("fp8", "fp8_pow2")  # the recipes these kernels implement (pow2: "fp8_pow2")
 
 
 class QuantizedRows(NamedTuple):

@@ -75,7 +75,7 @@ NAME = "fused"
 TARGET = "megamoe_fused_moe_fwd"
 MAX_EXPERTS = symmetric.FUSED_MAX_EXPERTS
 CHUNK = 32  # tokens of a routing chunk (the layout of the kernel's scratch)
-FP8_RECIPES = ("fp8", "fp8_pow2")
+FP8_RECIPES = cuda_fp8.RECIPES
 # SMs left to other kernels when EP spans GPUs (a collective on another stream must find room:
 # DESIGN.md §7, deadlock across GPUs).
 SMS_LEFT_FOR_COLLECTIVES = 8
