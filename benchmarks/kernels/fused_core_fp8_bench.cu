@@ -18,7 +18,8 @@
 // --timing adds the 30B shape (E = 128 x 1024 rows, H 2048, F 768: ~1 GB of host memory and a
 //   few seconds of host quantisation) and times each problem in the modes of --modes (default
 //   01234): 0 the kernel; 1 no global stores; 2 L1 without SwiGLU math; 3 no epilogue; 4 no
-//   epilogue and no FP8 promotion (the MMA and load ceiling). Differences place the time.
+//   epilogue and no FP8 promotion (the MMA and load ceiling); 5 (on request) L2's staging only,
+//   its slots written and the stages handed back unread. Differences place the time.
 // --gate-up also stores and checks L1's bf16 gate_up, the residual the fused kernel keeps at
 //   one rank (the three-slot FP8 epilogue).
 // --only NAME runs the problems whose name contains NAME; --reps N timed launches per mode
@@ -415,14 +416,15 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
     // ceiling). The last two compute wrong values; run after the checks above.
     // Modes (--modes, by index): the kernel; no global stores (math, staging and smem reads
     // kept); L1 without SwiGLU math (the gate quantised as h); no epilogue; no epilogue and no
-    // promotion.
+    // promotion; L2's staging only (its slots written, not read: FP8 L1 runs as the kernel).
     const struct { const char* name; int skip_epilogue, no_promote, raw_gate; } modes[] = {
         {"", 0, 0, 0},
         {" no global stores", 2, 0, 0},
         {" no SwiGLU math", 0, 0, 1},
         {" no epilogue", 1, 0, 0},
-        {" no epilogue, no promotion", 1, 1, 0}};
-    for (int m = 0; m < 5; ++m) {
+        {" no epilogue, no promotion", 1, 1, 0},
+        {" staging only (L2; L1 as the kernel)", 3, 0, 0}};
+    for (int m = 0; m < 6; ++m) {
       if (!strchr(g_modes, '0' + m)) continue;
       const auto& mode = modes[m];
       prm.bench_skip_epilogue = mode.skip_epilogue;

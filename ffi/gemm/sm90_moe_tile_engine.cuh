@@ -184,7 +184,10 @@ struct alignas(128) EngineParams {
   int32_t f;              // F (L1 gate/up split, h width), a multiple of 128
   int32_t l1_raw_gate;    // benchmark only: 1 = store the gate half as h (no SwiGLU math)
   // Benchmark only: 1 = compute, no epilogue at all (mainloop rate); 2 = the whole epilogue
-  // (math, staging, smem reads) but no global stores (what the stores cost).
+  // (math, staging, smem reads) but no global stores (what the stores cost); 3 = the staging
+  // only: the bf16 / L2 epilogue writes its slots, then hands the stages back without reading
+  // them (with 1 and 2: what staging costs, and what holding the stages costs the producer;
+  // FP8 L1's own epilogue ignores it).
   int32_t bench_skip_epilogue;
   // Benchmark only, FP8: 1 = no per-half wait and promotion; the wgmma run into one temporary
   // with one batch kept in flight, as bf16's mainloop (wrong values: the MMA and load ceiling
@@ -955,7 +958,8 @@ struct Sm90MoeTileEngine {
                  job.n_block * 128 + rd_chunk * 8;
         return d + (l1 ? 0 : sl * 128) + rd_chunk * 8;
       };
-      for (int sl = 0; sl < nslots; ++sl) {
+      const int read_slots = p.bench_skip_epilogue == 3 ? 0 : nslots;
+      for (int sl = 0; sl < read_slots; ++sl) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const uint4 val = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
