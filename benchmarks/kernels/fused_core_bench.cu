@@ -3,8 +3,11 @@
 // A rows gathered by index (per-row TMA, cp.async) or contiguous (one TMA box), checked against a
 // simple fp32-accumulating GPU reference with poisoned outputs, bitwise run-to-run, and timed with
 // CUDA events (median after warm-up, rotating inputs). CUDA C++ only, no JAX.
+// Engine "S4-BK" reads B K-major (Sm90MoeTileEngine<..., kBKMajor>: the weights transposed to
+// [E, N, K] on the device, as the fused backward's dgrad GEMMs read W^T), same checks.
 //
-// Build: benchmarks/kernels/build_fused_core_bench.sh. Run: ./fused_core_bench [--quick].
+// Build: benchmarks/kernels/build_fused_core_bench.sh. Run: ./fused_core_bench [--quick]
+//   [--engine I] (0 S4, 1 S3, 2 S4-BK).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -118,6 +121,16 @@ __global__ void FillRandom(bf16* p, int64_t n, uint64_t seed, float scale) {
        i += int64_t(gridDim.x) * blockDim.x) {
     const float u = (Hash(seed * 0x100000001B3ull + i) >> 8) * (1.0f / 16777216.0f);
     p[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
+  }
+}
+
+// out[e, n, k] = in[e, k, n]: a weight [E, K, N] as the K-major [E, N, K] (simple, not fast).
+__global__ void TransposeLast2(const bf16* in, bf16* out, int64_t e, int64_t k, int64_t n) {
+  const int64_t total = e * k * n;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t x = i / (k * n), r = i % (k * n), kk = r / n, nn = r % n;
+    out[(x * n + nn) * k + kk] = in[i];
   }
 }
 
@@ -318,6 +331,7 @@ struct DeviceProblem {
   const Problem* p;
   int64_t rows;
   bf16 *x[2], *xs, *w_gu, *w_d, *h, *gu, *out;
+  bf16 *w_gu_t, *w_d_t;  // the weights K-major, [E, 2F, H] and [E, H, F] (engine S4-BK)
   int32_t *offsets, *row_token, *dest_row;
   int* mb_done;
   int epoch;
@@ -336,6 +350,10 @@ static DeviceProblem Upload(const Problem& p, uint64_t seed) {
   FillRandom<<<4096, 256>>>(d.w_gu, E * H * 2 * F, seed + 21, 2.0f / std::sqrt(float(H)));
   d.w_d = DevAlloc<bf16>(E * F * H);
   FillRandom<<<4096, 256>>>(d.w_d, E * F * H, seed + 31, 2.0f / std::sqrt(float(F)));
+  d.w_gu_t = DevAlloc<bf16>(E * H * 2 * F);
+  TransposeLast2<<<4096, 256>>>(d.w_gu, d.w_gu_t, E, H, 2 * F);
+  d.w_d_t = DevAlloc<bf16>(E * F * H);
+  TransposeLast2<<<4096, 256>>>(d.w_d, d.w_d_t, E, F, H);
   d.xs = DevAlloc<bf16>(R * H);
   d.h = DevAlloc<bf16>(R * F);
   d.gu = DevAlloc<bf16>(R * 2 * F);
@@ -356,7 +374,7 @@ static DeviceProblem Upload(const Problem& p, uint64_t seed) {
 
 static void Free(DeviceProblem& d) {
   for (void* q : {(void*)d.x[0], (void*)d.x[1], (void*)d.xs, (void*)d.w_gu, (void*)d.w_d,
-                  (void*)d.h, (void*)d.gu, (void*)d.out, (void*)d.offsets, (void*)d.row_token,
+                  (void*)d.w_gu_t, (void*)d.w_d_t, (void*)d.h, (void*)d.gu, (void*)d.out, (void*)d.offsets, (void*)d.row_token,
                   (void*)d.dest_row, (void*)d.mb_done})
     CK(cudaFree(q));
 }
@@ -375,12 +393,14 @@ struct Launcher {
   virtual ~Launcher() = default;
   virtual const char* name() const = 0;
   virtual size_t smem() const = 0;
+  virtual bool b_kmajor() const = 0;
   virtual void launch(const Params& p, const RunArgs& a, int grid, cudaStream_t s) = 0;
 };
 
-template <class Engine>
+template <class Engine, bool kBKMajor = false>
 struct EngineLauncher : Launcher {
   const char* nm;
+  bool b_kmajor() const override { return kBKMajor; }
   explicit EngineLauncher(const char* n) : nm(n) {
     CK(cudaFuncSetAttribute(MoeCoreKernel<Engine>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             int(smem())));
@@ -392,7 +412,7 @@ struct EngineLauncher : Launcher {
   }
 };
 
-static Params MakeParams(DeviceProblem& d, const Variant& v, int xi) {
+static Params MakeParams(DeviceProblem& d, const Variant& v, int xi, bool b_kmajor) {
   const Problem& p = *d.p;
   const int64_t H = p.h, F = p.f, E = p.e, R = d.rows + kPadRows;
   Params prm;
@@ -403,7 +423,12 @@ static Params MakeParams(DeviceProblem& d, const Variant& v, int xi) {
   } else {
     CheckStr(MakeRowMajorTensorMap(&l1.a_map, d.x[xi], p.t, H, H, 64, 1));
   }
-  CheckStr(MakeRowMajorTensorMap(&l1.b_map, d.w_gu, E * H, 2 * F, 2 * F, 64, 64));
+  if (b_kmajor) {
+    CheckStr(MakeRowMajorTensorMap(&l1.b_map, d.w_gu_t, E * 2 * F, H, H, 64, 128));
+  } else {
+    CheckStr(MakeRowMajorTensorMap(&l1.b_map, d.w_gu, E * H, 2 * F, 2 * F, 64, 64));
+  }
+  l1.n = int(2 * F);
   l1.a_ptr = d.x[xi];
   l1.lda = H;
   l1.row_index = d.row_token;
@@ -411,7 +436,12 @@ static Params MakeParams(DeviceProblem& d, const Variant& v, int xi) {
   l1.a_load = int32_t(v.l1_load);
   GemmOperands& l2 = prm.op[kL2Down];
   CheckStr(MakeRowMajorTensorMap(&l2.a_map, d.h, R, F, F, 64, 128));
-  CheckStr(MakeRowMajorTensorMap(&l2.b_map, d.w_d, E * F, H, H, 64, 64));
+  if (b_kmajor) {
+    CheckStr(MakeRowMajorTensorMap(&l2.b_map, d.w_d_t, E * H, F, F, 64, 128));
+  } else {
+    CheckStr(MakeRowMajorTensorMap(&l2.b_map, d.w_d, E * F, H, H, 64, 64));
+  }
+  l2.n = int(H);
   l2.k = int(F);
   l2.a_load = int32_t(ALoad::kTmaBlock);
   prm.h = d.h;
@@ -447,7 +477,7 @@ static void Launch(Launcher& L, DeviceProblem& d, const Variant& v, const Params
 }
 
 static void RunOnce(Launcher& L, DeviceProblem& d, const Variant& v, int xi, cudaStream_t s) {
-  Params prm = MakeParams(d, v, xi);
+  Params prm = MakeParams(d, v, xi, L.b_kmajor());
   Launch(L, d, v, prm, s);
 }
 
@@ -596,7 +626,8 @@ static double Median(std::vector<float> v) {
 static double TimeVariant(Launcher& L, DeviceProblem& d, const Variant& v, int iters,
                           int grid = 0) {
   cudaStream_t s = 0;
-  const Params prm[2] = {MakeParams(d, v, 0), MakeParams(d, v, 1)};  // rotate the inputs
+  const Params prm[2] = {MakeParams(d, v, 0, L.b_kmajor()),
+                         MakeParams(d, v, 1, L.b_kmajor())};  // rotate the inputs
   std::vector<cudaEvent_t> ev(2 * iters);
   for (auto& e : ev) CK(cudaEventCreate(&e));
   for (int i = 0; i < 3; ++i) Launch(L, d, v, prm[i & 1], s, grid);
@@ -656,6 +687,8 @@ int main(int argc, char** argv) {
   // Engine configurations: <stages>.
   engines.push_back(new EngineLauncher<Sm90MoeTileEngine<4>>("S4"));
   engines.push_back(new EngineLauncher<Sm90MoeTileEngine<3>>("S3"));
+  engines.push_back(
+      new EngineLauncher<Sm90MoeTileEngine<4, 4, Bf16Operands, true>, true>("S4-BK"));
   for (auto* e : engines) printf("engine %s: %zu bytes of shared memory\n", e->name(), e->smem());
 
   const Variant variants[] = {

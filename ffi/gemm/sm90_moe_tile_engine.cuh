@@ -142,6 +142,7 @@ struct alignas(128) GemmOperands {
   CUtensorMap a_map;  // kTmaBlock: rows in group order [R, K], box {64, 128};
                       // kTmaRows: source rows [R, K], box {64, 1}; both bf16, 128B swizzle
   CUtensorMap b_map;  // weights as [E * K, N] (N contiguous), box {64, 64}, 128B swizzle
+                      // (engine kBKMajor: as [E * N, K], box {64, 128})
   const __nv_bfloat16* a_ptr;  // kCpAsyncRows: source rows, row stride lda elements
   int64_t lda;
   const int32_t* row_index;  // kTmaRows / kCpAsyncRows: source row of group row r
@@ -151,7 +152,7 @@ struct alignas(128) GemmOperands {
   // K-major weights [E * N, K]), and the scales:
   CUtensorMap sa_map;        // A's scales, fp32 [K/128, pitch] (K-block-major), box {132, 1}
   const float* b_scale;      // B's 128 x 128 block scales [E, K/128, N/128]
-  int32_t n;                 // N: B rows per expert (L1 2F, L2 H)
+  int32_t n;                 // N: B rows per expert (L1 2F, L2 H); FP8 and kBKMajor
   // Debug only (0 normally): 1 = the A-scale box starts at the tile's first row itself, not at
   // it rounded down to 16 bytes (the first build's unaligned start, kept to A/B it on a GPU).
   int32_t sa_unaligned;
@@ -226,6 +227,9 @@ __device__ __forceinline__ uint64_t gmma_desc_sw128(uint32_t smem_addr, uint32_t
 
 using Wgmma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                               cute::SM90::GMMA::Major::MN>;
+// B K-major (Sm90MoeTileEngine<..., kBKMajor = true>): the weights as [E * N, K].
+using WgmmaBK = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                cute::SM90::GMMA::Major::K>;
 
 using WgmmaFp8 = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
 
@@ -236,11 +240,11 @@ __device__ __forceinline__ void wgmma_fp8_call(uint64_t da, uint64_t db, float (
                 acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
-template <size_t... I>
+template <class Mma = Wgmma, size_t... I>
 __device__ __forceinline__ void wgmma_call(uint64_t da, uint64_t db, float (&d)[128], bool acc,
                                            cute::index_sequence<I...>) {
-  Wgmma::fma(da, db, d[I]...,
-             acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+  Mma::fma(da, db, d[I]...,
+           acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
 __device__ __forceinline__ void fence_proxy_async_global() {
@@ -329,9 +333,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, boo
 
 }  // namespace detail
 
-template <int kStages_ = 4, int kJobSlots_ = 4, class Elems = Bf16Operands>
+// kBKMajor (bf16 only): B is read K-major, from the weights as [E * N, K] (b_map box {64 K, 128
+// N-rows}, GemmOperands::n rows per expert), as the backward's dgrad GEMMs read W^T without a
+// transposed copy; the stage holds the same 256 N x 64 K, so the epilogues are unchanged.
+template <int kStages_ = 4, int kJobSlots_ = 4, class Elems = Bf16Operands, bool kBKMajor = false>
 struct Sm90MoeTileEngine {
   static constexpr bool kFp8 = Elems::kFp8;
+  static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = Elems::kBlockK;
@@ -459,7 +467,17 @@ struct Sm90MoeTileEngine {
         Barrier::wait(&ss.empty[s], ((it / kStages) & 1) ^ 1);
         if (lane == 0) Barrier::expect_transaction(&ss.full[s], kBBytes + a_bytes);
         __syncwarp();
-        if (lane < 4) {
+        if constexpr (kBKMajor) {
+          // Two boxes of 128 N-rows: L1 the gate rows [c, c+128) and the up rows [F+c, ...),
+          // L2 the tile's two halves; each 16 KB, 128B-swizzled rows of 64 K.
+          if (lane < 2) {
+            const int n_row = job.kind == kL1GateUp ? (lane == 0 ? nb * 128 : p.f + nb * 128)
+                                                    : nb * kBlockN + lane * 128;
+            cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
+                                         ss.b[s] + lane * kBHalfBytes, kb * kBlockK,
+                                         job.expert * op.n + n_row);
+          }
+        } else if (lane < 4) {
           cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
                                        ss.b[s] + lane * kBBoxBytes, b_col, b_row0 + kb * kBlockK);
         }
@@ -829,9 +847,16 @@ struct Sm90MoeTileEngine {
         for (int k = 0; k < kBlockK / 16; ++k) {
           // A K-major: +32 B per 16 of K inside the swizzled 128 B row; SBO = 8 rows = 1024 B.
           // B N-major: +16 K-rows = 2048 B; LBO = next 64-column box (8 KB); SBO = 1024 B.
+          // B K-major: as A, over its 256 N-rows.
           const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
-          const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 2048, kBBoxBytes, 1024);
-          detail::wgmma_call(da, db, acc, true, cute::make_index_sequence<128>{});
+          if constexpr (kBKMajor) {
+            const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 32, 16, 1024);
+            detail::wgmma_call<detail::WgmmaBK>(da, db, acc, true,
+                                                cute::make_index_sequence<128>{});
+          } else {
+            const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 2048, kBBoxBytes, 1024);
+            detail::wgmma_call(da, db, acc, true, cute::make_index_sequence<128>{});
+          }
         }
         cute::warpgroup_commit_batch();
 #pragma unroll
