@@ -1,21 +1,28 @@
 #!/bin/sh
 # Builds the standalone harnesses of the fused MoE GEMM core (sm_90a, static cudart, no JAX):
-# fused_core_bench (bf16) and fused_core_fp8_bench (the e4m3 path).
+# fused_core_bench (bf16), fused_core_fp8_bench (the e4m3 path) and fused_dgrad_bench (the
+# backward's dgrad GEMMs, linked with backend cuda's SwiGLU kernels to check against them).
 # Usage: benchmarks/kernels/build_fused_core_bench.sh [out_dir]   (default: build/fused_core)
 set -e
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${1:-$ROOT/build/fused_core}
 CUTLASS=${CUTLASS_INCLUDE:-/work/venv/lib/python3.11/site-packages/cutlass_library/source/include}
 mkdir -p "$OUT"
-# build NAME LOG KERNEL: benchmarks/kernels/NAME.cu -> $OUT/NAME, ptxas's report in $OUT/LOG
-# (its register, spill and stack lines for KERNEL printed).
+# build NAME LOG KERNEL [SOURCE...]: benchmarks/kernels/NAME.cu (+ SOURCEs under the root) ->
+# $OUT/NAME, ptxas's report in $OUT/LOG (its register, spill and stack lines for KERNEL printed).
 build() {
+  name=$1 log=$2 kernel=$3
+  shift 3
+  extra=""
+  for s in "$@"; do extra="$extra $ROOT/$s"; done
+  # shellcheck disable=SC2086
   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a \
     --expt-relaxed-constexpr -Xptxas -v -DNDEBUG \
     -I"$ROOT" -I"$CUTLASS" \
-    "$ROOT/benchmarks/kernels/$1.cu" -o "$OUT/$1" 2>&1 | \
-    tee "$OUT/$2" | grep -E "error|warning|registers|spill|stack|$3" || true
-  test -x "$OUT/$1"
+    "$ROOT/benchmarks/kernels/$name.cu" $extra -o "$OUT/$name" 2>&1 | \
+    tee "$OUT/$log" | grep -E "error|warning|registers|spill|stack|$kernel" || true
+  test -x "$OUT/$name"
 }
 build fused_core_bench ptxas.log MoeCore
 build fused_core_fp8_bench ptxas_fp8.log Fp8Core
+build fused_dgrad_bench ptxas_dgrad.log MoeCore ffi/impls/grouped_swiglu.cu

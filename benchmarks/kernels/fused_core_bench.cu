@@ -21,163 +21,16 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "benchmarks/kernels/harness_host.h"
-#include "ffi/gemm/sm90_moe_tile_engine.cuh"
+#include "benchmarks/kernels/harness_core.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
-#include "ffi/scheduler/expert_tile_walk.cuh"
 
-using namespace megamoe::fused;
-using namespace megamoe::fused::sm90;
-using bf16 = __nv_bfloat16;
-
-// ------------------------------------------------------------------ scheduler + hooks
-struct StaticScheduler {
-  Walk walk;
-  int t, stride, l1_tiles, total, nb1, nb2, c1, c2;
-  int n_major;  // bit 0: L1 tiles N-block-major inside an expert, bit 1: L2 tiles
-  __device__ __forceinline__ bool next(ExpertTile& job) {
-    if (t >= total) return false;
-    job = t < l1_tiles ? walk.decode(t, nb1, kL1GateUp, c1, n_major & 1)
-                       : walk.decode(t - l1_tiles, nb2, kL2Down, c2, (n_major >> 1) & 1);
-    t += stride;
-    return true;
-  }
-};
-
-// L1 tiles count per M-block; an L2 tile waits until all nb1 L1 tiles of its M-block are done
-// (counters accumulate over launches: target = (epoch + 1) * nb1).
-struct MBlockHooks {
-  static constexpr int kStoreFence = 1;  // h is read by other CTAs of this launch
-  int* mb_done;
-  int target;
-  __device__ __forceinline__ void wait_rows_ready(const ExpertTile& t) const {
-    if (mb_done == nullptr || t.kind != kL2Down) return;
-    const int* c = mb_done + t.mb_global;
-    long long spins = 0;
-    while (true) {
-      int v;
-      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
-      if (v >= target) break;
-      if (++spins > (1ll << 26)) __trap();  // no printf: a call would serialise wgmma (C7510)
-    }
-  }
-  __device__ __forceinline__ void tile_done(const ExpertTile& t) const {
-    if (mb_done == nullptr || t.kind != kL1GateUp) return;
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(mb_done + t.mb_global)
-                 : "memory");
-  }
-};
-
-struct RunArgs {
-  const int32_t* offsets;
-  int num_experts;
-  int mode;  // 1 = L1, 2 = L2, 3 = L1 then L2 in one launch
-  int nb1, nb2;
-  int n_major;
-  MBlockHooks hooks;
-};
-
-template <class Engine>
-struct KernelStorage {
-  typename Engine::SharedStorage engine;
-  Walk::SharedStorage walk;
-};
-
-template <class Engine>
-__global__ void __launch_bounds__(384, 1)
-    MoeCoreKernel(const __grid_constant__ Params p, const RunArgs args) {
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  auto& st = *reinterpret_cast<KernelStorage<Engine>*>(smem_raw);
-  if ((detail::smem_u32(smem_raw) & 1023) != 0) __trap();
-  if (threadIdx.x == 0) Engine::init(st.engine);
-  StaticScheduler sched;
-  if (threadIdx.x < 32) {
-    sched.walk.build(&st.walk, args.offsets, args.num_experts, threadIdx.x);
-    const int mb = sched.walk.num_m_blocks();
-    sched.t = blockIdx.x;
-    sched.stride = gridDim.x;
-    sched.l1_tiles = (args.mode & 1) ? mb * args.nb1 : 0;
-    sched.total = sched.l1_tiles + ((args.mode & 2) ? mb * args.nb2 : 0);
-    sched.nb1 = args.nb1;
-    sched.nb2 = args.nb2;
-    sched.c1 = 0;
-    sched.c2 = 0;
-    sched.n_major = args.n_major;
-  }
-  __syncthreads();
-  Engine::run_roles(st.engine, p, sched, args.hooks);
-}
-
-// ------------------------------------------------------------------ helpers (device)
-__device__ __forceinline__ uint32_t Hash(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return uint32_t(x ^ (x >> 31));
-}
-
-__global__ void FillRandom(bf16* p, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const float u = (Hash(seed * 0x100000001B3ull + i) >> 8) * (1.0f / 16777216.0f);
-    p[i] = __float2bfloat16((2.0f * u - 1.0f) * scale);
-  }
-}
-
-// out[e, n, k] = in[e, k, n]: a weight [E, K, N] as the K-major [E, N, K] (simple, not fast).
-__global__ void TransposeLast2(const bf16* in, bf16* out, int64_t e, int64_t k, int64_t n) {
-  const int64_t total = e * k * n;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t x = i / (k * n), r = i % (k * n), kk = r / n, nn = r % n;
-    out[(x * n + nn) * k + kk] = in[i];
-  }
-}
-
-__global__ void FillU16(uint16_t* p, int64_t n, uint16_t v) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = v;
-}
-
+// ------------------------------------------------------------------ forward-only helpers
 __global__ void GatherRows(const bf16* x, const int32_t* row_token, bf16* xs, int64_t rows,
                            int64_t h) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const uint4* s = reinterpret_cast<const uint4*>(x + int64_t(row_token[r]) * h);
     uint4* d = reinterpret_cast<uint4*>(xs + r * h);
     for (int64_t i = threadIdx.x; i < h / 8; i += blockDim.x) d[i] = s[i];
-  }
-}
-
-// out[s, n] = sum_k A[a_row[s], k] * W[expert[s]][k, n] in fp32 (W [E, K, N] row-major).
-__global__ void RefRowGemm(const bf16* a, int64_t lda, const int32_t* a_row,
-                           const int32_t* expert, const bf16* w, int64_t k, int64_t n,
-                           float* out) {
-  extern __shared__ float a_s[];
-  const int s = blockIdx.x;
-  const bf16* ar = a + int64_t(a_row[s]) * lda;
-  for (int64_t i = threadIdx.x; i < k; i += blockDim.x) a_s[i] = __bfloat162float(ar[i]);
-  __syncthreads();
-  const bf16* we = w + int64_t(expert[s]) * k * n;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    float acc = 0.f;
-    for (int64_t i = 0; i < k; ++i) acc = fmaf(a_s[i], __bfloat162float(we[i * n + j]), acc);
-    out[int64_t(s) * n + j] = acc;
-  }
-}
-
-struct ErrAcc {
-  double diff2, ref2, max_abs, max_ref;
-  unsigned long long nan, count;
-};
-
-__device__ void AtomicMaxD(double* p, double v) {
-  unsigned long long* u = reinterpret_cast<unsigned long long*>(p);
-  unsigned long long old = *u;
-  while (__longlong_as_double(old) < v) {
-    const unsigned long long prev = atomicCAS(u, old, __double_as_longlong(v));
-    if (prev == old) break;
-    old = prev;
   }
 }
 
@@ -219,26 +72,6 @@ __global__ void Compare(const bf16* got, int64_t ldg, const int32_t* got_row, in
   atomicAdd(&acc->count, cnt);
 }
 
-// Counts elements equal to `v` among rows [r0, r1) of a [*, cols] u16 matrix.
-__global__ void CountEq(const uint16_t* p, int64_t r0, int64_t r1, int64_t cols, uint16_t v,
-                        unsigned long long* out) {
-  unsigned long long c = 0;
-  const int64_t n = (r1 - r0) * cols;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    c += p[r0 * cols + i] == v;
-  atomicAdd(out, c);
-}
-
-__global__ void CountDiff(const uint32_t* a, const uint32_t* b, int64_t n,
-                          unsigned long long* out) {
-  unsigned long long c = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    c += a[i] != b[i];
-  atomicAdd(out, c);
-}
-
 // The engine's branch-free SwiGLU against megamoe::grouped::Swiglu: every bf16 value of the
 // gate (the epilogue rounds gate/up to bf16 first) times a few up values, fp32 bits compared.
 __global__ void SwigluExactTest(unsigned long long* mismatch, unsigned long long* slow_count) {
@@ -257,75 +90,6 @@ __global__ void SwigluExactTest(unsigned long long* mismatch, unsigned long long
     atomicAdd(mismatch, 1ull);
   }
 }
-
-// ------------------------------------------------------------------ host
-struct Rng {
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return (next() >> 11) * (1.0 / 9007199254740992.0); }
-};
-
-struct Problem {
-  std::string name;
-  int e, h, f, t;
-  std::vector<int32_t> offsets;    // [E + 1]
-  std::vector<int32_t> row_token;  // [rows]
-  std::vector<int32_t> dest_row;   // [rows] permutation
-  bool check_all;
-  int64_t rows() const { return offsets.back(); }
-};
-
-// Top-k routing (distinct experts per token): weights w_e (uniform when empty), Gumbel top-k.
-static Problem Routed(const std::string& name, int e, int h, int f, int t, int topk,
-                      double skew, uint64_t seed) {
-  Problem p{name, e, h, f, t, {}, {}, {}, false};
-  Rng rng(seed);
-  std::vector<std::vector<int32_t>> per(e);
-  std::vector<std::pair<double, int>> keys(e);
-  for (int tok = 0; tok < t; ++tok) {
-    for (int x = 0; x < e; ++x) {
-      const double g = -std::log(-std::log(std::max(rng.uniform(), 1e-300)));
-      keys[x] = {(skew > 0 ? -skew * std::log(double(x + 1)) : 0.0) + g, x};
-    }
-    std::partial_sort(keys.begin(), keys.begin() + topk, keys.end(),
-                      [](auto& a, auto& b) { return a.first > b.first; });
-    for (int k = 0; k < topk; ++k) per[keys[k].second].push_back(tok);
-  }
-  p.offsets.assign(e + 1, 0);
-  for (int x = 0; x < e; ++x) {
-    p.offsets[x + 1] = p.offsets[x] + int32_t(per[x].size());
-    for (int32_t tok : per[x]) p.row_token.push_back(tok);
-  }
-  return p;
-}
-
-static Problem Sized(const std::string& name, int h, int f, const std::vector<int>& sizes,
-                     uint64_t seed) {
-  Problem p{name, int(sizes.size()), h, f, 0, {}, {}, {}, true};
-  Rng rng(seed);
-  p.offsets.assign(sizes.size() + 1, 0);
-  for (size_t x = 0; x < sizes.size(); ++x) p.offsets[x + 1] = p.offsets[x] + sizes[x];
-  p.t = std::max<int>(1, int(p.rows()));
-  for (int64_t r = 0; r < p.rows(); ++r) p.row_token.push_back(int32_t(rng.next() % p.t));
-  return p;
-}
-
-static void FinishProblem(Problem& p, uint64_t seed) {
-  Rng rng(seed ^ 0x5555);
-  const int64_t rows = p.rows();
-  p.dest_row.resize(rows);
-  std::iota(p.dest_row.begin(), p.dest_row.end(), 0);
-  for (int64_t i = rows - 1; i > 0; --i) std::swap(p.dest_row[i], p.dest_row[rng.next() % (i + 1)]);
-}
-
-constexpr uint16_t kPoison = 0xFFFF;  // a bf16 NaN that no kernel writes
-constexpr int kPadRows = 256;         // rows past the end that must stay poisoned
 
 struct DeviceProblem {
   const Problem* p;
@@ -481,13 +245,6 @@ static void RunOnce(Launcher& L, DeviceProblem& d, const Variant& v, int xi, cud
   Launch(L, d, v, prm, s);
 }
 
-struct CheckResult {
-  bool ok = true;
-  std::string msg;
-};
-
-static double RelErr(const ErrAcc& e) { return std::sqrt(e.diff2 / std::max(e.ref2, 1e-30)); }
-
 // Reference for the sampled rows, compared with the kernel's outputs.
 static CheckResult Check(DeviceProblem& d, const Variant& v, int xi,
                          const std::vector<int32_t>& samples) {
@@ -618,11 +375,6 @@ static unsigned long long RerunDiff(Launcher& L, DeviceProblem& d, const Variant
   return c;
 }
 
-static double Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
 static double TimeVariant(Launcher& L, DeviceProblem& d, const Variant& v, int iters,
                           int grid = 0) {
   cudaStream_t s = 0;
@@ -641,25 +393,6 @@ static double TimeVariant(Launcher& L, DeviceProblem& d, const Variant& v, int i
   for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
   for (auto& e : ev) CK(cudaEventDestroy(e));
   return Median(ms);
-}
-
-static std::vector<int32_t> Samples(const Problem& p) {
-  std::vector<int32_t> s;
-  const int64_t rows = p.rows();
-  if (p.check_all || rows <= 4096) {
-    for (int64_t r = 0; r < rows; ++r) s.push_back(int32_t(r));
-    return s;
-  }
-  for (int64_t r = 0; r < rows; r += 61) s.push_back(int32_t(r));
-  for (int x = 0; x < p.e; ++x) {  // first and last row of every expert (partial tiles)
-    if (p.offsets[x + 1] > p.offsets[x]) {
-      s.push_back(p.offsets[x]);
-      s.push_back(p.offsets[x + 1] - 1);
-    }
-  }
-  std::sort(s.begin(), s.end());
-  s.erase(std::unique(s.begin(), s.end()), s.end());
-  return s;
 }
 
 int main(int argc, char** argv) {

@@ -97,6 +97,19 @@
 // bf16 gate_up rows as bf16's epilogue stores them. A tile whose K is one stage (K = 128) still
 // takes two stages of the ring (the second carries no data) so that the epilogue has its two
 // staging stages.
+//
+// Backward (engine kDgrad, bf16, B K-major): the two dgrad GEMMs of the MLP, which read the
+// forward's stored weights K-major (no transposed copy: FUSED_BACKWARD_PLAN.md):
+//   kDgradDh (op[0]): dh = dy @ w_down[e]^T, B = w_down [E, F, H] as [E * F, H] (N = F, a
+//        multiple of 256); epilogue the SwiGLU backward from the forward's gate_up rows (same
+//        rows as A): dgate = dh u s (1 + g (1 - s)), dup = dh g s with dh rounded to bf16 first,
+//        the math of ffi/common/swiglu_math.cuh bit for bit (backend cuda's SwigluBackward on the
+//        same dh), stored to dgate_up [rows, 2F] (gate columns [c, c + 256), up F + c ..).
+//   kDgradDx (op[1]): dx = dgate_up @ w_gate_up[e]^T, B = w_gate_up [E, H, 2F] as [E * H, 2F]
+//        (N = H); epilogue the forward L2's: each row to a per-row destination.
+// Tile, staging and stores as L2's; the dh epilogue reads each staged 16-byte vector of dh,
+// loads the matching gate and up vectors (prefetched into L2 when the tile starts) and stores
+// dgate and dup.
 #pragma once
 
 #include <cstdint>
@@ -122,8 +135,9 @@ namespace megamoe::fused::sm90 {
 // How the producer brings in a tile's A rows.
 enum class ALoad : int32_t { kTmaBlock = 0, kTmaRows = 1, kCpAsyncRows = 2 };
 
-// The two GEMMs of the MLP (ExpertTile::kind).
-enum GemmKind : int32_t { kL1GateUp = 0, kL2Down = 1 };
+// The two GEMMs of the MLP (ExpertTile::kind); the dgrad engine (kDgrad) names them kDgradDh,
+// kDgradDx (see the header).
+enum GemmKind : int32_t { kL1GateUp = 0, kL2Down = 1, kDgradDh = 0, kDgradDx = 1 };
 
 // The operands' element type: bf16 (64 of K per stage), or e4m3 with blockwise fp32 scales (128
 // of K per stage, one scale block).
@@ -205,6 +219,11 @@ struct alignas(128) EngineParams {
   float* h_scale;
   int64_t h_scale_pitch;
   int32_t pow2;           // power-of-two scales (recipe "fp8_pow2")
+  // Engine kDgrad only: the forward's gate_up rows [rows, 2F] (read by the dh tiles' SwiGLU
+  // backward) and its output dgate_up [rows, 2F] (the dx tiles' A). l2_copy, when given, then
+  // receives the dh tiles' bf16 dh at their group rows (a check of the SwiGLU backward alone).
+  const __nv_bfloat16* fwd_gate_up = nullptr;
+  __nv_bfloat16* dgate_up = nullptr;
 };
 
 namespace detail {
@@ -281,14 +300,51 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // `slow` reports an element where it does not (d = 1 + exp(-g) >= 2^126 or NaN, i.e. g < -87
 // or NaN), and the caller then recomputes with Swiglu() itself. The harness checks equality
 // over all bf16 values of g.
-__device__ __forceinline__ float swiglu_fast_path(float gate, float up, bool& slow) {
+__device__ __forceinline__ float sigmoid_fast_path(float gate, bool& slow) {
   const float d = 1.0f + __expf(-gate);
   const uint32_t bits = __float_as_uint(d);
   slow |= ((bits + 0x1800000u) & 0x7f800000u) <= 0x1ffffffu;
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
-  const float sig = fmaf(r, -fmaf(d, r, -1.0f), r);
+  return fmaf(r, -fmaf(d, r, -1.0f), r);
+}
+
+__device__ __forceinline__ float swiglu_fast_path(float gate, float up, bool& slow) {
+  const float sig = sigmoid_fast_path(gate, slow);
   return gate * sig * up;
+}
+
+// megamoe::grouped::SwigluGrad the same way (its expressions verbatim, the sigmoid above).
+__device__ __forceinline__ void swiglu_grad_fast_path(float d, float gate, float up,
+                                                      float* d_gate, float* d_up, bool& slow) {
+  const float s = sigmoid_fast_path(gate, slow);
+  *d_gate = d * up * s * (1.0f + gate * (1.0f - s));
+  *d_up = d * gate * s;
+}
+
+// The SwiGLU backward of 8 bf16 columns (16-byte vectors of dh, gate, up), as backend cuda's
+// SwigluBackwardKernel computes them: fast path, or exactly (SwigluGrad) when `exact`.
+__device__ __forceinline__ void swiglu_grad_x8(uint4 dv, uint4 gv, uint4 uv, bool exact,
+                                               uint4& dgv, uint4& duv, bool& slow) {
+  const uint32_t d[4] = {dv.x, dv.y, dv.z, dv.w}, g[4] = {gv.x, gv.y, gv.z, gv.w},
+                 u[4] = {uv.x, uv.y, uv.z, uv.w};
+  uint32_t dg[4], du[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float dg2[2], du2[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float de = e ? bf16_hi(d[k]) : bf16_lo(d[k]);
+      const float ge = e ? bf16_hi(g[k]) : bf16_lo(g[k]);
+      const float ue = e ? bf16_hi(u[k]) : bf16_lo(u[k]);
+      if (exact) megamoe::grouped::SwigluGrad(de, ge, ue, &dg2[e], &du2[e]);
+      else swiglu_grad_fast_path(de, ge, ue, &dg2[e], &du2[e], slow);
+    }
+    dg[k] = pack_bf16x2(dg2[0], dg2[1]);
+    du[k] = pack_bf16x2(du2[0], du2[1]);
+  }
+  dgv = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+  duv = make_uint4(du[0], du[1], du[2], du[3]);
 }
 
 __device__ __forceinline__ float round_bf16(float x) {
@@ -336,10 +392,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, boo
 // kBKMajor (bf16 only): B is read K-major, from the weights as [E * N, K] (b_map box {64 K, 128
 // N-rows}, GemmOperands::n rows per expert), as the backward's dgrad GEMMs read W^T without a
 // transposed copy; the stage holds the same 256 N x 64 K, so the epilogues are unchanged.
-template <int kStages_ = 4, int kJobSlots_ = 4, class Elems = Bf16Operands, bool kBKMajor = false>
+// kDgrad (needs kBKMajor): the backward's dgrad GEMMs, kDgradDh and kDgradDx (see the header).
+template <int kStages_ = 4, int kJobSlots_ = 4, class Elems = Bf16Operands, bool kBKMajor = false,
+          bool kDgrad = false>
 struct Sm90MoeTileEngine {
   static constexpr bool kFp8 = Elems::kFp8;
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
+  static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = Elems::kBlockK;
@@ -471,8 +530,9 @@ struct Sm90MoeTileEngine {
           // Two boxes of 128 N-rows: L1 the gate rows [c, c+128) and the up rows [F+c, ...),
           // L2 the tile's two halves; each 16 KB, 128B-swizzled rows of 64 K.
           if (lane < 2) {
-            const int n_row = job.kind == kL1GateUp ? (lane == 0 ? nb * 128 : p.f + nb * 128)
-                                                    : nb * kBlockN + lane * 128;
+            const int n_row = job.kind == kL1GateUp && !kDgrad
+                                  ? (lane == 0 ? nb * 128 : p.f + nb * 128)
+                                  : nb * kBlockN + lane * 128;
             cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
                                          ss.b[s] + lane * kBHalfBytes, kb * kBlockK,
                                          job.expert * op.n + n_row);
@@ -767,6 +827,49 @@ struct Sm90MoeTileEngine {
     }
   }
 
+  // kDgrad's dh epilogue, one consumer warpgroup, after its dh is staged (slots 0, 1: columns
+  // [c, c + 128), [c + 128, c + 256) of F, c = n_block * 256). Per slot, a thread loads the gate
+  // and up vectors of its 8 rows (16 loads in flight), then per row reads its 16-byte vector of
+  // dh from the slot, computes dgate and dup and stores them to dgate_up (and dh to l2_copy).
+  // The exact path is taken warp-wide when any element leaves the fast path's range.
+  template <class Params>
+  __device__ static void epilogue_swiglu_backward(const Params& p, const ExpertTile& job,
+                                                  const uint32_t (&slot_base)[3], int read_slots,
+                                                  int wg, int rd_row0, int rd_chunk,
+                                                  uint32_t rd_off) {
+    const int64_t ld = 2 * int64_t(p.f);
+    for (int sl = 0; sl < read_slots; ++sl) {
+      const int col = job.n_block * kBlockN + sl * 128 + rd_chunk * 8;
+      uint4 g[8], u[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int r = 64 * wg + rd_row0 + 8 * k;
+        g[k] = u[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (r < job.rows) {
+          const __nv_bfloat16* row = p.fwd_gate_up + int64_t(job.row_begin + r) * ld + col;
+          g[k] = __ldg(reinterpret_cast<const uint4*>(row));
+          u[k] = __ldg(reinterpret_cast<const uint4*>(row + p.f));
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int r = 64 * wg + rd_row0 + 8 * k;
+        const uint4 dv = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
+        uint4 dgv, duv;
+        bool slow = false;
+        detail::swiglu_grad_x8(dv, g[k], u[k], false, dgv, duv, slow);
+        if (__any_sync(0xffffffffu, slow))
+          detail::swiglu_grad_x8(dv, g[k], u[k], true, dgv, duv, slow);
+        if (r >= job.rows || p.bench_skip_epilogue == 2) continue;
+        __nv_bfloat16* out = p.dgate_up + int64_t(job.row_begin + r) * ld + col;
+        detail::st_global_v4(out, dgv);
+        detail::st_global_v4(out + p.f, duv);
+        if (p.l2_copy != nullptr)
+          detail::st_global_v4(p.l2_copy + int64_t(job.row_begin + r) * p.l2_copy_ld + col, dv);
+      }
+    }
+  }
+
   template <class Params>
   __device__ static void math(SharedStorage& ss, const Params& p) {
     const int wg = (threadIdx.x / 128) - kFirstMathWarp / 4;  // 0 or 1: rows 64 wg ..
@@ -801,15 +904,28 @@ struct Sm90MoeTileEngine {
       // bf16: K >= 128, the tile's last two stages become the staging (FP8: K >= 128 and the
       // producer pads a one-stage tile to two).
       if (!kFp8 && num_kb < 2) __trap();
-      const bool l1 = job.kind == kL1GateUp;
+      const bool l1 = job.kind == kL1GateUp && !kDgrad;
       const bool l1_fp8 = kFp8 && l1;  // h quantised and stored as e4m3 (own epilogue)
+      const bool dh_tile = kDgrad && job.kind == kDgradDh;  // SwiGLU-backward epilogue
       const int nslots =
           p.bench_skip_epilogue == 1 ? 0 : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1) : 2;
       // Destination of each row of the tile (looked up before the mainloop so that the row
       // functor's loads are long done at the epilogue; kept in smem, not in registers). Row
       // 64 wg + rd_row0 + 8 k is written by the thread of chunk 0 that later stores it.
       __syncwarp();  // the previous tile's stores of these rows (same warp) read the table
-      if (nslots > 0 && !l1_fp8 && rd_chunk == 0) {
+      if (dh_tile && nslots > 0) {
+        // The epilogue's gate and up columns into L2 while the mainloop runs: 128 rows x
+        // (gate, up) x 4 lines of 128 B, 4 lines per math thread.
+        const int i = threadIdx.x - kFirstMathWarp * 32;  // 0..255
+        const int r = i >> 1;
+        if (r < job.rows) {
+          const __nv_bfloat16* line = p.fwd_gate_up + int64_t(job.row_begin + r) * 2 * p.f +
+                                      (i & 1) * p.f + job.n_block * kBlockN;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(line + 64 * j));
+        }
+      } else if (nslots > 0 && !l1_fp8 && rd_chunk == 0) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const int r = 64 * wg + rd_row0 + 8 * k;
@@ -984,7 +1100,11 @@ struct Sm90MoeTileEngine {
         return d + (l1 ? 0 : sl * 128) + rd_chunk * 8;
       };
       const int read_slots = p.bench_skip_epilogue == 3 ? 0 : nslots;
-      for (int sl = 0; sl < read_slots; ++sl) {
+      if constexpr (kDgrad) {
+        if (dh_tile)
+          epilogue_swiglu_backward(p, job, slot_base, read_slots, wg, rd_row0, rd_chunk, rd_off);
+      }
+      for (int sl = 0; sl < (dh_tile ? 0 : read_slots); ++sl) {  // (dh tiles: above)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const uint4 val = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
