@@ -221,7 +221,8 @@ struct alignas(128) EngineParams {
   int32_t pow2;           // power-of-two scales (recipe "fp8_pow2")
   // Engine kDgrad only: the forward's gate_up rows [rows, 2F] (read by the dh tiles' SwiGLU
   // backward) and its output dgate_up [rows, 2F] (the dx tiles' A). l2_copy, when given, then
-  // receives the dh tiles' bf16 dh at their group rows (a check of the SwiGLU backward alone).
+  // receives the dh tiles' bf16 dh at their group rows, pitch l2_copy_ld (a check of the SwiGLU
+  // backward alone); the dx tiles do not store there.
   const __nv_bfloat16* fwd_gate_up = nullptr;
   __nv_bfloat16* dgate_up = nullptr;
 };
@@ -1111,7 +1112,8 @@ struct Sm90MoeTileEngine {
           __nv_bfloat16* d = p.bench_skip_epilogue == 2 ? nullptr : dest(sl, k);
           if (d == nullptr) continue;
           detail::st_global_v4(d, val);
-          if (!l1 && p.l2_copy != nullptr) {  // L2's second store (the fused forward's copy)
+          // L2's second store (the fused forward's copy; kDgrad: the dh tiles' check copy only)
+          if (!l1 && !kDgrad && p.l2_copy != nullptr) {
             const int r = 64 * wg + rd_row0 + 8 * k;
             detail::st_global_v4(p.l2_copy + int64_t(job.row_begin + r) * p.l2_copy_ld +
                                      job.n_block * kBlockN + sl * 128 + rd_chunk * 8,
