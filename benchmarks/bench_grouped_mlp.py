@@ -100,6 +100,12 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
   bwd = jax.jit(cuda_bf16.backward)
   cases["MLP fwd"] = (lambda: fwd(x, gs, wgu, wd), 6 * n * h * f)
   cases["MLP bwd"] = (lambda: bwd(dy, x, gs, wgu, wd, gate_up, hidden), 12 * n * h * f)
+  # The same backward with its dgrads forced onto each path (ffi/heuristics/moe_dgrad_core.h;
+  # the handler reads the variable at every call, so each case sets it for its whole timing).
+  envs = {"MLP bwd, dgrads on the tile engine's core": {"MEGAMOE_DGRAD_CORE": "1"},
+          "MLP bwd, dgrads on CUTLASS + SwiGLU bwd": {"MEGAMOE_DGRAD_CORE": "0"}}
+  for name in envs:
+    cases[name] = cases["MLP bwd"]
   if with_fp8 and h % 128 == 0 and f % 128 == 0:
     from jax_megamoe.backends import cuda_fp8 as fp8k
     quant_rows = jax.jit(fp8k.quantize_rows)
@@ -152,13 +158,21 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
   for name, (fn, flops) in cases.items():
     if only and not name.startswith(only):
       continue
+    saved = {v: os.environ.get(v) for v in envs.get(name, {})}
+    os.environ.update(envs.get(name, {}))
     try:
-      ms = time_jax(fn)
+      ms = time_jax(fn)  # ends with every call done: the variable held throughout
       results.append({**key, "impl": f"megamoe v{variant}", "op": name, "ms": ms,
                       "tflops": flops / ms / 1e9})
     except Exception as ex:  # noqa: BLE001
       results.append({**key, "impl": f"megamoe v{variant}", "op": name,
                       "error": str(ex).splitlines()[0][:300]})
+    finally:
+      for v, old in saved.items():
+        if old is None:
+          os.environ.pop(v, None)
+        else:
+          os.environ[v] = old
     print(results[-1], flush=True)
 
 

@@ -8,7 +8,9 @@
 #include "ffi/gemm/grouped_gemm.h"
 #include "ffi/handlers/grouped_mlp_op.h"
 #include "ffi/handlers/scratch.h"
+#include "ffi/heuristics/moe_dgrad_core.h"
 #include "ffi/impls/grouped_swiglu.h"
+#include "ffi/impls/moe_dgrad.h"
 #include "ffi/impls/grouped_zero_fill.h"
 #include "ffi/registry.h"
 #include "ffi/scheduler/group_offsets.h"
@@ -83,17 +85,30 @@ ffi::Error GroupedMlpBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuf
   MEGAMOE_RETURN_IF_KERNEL_ERROR(GroupOffsets(
       static_cast<const int32_t*>(group_sizes.untyped_data()), e, d.n, ws.offsets, stream));
   if (d.n > 0) {
-    // dh = dy @ w_down^T (per group), then the SwiGLU backward into dgate_up.
-    GroupedGemmProblem l2d{GemmKind::kDgrad, e, ws.offsets, dy.untyped_data(),
-                           w_down.untyped_data(), dh->untyped_data(), 0, d.f, d.h};
-    MEGAMOE_RETURN_IF_KERNEL_ERROR(RunGroupedGemm(l2d, ws.gemm, ws.gemm_bytes, sm, stream));
-    MEGAMOE_RETURN_IF_KERNEL_ERROR(SwigluBackward(dh->untyped_data(), gate_up.untyped_data(),
-                                                  dgate_up->untyped_data(), d.n, d.f,
-                                                  ws.offsets, e, stream));
-    // dx = dgate_up @ w_gate_up^T.
-    GroupedGemmProblem l1d{GemmKind::kDgrad, e, ws.offsets, dgate_up->untyped_data(),
-                           w_gate_up.untyped_data(), dx->untyped_data(), 0, d.h, 2 * d.f};
-    MEGAMOE_RETURN_IF_KERNEL_ERROR(RunGroupedGemm(l1d, ws.gemm, ws.gemm_bytes, sm, stream));
+    if (heuristics::UseMoeDgradCore(MoeDgradUnsupportedReason(d.h, d.f, d.e).empty(), d.h,
+                                    d.f)) {
+      // dh + SwiGLU backward -> dgate_up, then dx, on the tile engine's dgrad core (dh itself
+      // is not stored: its result buffer stays scratch).
+      const MoeDgradProblem core{dy.untyped_data(),        gate_up.untyped_data(),
+                                 w_gate_up.untyped_data(), w_down.untyped_data(),
+                                 ws.offsets,               d.n,
+                                 d.h,                      d.f,
+                                 e,                        dgate_up->untyped_data(),
+                                 dx->untyped_data()};
+      MEGAMOE_RETURN_IF_KERNEL_ERROR(MoeDgradSm90(core, stream));
+    } else {
+      // dh = dy @ w_down^T (per group), then the SwiGLU backward into dgate_up.
+      GroupedGemmProblem l2d{GemmKind::kDgrad, e, ws.offsets, dy.untyped_data(),
+                             w_down.untyped_data(), dh->untyped_data(), 0, d.f, d.h};
+      MEGAMOE_RETURN_IF_KERNEL_ERROR(RunGroupedGemm(l2d, ws.gemm, ws.gemm_bytes, sm, stream));
+      MEGAMOE_RETURN_IF_KERNEL_ERROR(SwigluBackward(dh->untyped_data(), gate_up.untyped_data(),
+                                                    dgate_up->untyped_data(), d.n, d.f,
+                                                    ws.offsets, e, stream));
+      // dx = dgate_up @ w_gate_up^T.
+      GroupedGemmProblem l1d{GemmKind::kDgrad, e, ws.offsets, dgate_up->untyped_data(),
+                             w_gate_up.untyped_data(), dx->untyped_data(), 0, d.h, 2 * d.f};
+      MEGAMOE_RETURN_IF_KERNEL_ERROR(RunGroupedGemm(l1d, ws.gemm, ws.gemm_bytes, sm, stream));
+    }
     MEGAMOE_RETURN_IF_KERNEL_ERROR(
         ZeroPaddingRows(dx->untyped_data(), d.n, d.h, ws.offsets, e, stream));
     // dw_down[g] = h_g^T dy_g, dw_gate_up[g] = x_g^T dgate_up_g (K-grouped, fp32 accumulation).

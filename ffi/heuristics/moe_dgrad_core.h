@@ -1,0 +1,41 @@
+// Whether backend cuda's grouped-MLP backward (bf16) runs its two dgrad GEMMs and the SwiGLU
+// backward on the tile engine's dgrad core (ffi/impls/sm90_moe_dgrad.cu: one kernel for
+// dh + SwiGLU backward, one for dx) or as two CUTLASS grouped GEMMs with the SwiGLU-backward
+// kernel between them; decided here for every call, with an environment override for
+// benchmarking and A/B tests:
+//   MEGAMOE_DGRAD_CORE   "0": the CUTLASS path; "1": the core wherever it takes the shape;
+//                        anything else or unset: the default below.
+// Measured (benchmarks/RESULTS.md, session 16, one H200, 131,072 rows over 128 experts):
+// - 30B (H 2048, F 768; an expert's w_gate_up 6 MiB): the core 2.09-2.16 ms for both dgrads and
+//   the SwiGLU backward, against CUTLASS's 2.15 ms for the two GEMMs plus ~0.25 ms for the
+//   SwiGLU backward;
+// - 235B (H 4096, F 1536; 24 MiB): the core 9.0-10.0 ms against 8.28 + ~0.5: slower.
+// So the default takes the core up to the forward's 16 MiB slice threshold (fused_tile_order.h),
+// between the measured sizes. The dx tiles follow the forward L1's order rule (same weights).
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+
+#include "ffi/heuristics/fused_tile_order.h"
+
+namespace megamoe::heuristics {
+
+inline bool DefaultMoeDgradCore(int64_t hidden, int64_t ffn) {
+  return 2 * ffn * hidden * 2 <= kFusedL1NMajorSliceBytes;
+}
+
+// Read at every call (a process may A/B both paths). `takes`: the core supports the shape.
+inline bool UseMoeDgradCore(bool takes, int64_t hidden, int64_t ffn) {
+  if (!takes) return false;
+  const char* env = std::getenv("MEGAMOE_DGRAD_CORE");
+  if (env != nullptr && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] == '1';
+  return DefaultMoeDgradCore(hidden, ffn);
+}
+
+// The dx tiles' order inside an expert (ExpertTileWalk::decode's n_major).
+inline bool MoeDgradDxNMajor(int64_t hidden, int64_t ffn) {
+  return DefaultFusedL1NMajor(hidden, ffn, /*fp8=*/false);
+}
+
+}  // namespace megamoe::heuristics
