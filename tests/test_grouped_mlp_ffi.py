@@ -214,17 +214,23 @@ def test_cuda_dgrad_core_against_the_cutlass_path(case, monkeypatch):
   """The backward with its dgrads on the tile engine's dgrad core (MEGAMOE_DGRAD_CORE=1) and on
   CUTLASS + the SwiGLU-backward kernel (=0): both within the reference's tolerance, dw_down
   (which no dgrad feeds) bit for bit the same, dx not (other accumulation orders: identical bits
-  would mean the switch did not reach the handler), and the core bitwise run to run."""
+  would mean the switch did not reach the handler), and the core bitwise run to run.
+
+  The handler reads the variable when XLA first runs the call; XLA then replays it from a CUDA
+  graph, and JAX reuses one executable for the same program. So each path starts from cleared
+  caches (the first GPU run of this test, without them, ran one path twice)."""
   n, h, f, e, valid = case
   x, gs, wgu, wd, dy = make_inputs(hash(case) % 1000, n, h, f, e, valid, jnp.bfloat16)
   grads = {}
   for core in ("1", "0"):
     monkeypatch.setenv("MEGAMOE_DGRAD_CORE", core)
+    jax.clear_caches()
     poison_device_memory(64 << 20)
     errs = check_against_reference(cuda.grouped_mlp, x, gs, wgu, wd, dy, 1e-2)
     print(case, "core" if core == "1" else "cutlass", errs)
     grads[core] = loss_and_grads(cuda.grouped_mlp, x, gs, wgu, wd, dy)[1]
   monkeypatch.setenv("MEGAMOE_DGRAD_CORE", "1")
+  jax.clear_caches()
   poison_device_memory(64 << 20)
   again = loss_and_grads(cuda.grouped_mlp, x, gs, wgu, wd, dy)[1]
   f32 = lambda a: np.asarray(a.astype(jnp.float32))

@@ -25,7 +25,9 @@ inline bool DefaultMoeDgradCore(int64_t hidden, int64_t ffn) {
   return 2 * ffn * hidden * 2 <= kFusedL1NMajorSliceBytes;
 }
 
-// Read at every call (a process may A/B both paths). `takes`: the core supports the shape.
+// Read whenever the handler runs: when XLA first runs the call, which it may then replay from a
+// CUDA graph without the handler; so a jitted program keeps the path it first ran with (A/B in
+// separate processes, or after jax.clear_caches()). `takes`: the core supports the shape.
 inline bool UseMoeDgradCore(bool takes, int64_t hidden, int64_t ffn) {
   if (!takes) return false;
   const char* env = std::getenv("MEGAMOE_DGRAD_CORE");
