@@ -39,8 +39,7 @@ __global__ void GatherRows(const bf16* x, const int32_t* row_token, bf16* xs, in
 __global__ void Compare(const bf16* got, int64_t ldg, const int32_t* got_row, int64_t col0,
                         const float* ref, int64_t ref_ld, int64_t ncols, int swiglu_f,
                         int num_samples, ErrAcc* acc) {
-  double d2 = 0, r2 = 0, ma = 0, mr = 0;
-  unsigned long long nan = 0, cnt = 0;
+  ErrSums sums;
   for (int s = blockIdx.x; s < num_samples; s += gridDim.x) {
     for (int64_t j = threadIdx.x; j < ncols; j += blockDim.x) {
       float rv;
@@ -51,25 +50,10 @@ __global__ void Compare(const bf16* got, int64_t ldg, const int32_t* got_row, in
       } else {
         rv = ref[s * ref_ld + j];
       }
-      const float gv = __bfloat162float(got[int64_t(got_row[s]) * ldg + col0 + j]);
-      if (!isfinite(gv)) {
-        ++nan;
-        continue;
-      }
-      const double d = double(gv) - double(rv);
-      d2 += d * d;
-      r2 += double(rv) * rv;
-      ma = fmax(ma, fabs(d));
-      mr = fmax(mr, fabs(double(rv)));
-      ++cnt;
+      sums.add(__bfloat162float(got[int64_t(got_row[s]) * ldg + col0 + j]), rv);
     }
   }
-  atomicAdd(&acc->diff2, d2);
-  atomicAdd(&acc->ref2, r2);
-  AtomicMaxD(&acc->max_abs, ma);
-  AtomicMaxD(&acc->max_ref, mr);
-  atomicAdd(&acc->nan, nan);
-  atomicAdd(&acc->count, cnt);
+  sums.flush(acc);
 }
 
 // The engine's branch-free SwiGLU against megamoe::grouped::Swiglu: every bf16 value of the
@@ -442,29 +426,9 @@ int main(int argc, char** argv) {
   };
   constexpr int kOneLaunchVariant = 10;  // "L1+L2 one launch, contiguous-A"
 
-  std::vector<Problem> problems;
-  problems.push_back(Sized("odd sizes E=16 H=512 F=256", 512, 256,
-                           {0, 1, 127, 128, 129, 0, 255, 300, 1, 0, 513, 64, 7, 1000, 0, 2}, 7));
-  problems.push_back(Routed("one token E=128 30B", 128, 2048, 768, 1, 8, 0.0, 8));
-  problems.push_back(Routed("30B uniform", 128, 2048, 768, 16384, 8, 0.0, 1));
-  problems.push_back(Routed("30B skewed", 128, 2048, 768, 16384, 8, 1.2, 2));
-  if (!quick) {
-    problems.push_back(Routed("235B uniform", 128, 4096, 1536, 16384, 8, 0.0, 3));
-    problems.push_back(Routed("235B skewed", 128, 4096, 1536, 16384, 8, 1.2, 4));
-  }
+  std::vector<Problem> problems = StandardProblems(quick, /*skewed_235b=*/true);
   int failures = 0;
-  {
-    unsigned long long* c = DevAlloc<unsigned long long>(2);
-    CK(cudaMemset(c, 0, 16));
-    SwigluExactTest<<<65536 * 8 / 256, 256>>>(c, c + 1);
-    CK(cudaGetLastError());
-    unsigned long long h[2];
-    CK(cudaMemcpy(h, c, 16, cudaMemcpyDeviceToHost));
-    CK(cudaFree(c));
-    printf("swiglu fast path vs Swiglu(): %s, %llu mismatches of %d, %llu on the exact path\n",
-           h[0] == 0 ? "PASS" : "FAIL", h[0], 65536 * 8, h[1]);
-    failures += h[0] != 0;
-  }
+  failures += !RunFastPathTest("swiglu fast path vs Swiglu()", SwigluExactTest, 65536 * 8);
   std::vector<std::string> table;
   for (size_t pi = 0; pi < problems.size(); ++pi) {
     if (only_problem >= 0 && int(pi) != only_problem) continue;

@@ -43,6 +43,7 @@
 #include "ffi/gemm/sm90_tensor_maps.cuh"
 #include "ffi/layout/fp8_blocks.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
+#include "ffi/scheduler/one_kind_schedule.cuh"
 
 using namespace megamoe::fused;
 using namespace megamoe::fused::sm90;
@@ -54,17 +55,6 @@ static const char* g_modes = "01234";  // --modes
 
 // ------------------------------------------------------------------ kernel
 // One GEMM kind per launch (L1, then L2 in a second launch: no counters needed).
-struct OneKindScheduler {
-  Walk walk;
-  int t, stride, total, n_blocks, kind, cursor;
-  __device__ __forceinline__ bool next(ExpertTile& job) {
-    if (t >= total) return false;
-    job = walk.decode(t, n_blocks, kind, cursor);
-    t += stride;
-    return true;
-  }
-};
-
 struct KernelStorage {
   Engine::SharedStorage engine;
   Walk::SharedStorage walk;
@@ -103,16 +93,8 @@ __global__ void __launch_bounds__(384, 1)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   auto& st = *reinterpret_cast<KernelStorage*>(smem_raw);
   if (threadIdx.x == 0) Engine::init(st.engine);
-  OneKindScheduler sched;
-  if (threadIdx.x < 32) {
-    sched.walk.build(&st.walk, offsets, num_experts, threadIdx.x);
-    sched.t = blockIdx.x;
-    sched.stride = gridDim.x;
-    sched.total = sched.walk.num_m_blocks() * n_blocks;
-    sched.n_blocks = n_blocks;
-    sched.kind = kind;
-    sched.cursor = 0;
-  }
+  OneKindSchedule<Walk> sched;
+  if (threadIdx.x < 32) sched.init(&st.walk, offsets, num_experts, threadIdx.x, kind, n_blocks, false);
   __syncthreads();
   Engine::run_roles(st.engine, p, sched, NoHooks{});
 }

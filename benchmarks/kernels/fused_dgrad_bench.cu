@@ -53,30 +53,11 @@ __global__ void SwigluGradExactTest(unsigned long long* mismatch, unsigned long 
 // Compares got[got_row[s], j] (bf16) with ref[s, j] (fp32) for j < ncols.
 __global__ void CompareRows(const bf16* got, int64_t ldg, const int32_t* got_row,
                             const float* ref, int64_t ncols, int num_samples, ErrAcc* acc) {
-  double d2 = 0, r2 = 0, ma = 0, mr = 0;
-  unsigned long long nan = 0, cnt = 0;
-  for (int s = blockIdx.x; s < num_samples; s += gridDim.x) {
-    for (int64_t j = threadIdx.x; j < ncols; j += blockDim.x) {
-      const float rv = ref[s * ncols + j];
-      const float gv = __bfloat162float(got[int64_t(got_row[s]) * ldg + j]);
-      if (!isfinite(gv)) {
-        ++nan;
-        continue;
-      }
-      const double d = double(gv) - double(rv);
-      d2 += d * d;
-      r2 += double(rv) * rv;
-      ma = fmax(ma, fabs(d));
-      mr = fmax(mr, fabs(double(rv)));
-      ++cnt;
-    }
-  }
-  atomicAdd(&acc->diff2, d2);
-  atomicAdd(&acc->ref2, r2);
-  AtomicMaxD(&acc->max_abs, ma);
-  AtomicMaxD(&acc->max_ref, mr);
-  atomicAdd(&acc->nan, nan);
-  atomicAdd(&acc->count, cnt);
+  ErrSums sums;
+  for (int s = blockIdx.x; s < num_samples; s += gridDim.x)
+    for (int64_t j = threadIdx.x; j < ncols; j += blockDim.x)
+      sums.add(__bfloat162float(got[int64_t(got_row[s]) * ldg + j]), ref[s * ncols + j]);
+  sums.flush(acc);
 }
 
 struct DgradProblem {
@@ -311,26 +292,9 @@ int main(int argc, char** argv) {
   printf("device %s, %d SMs; engine S4-dgrad: %zu bytes of shared memory\n", prop.name,
          prop.multiProcessorCount, sizeof(KernelStorage<DgradEngine>));
   int failures = 0;
-  {
-    unsigned long long* c = DevAlloc<unsigned long long>(2);
-    CK(cudaMemset(c, 0, 16));
-    SwigluGradExactTest<<<65536 * 16 / 256, 256>>>(c, c + 1);
-    CK(cudaGetLastError());
-    unsigned long long h[2];
-    CK(cudaMemcpy(h, c, 16, cudaMemcpyDeviceToHost));
-    CK(cudaFree(c));
-    printf("swiglu-backward fast path vs SwigluGrad(): %s, %llu mismatches of %d, %llu on the "
-           "exact path\n",
-           h[0] == 0 ? "PASS" : "FAIL", h[0], 65536 * 16, h[1]);
-    failures += h[0] != 0;
-  }
-  std::vector<Problem> problems;
-  problems.push_back(Sized("odd sizes E=16 H=512 F=256", 512, 256,
-                           {0, 1, 127, 128, 129, 0, 255, 300, 1, 0, 513, 64, 7, 1000, 0, 2}, 7));
-  problems.push_back(Routed("one token E=128 30B", 128, 2048, 768, 1, 8, 0.0, 8));
-  problems.push_back(Routed("30B uniform", 128, 2048, 768, 16384, 8, 0.0, 1));
-  problems.push_back(Routed("30B skewed", 128, 2048, 768, 16384, 8, 1.2, 2));
-  if (!quick) problems.push_back(Routed("235B uniform", 128, 4096, 1536, 16384, 8, 0.0, 3));
+  failures += !RunFastPathTest("swiglu-backward fast path vs SwigluGrad()", SwigluGradExactTest,
+                               65536 * 16);
+  std::vector<Problem> problems = StandardProblems(quick, /*skewed_235b=*/false);
   std::vector<std::string> table;
   for (size_t pi = 0; pi < problems.size(); ++pi) {
     if (only_problem >= 0 && int(pi) != only_problem) continue;

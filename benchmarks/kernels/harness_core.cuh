@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -165,6 +166,32 @@ __device__ void AtomicMaxD(double* p, double v) {
   }
 }
 
+// One thread's error sums over the elements it compared, added into an ErrAcc at the end.
+struct ErrSums {
+  double d2 = 0, r2 = 0, ma = 0, mr = 0;
+  unsigned long long nan = 0, cnt = 0;
+  __device__ void add(float got, float ref) {
+    if (!isfinite(got)) {
+      ++nan;
+      return;
+    }
+    const double d = double(got) - double(ref);
+    d2 += d * d;
+    r2 += double(ref) * ref;
+    ma = fmax(ma, fabs(d));
+    mr = fmax(mr, fabs(double(ref)));
+    ++cnt;
+  }
+  __device__ void flush(ErrAcc* acc) const {
+    atomicAdd(&acc->diff2, d2);
+    atomicAdd(&acc->ref2, r2);
+    AtomicMaxD(&acc->max_abs, ma);
+    AtomicMaxD(&acc->max_ref, mr);
+    atomicAdd(&acc->nan, nan);
+    atomicAdd(&acc->count, cnt);
+  }
+};
+
 // Counts elements equal to `v` among rows [r0, r1) of a [*, cols] u16 matrix.
 __global__ void CountEq(const uint16_t* p, int64_t r0, int64_t r1, int64_t cols, uint16_t v,
                         unsigned long long* out) {
@@ -284,3 +311,37 @@ static std::vector<int32_t> Samples(const Problem& p) {
   s.erase(std::unique(s.begin(), s.end()), s.end());
   return s;
 }
+
+// An exhaustive fast-path test kernel(mismatches, exact_path_count) over `cases` threads:
+// prints its line and returns whether nothing mismatched.
+template <class Kernel>
+static bool RunFastPathTest(const char* what, Kernel kernel, int cases) {
+  unsigned long long* c = DevAlloc<unsigned long long>(2);
+  CK(cudaMemset(c, 0, 16));
+  kernel<<<(cases + 255) / 256, 256>>>(c, c + 1);
+  CK(cudaGetLastError());
+  unsigned long long h[2];
+  CK(cudaMemcpy(h, c, 16, cudaMemcpyDeviceToHost));
+  CK(cudaFree(c));
+  printf("%s: %s, %llu mismatches of %d, %llu on the exact path\n", what,
+         h[0] == 0 ? "PASS" : "FAIL", h[0], cases, h[1]);
+  return h[0] == 0;
+}
+
+// The problems both harnesses check and time: odd group sizes (all rows checked), one token
+// over 128 experts, the 30B shape uniform and skewed, and (not quick) the 235B shape uniform,
+// and skewed when `skewed_235b`.
+static std::vector<Problem> StandardProblems(bool quick, bool skewed_235b) {
+  std::vector<Problem> problems;
+  problems.push_back(Sized("odd sizes E=16 H=512 F=256", 512, 256,
+                           {0, 1, 127, 128, 129, 0, 255, 300, 1, 0, 513, 64, 7, 1000, 0, 2}, 7));
+  problems.push_back(Routed("one token E=128 30B", 128, 2048, 768, 1, 8, 0.0, 8));
+  problems.push_back(Routed("30B uniform", 128, 2048, 768, 16384, 8, 0.0, 1));
+  problems.push_back(Routed("30B skewed", 128, 2048, 768, 16384, 8, 1.2, 2));
+  if (!quick) {
+    problems.push_back(Routed("235B uniform", 128, 4096, 1536, 16384, 8, 0.0, 3));
+    if (skewed_235b) problems.push_back(Routed("235B skewed", 128, 4096, 1536, 16384, 8, 1.2, 4));
+  }
+  return problems;
+}
+

@@ -14,6 +14,7 @@
 #include "ffi/heuristics/moe_dgrad_core.h"
 #include "ffi/impls/moe_dgrad.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
+#include "ffi/scheduler/one_kind_schedule.cuh"
 
 namespace megamoe::grouped {
 namespace {
@@ -33,19 +34,6 @@ struct GroupRowDest {
 };
 using Params = fused::sm90::EngineParams<GroupRowDest>;
 
-// The tiles of one GEMM kind, strided over the CTAs in walk order.
-struct KindScheduler {
-  Walk walk;
-  int t, stride, total, n_blocks, kind, cursor;
-  bool n_major;
-  __device__ __forceinline__ bool next(ExpertTile& job) {
-    if (t >= total) return false;
-    job = walk.decode(t, n_blocks, kind, cursor, n_major);
-    t += stride;
-    return true;
-  }
-};
-
 struct Smem {
   Engine::SharedStorage engine;
   Walk::SharedStorage walk;
@@ -58,17 +46,9 @@ __global__ void __launch_bounds__(Engine::kThreads, 1)
   auto& st = *reinterpret_cast<Smem*>(smem_raw);
   if ((fused::sm90::detail::smem_u32(smem_raw) & 1023) != 0) __trap();  // 128B swizzle
   if (threadIdx.x == 0) Engine::init(st.engine);
-  KindScheduler sched;
-  if (threadIdx.x < 32) {  // the producer warp: the only one that asks for tiles
-    sched.walk.build(&st.walk, offsets, num_experts, threadIdx.x);
-    sched.t = blockIdx.x;
-    sched.stride = gridDim.x;
-    sched.total = sched.walk.num_m_blocks() * n_blocks;
-    sched.n_blocks = n_blocks;
-    sched.kind = kind;
-    sched.cursor = 0;
-    sched.n_major = n_major != 0;
-  }
+  fused::OneKindSchedule<Walk> sched;
+  if (threadIdx.x < 32)  // the producer warp: the only one that asks for tiles
+    sched.init(&st.walk, offsets, num_experts, threadIdx.x, kind, n_blocks, n_major != 0);
   __syncthreads();
   Engine::run_roles(st.engine, p, sched, fused::sm90::NoHooks{});
 }
