@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "ffi/common/launch_counts.h"
 #include "ffi/registry.h"
 
 namespace nb = nanobind;
@@ -61,6 +62,16 @@ NB_MODULE(_megamoe, m) {
         return static_cast<int64_t>(bytes);
       },
       nb::arg("target"), nb::arg("num_groups"));
+
+  // {name: launches so far} of the kernels a heuristic picks (ffi/common/launch_counts.h).
+  m.def("launch_counts", []() {
+    nb::dict counts;
+    for (int i = 0; i < static_cast<int>(megamoe::CountedLaunch::kNumCounted); ++i) {
+      counts[megamoe::kCountedLaunchNames[i]] =
+          megamoe::LaunchCount(static_cast<megamoe::CountedLaunch>(i));
+    }
+    return counts;
+  });
 
   m.def("build_info", []() {
     nb::dict info;

@@ -60,6 +60,14 @@ def scratch_bytes(target: str, num_groups: int) -> int:
   return int(ext.scratch_bytes(target, int(num_groups)))
 
 
+def launch_counts() -> dict[str, int]:
+  """Launches so far, in this process, of the kernels a heuristic picks over another path
+  (ffi/common/launch_counts.h), counted when a handler enqueues them (a replayed CUDA graph does
+  not count); {} without the extension."""
+  ext = extension()
+  return {} if ext is None else {str(k): int(v) for k, v in ext.launch_counts().items()}
+
+
 def build_info() -> dict[str, Any]:
   """What the extension was built with: cuda_archs, cuda_version, jaxlib_version, cutlass."""
   ext = extension()

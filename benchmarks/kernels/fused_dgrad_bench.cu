@@ -7,7 +7,8 @@
 //              slots); a dx tile waits for every dh tile of its M-block (per-block counters).
 // Checks, outputs poisoned before every run:
 //   - dgate_up bit for bit against backend cuda's own SwigluBackward kernel
-//     (ffi/impls/grouped_swiglu.cu, linked in) run on the kernel's dh (stored for the check);
+//     (ffi/impls/grouped_swiglu.cu, linked in) run on the kernel's dh (stored for the check),
+//     with gate outliers in every 61st row that send warps down the epilogue's exact path;
 //   - dh against an fp32 GPU reference GEMM, dx against one on the kernel's dgate_up
 //     (relative error < 1e-2: bf16 outputs);
 //   - every row written, no pad row past the last group touched, bitwise run to run;
@@ -50,6 +51,17 @@ __global__ void SwigluGradExactTest(unsigned long long* mismatch, unsigned long 
   else if (!same(dg_fast, dg) || !same(du_fast, du)) atomicAdd(mismatch, 1ull);
 }
 
+// Gate values past the fast path's range (1 + exp(-g) >= 2^126: g < -87.3) in every 61st row,
+// so that the epilogue's warp-wide exact path runs inside the kernel (dgate, dup stay finite).
+__global__ void PlantGateOutliers(bf16* gu, int64_t rows, int64_t f) {
+  const float values[4] = {-100.0f, -90.0f, -87.5f, -87.25f};
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows;
+       r += int64_t(gridDim.x) * blockDim.x) {
+    if (r % 61 != 0) continue;
+    for (int i = 0; i < 4; ++i) gu[r * 2 * f + (r + 37 * i) % f] = __float2bfloat16(values[i]);
+  }
+}
+
 // Compares got[got_row[s], j] (bf16) with ref[s, j] (fp32) for j < ncols.
 __global__ void CompareRows(const bf16* got, int64_t ldg, const int32_t* got_row,
                             const float* ref, int64_t ncols, int num_samples, ErrAcc* acc) {
@@ -70,7 +82,17 @@ struct DgradProblem {
   int32_t *offsets, *dest_row;
   int* mb_done;
   int epoch;
+  uint64_t gu_seed;
 };
+
+// gate and up values over [-4, 4] (the sigmoid's curve); with `outliers` (the checks, not the
+// timing) gate values past the fast path's range too.
+static void FillGateUp(DgradProblem& d, bool outliers) {
+  const int64_t R = d.rows + kPadRows, F = d.p->f;
+  FillRandom<<<2048, 256>>>(d.gu, R * 2 * F, d.gu_seed, 4.0f);
+  if (outliers) PlantGateOutliers<<<256, 256>>>(d.gu, R, F);
+  CK(cudaGetLastError());
+}
 
 static DgradProblem Upload(const Problem& p, uint64_t seed) {
   DgradProblem d{};
@@ -81,9 +103,9 @@ static DgradProblem Upload(const Problem& p, uint64_t seed) {
     d.dy[i] = DevAlloc<bf16>(R * H);
     FillRandom<<<2048, 256>>>(d.dy[i], R * H, seed + 11 + i, 1.0f);
   }
-  // gate values over [-6, 6] (the sigmoid's whole curve), up over [-2, 2].
   d.gu = DevAlloc<bf16>(R * 2 * F);
-  FillRandom<<<2048, 256>>>(d.gu, R * 2 * F, seed + 15, 4.0f);
+  d.gu_seed = seed + 15;
+  FillGateUp(d, /*outliers=*/false);
   d.w_gu = DevAlloc<bf16>(E * H * 2 * F);
   FillRandom<<<4096, 256>>>(d.w_gu, E * H * 2 * F, seed + 21, 2.0f / std::sqrt(float(2 * F)));
   d.w_d = DevAlloc<bf16>(E * F * H);
@@ -304,6 +326,7 @@ int main(int argc, char** argv) {
            (long long)p.rows());
     DgradProblem d = Upload(p, 2000 + pi);
     if (!no_check) {
+      FillGateUp(d, /*outliers=*/true);
       Poison(d);
       Launch(d, 3, 0, true, 0);
       SyncOrDie("the dgrad launch");
@@ -313,6 +336,7 @@ int main(int argc, char** argv) {
       printf("[S4-dgrad] one launch %s:%s rerun-diff-words=%llu\n", r.ok ? "PASS" : "FAIL",
              r.msg.c_str(), diff);
       failures += !r.ok;
+      FillGateUp(d, /*outliers=*/false);  // timed without them, as a layer's data
     }
     if (p.rows() >= 100000) {
       const double fl = 2.0 * p.rows() * p.h * p.f * 3;  // dh (F) + dx (2F)

@@ -25,9 +25,10 @@ inline bool DefaultMoeDgradCore(int64_t hidden, int64_t ffn) {
   return 2 * ffn * hidden * 2 <= kFusedL1NMajorSliceBytes;
 }
 
-// Read whenever the handler runs: when XLA first runs the call, which it may then replay from a
-// CUDA graph without the handler; so a jitted program keeps the path it first ran with (A/B in
-// separate processes, or after jax.clear_caches()). `takes`: the core supports the shape.
+// Read whenever the handler runs. XLA may replay the call from a CUDA graph without running the
+// handler (until it records the graph again, e.g. for new buffer addresses), so a live
+// executable may keep the path it was recorded with: to A/B, set the variable and clear JAX's
+// caches (jax.clear_caches()) or use separate processes. `takes`: the core supports the shape.
 inline bool UseMoeDgradCore(bool takes, int64_t hidden, int64_t ffn) {
   if (!takes) return false;
   const char* env = std::getenv("MEGAMOE_DGRAD_CORE");

@@ -28,7 +28,7 @@ struct MoeDgradProblem {
   void* dx;               // [n, H] bf16 out: rows < offsets[E] written
 };
 
-// "" when the core takes the shape (H and F multiples of 256, at most kMoeDgradMaxExperts
+// "" when the core takes the shape (H and F positive multiples of 256, at most kMoeDgradMaxExperts
 // experts, an sm_90 device), else why not.
 std::string MoeDgradUnsupportedReason(int64_t hidden, int64_t ffn, int64_t num_experts);
 

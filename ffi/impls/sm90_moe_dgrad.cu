@@ -9,6 +9,7 @@
 #include <string>
 
 #include "ffi/common/device_info.h"
+#include "ffi/common/launch_counts.h"
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
 #include "ffi/heuristics/moe_dgrad_core.h"
@@ -38,6 +39,7 @@ struct Smem {
   Engine::SharedStorage engine;
   Walk::SharedStorage walk;
 };
+static_assert(sizeof(Smem) <= 227 * 1024, "the engine and the walk exceed sm_90's shared memory");
 
 __global__ void __launch_bounds__(Engine::kThreads, 1)
     MoeDgradKernel(const __grid_constant__ Params p, const int32_t* offsets, int num_experts,
@@ -66,9 +68,9 @@ int CurrentDeviceComputeMajor() {
 }  // namespace
 
 std::string MoeDgradUnsupportedReason(int64_t hidden, int64_t ffn, int64_t num_experts) {
-  if (hidden % 256 != 0 || ffn % 256 != 0)
+  if (hidden < 256 || ffn < 256 || hidden % 256 != 0 || ffn % 256 != 0)
     return "H=" + std::to_string(hidden) + " and F=" + std::to_string(ffn) +
-           " must be multiples of 256 (the core's 256-column tiles)";
+           " must be positive multiples of 256 (the core's 256-column tiles)";
   if (num_experts > kMoeDgradMaxExperts)
     return std::to_string(num_experts) + " experts, at most " +
            std::to_string(kMoeDgradMaxExperts);
@@ -124,6 +126,7 @@ std::string MoeDgradSm90(const MoeDgradProblem& p, cudaStream_t stream) {
       prm, p.offsets, p.num_experts, fused::sm90::kDgradDx, int(H / 256), dx_n_major);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return std::string("dgrad core: dx launch: ") + cudaGetErrorString(e);
+  CountLaunch(CountedLaunch::kMoeDgradCore);
   return "";
 }
 

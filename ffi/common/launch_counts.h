@@ -1,0 +1,21 @@
+// Host-side counts of the launches of kernels that a heuristic picks over another path, so that
+// a test can tell which path a call took (Python: jax_megamoe._ffi.launch_counts()). A handler
+// counts when it enqueues the kernels: a CUDA graph that XLA replays does not count again.
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe {
+
+enum class CountedLaunch : int {
+  kMoeDgradCore = 0,  // backend cuda's MLP backward on the dgrad core (ffi/impls/moe_dgrad.h)
+  kNumCounted,
+};
+
+// The Python names of the counts, in CountedLaunch order.
+inline constexpr const char* kCountedLaunchNames[] = {"moe_dgrad_core"};
+
+void CountLaunch(CountedLaunch what);
+int64_t LaunchCount(CountedLaunch what);
+
+}  // namespace megamoe
