@@ -38,8 +38,12 @@ MOE_DIRECTIONS = ("forward", "recompute", "backward")
 
 # This project's kernels (ffi/impls, ffi/scheduler, ffi/comm), by kind. First match wins: the
 # FP8 quantisers before SwiGLU (SwigluQuantizeKernel is a quantiser).
+# The tile engine's dgrad core (ffi/impls/sm90_moe_dgrad.cu): GEMMs with the SwiGLU backward in
+# an epilogue, so it counts as GEMM time.
+_DGRAD_CORE = "dgrad GEMMs + SwiGLU bwd (tile engine)"
 _MOE_KERNEL_KINDS = (
     (r"FusedMoe", "fused dispatch + GEMMs + combine"),
+    (r"MoeDgradKernel", _DGRAD_CORE),
     (r"Quantize\w*Kernel", "FP8 quantise"),
     (r"Swiglu(Forward|Backward)Kernel", "SwiGLU"),
     (r"Dispatch(Send|Count|Place)Kernel|ExpertScanKernel", "EP dispatch"),
@@ -170,6 +174,7 @@ def place(kernel: str, op: HloOp | None, scope: str | None = None) -> Placement:
     kind = next((k for pattern, k in _MOE_KERNEL_KINDS if re.search(pattern, kernel)), None)
     if kind is None and _CUTLASS.search(kernel):
       kind, gemm = "grouped GEMM (CUTLASS)", True
+    gemm = gemm or kind == _DGRAD_CORE
     if kind is None:
       kind = f"custom call {target}" if target else "other MoE kernel"
       gemm = gemm or bool(target and re.search(r"gemm|mlp|wgrad", target))

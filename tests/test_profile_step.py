@@ -103,6 +103,10 @@ def _op(opcodes, op_names=(), target=None):
     ("SwigluQuantizeKernel", _op(["custom-call"], target="megamoe_fp8_swiglu_quantize"), None,
      ("moe", "FP8 quantise", "forward")),
     ("FusedMoeForwardKernel", None, None, ("moe", "fused dispatch + GEMMs + combine", "forward")),
+    ("megamoe::grouped::(anonymous namespace)::MoeDgradKernel(EngineParams<GroupRowDest>, ...)",
+     _op(["custom-call"], ["jit(step)/transpose(jvp(moe))/experts/moe"],
+         "megamoe_grouped_mlp_bwd"), None,
+     ("moe", "dgrad GEMMs + SwiGLU bwd (tile engine)", "backward")),
     ("SwigluForwardKernel", None, "checkpoint/rematted_computation/moe/experts/moe", ("moe", "SwiGLU", "recompute")),
     ("ncclDevKernel_AllGather_RING_LL", None, None, ("collectives", None, None)),
     ("all-gather-start", _op(["all-gather-start"]), None, ("collectives", None, None)),
@@ -120,6 +124,12 @@ def _op(opcodes, op_names=(), target=None):
 def test_placement_rules(kernel, op, scope, want):
   got = step_categories.place(kernel, op, scope)
   assert (got.category, got.kind, got.direction) == want
+
+
+def test_the_dgrad_core_counts_as_gemm_time():
+  for op in (None, _op(["custom-call"], target="megamoe_grouped_mlp_bwd")):
+    assert step_categories.place("MoeDgradKernel", op).gemm
+  assert not step_categories.place("SwigluBackwardKernel", None).gemm
 
 
 def test_scopes_unwrap_transforms_and_tell_the_direction():
