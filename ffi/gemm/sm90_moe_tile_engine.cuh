@@ -119,6 +119,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "cute/arch/cluster_sm90.hpp"
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/arch/mma_sm90_desc.hpp"
@@ -372,6 +373,18 @@ __device__ __forceinline__ void mbar_arrive_cnt(uint64_t* bar, uint32_t count) {
                : "memory");
 }
 
+// Arrive `count` times on the mbarrier at bar's offset in CTA `cta` of the cluster (the CUTLASS
+// consumer-release pattern of a multicast pipeline, ClusterBarrier::arrive, with a count).
+__device__ __forceinline__ void mbar_arrive_cnt_cluster(uint64_t* bar, uint32_t cta,
+                                                        uint32_t count) {
+  asm volatile(
+      "{\n\t.reg .b32 remAddr32;\n\t"
+      "mapa.shared::cluster.u32 remAddr32, %0, %1;\n\t"
+      "mbarrier.arrive.shared::cluster.b64 _, [remAddr32], %2;\n\t}" ::"r"(smem_u32(bar)),
+      "r"(cta), "r"(count)
+      : "memory");
+}
+
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -394,12 +407,21 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem, const void* gmem, boo
 // N-rows}, GemmOperands::n rows per expert), as the backward's dgrad GEMMs read W^T without a
 // transposed copy; the stage holds the same 256 N x 64 K, so the epilogues are unchanged.
 // kDgrad (needs kBKMajor): the backward's dgrad GEMMs, kDgradDh and kDgradDx (see the header).
+// kClusterM = 2 (bf16, kBKMajor; experimental, harness only): the CTAs of a 2-CTA cluster run
+// tiles of the same expert and N-block on two M-blocks (the caller's scheduler pairs them) and
+// share B: each CTA loads one of the stage's two 128-N-row boxes and multicasts it to both, so
+// each stage reads half the B bytes from L2. A stage is refilled once the consumers of both
+// CTAs released it (empty[] counts both CTAs' arrivals). The caller launches with a cluster of
+// 2, syncs the cluster after init() and before the CTAs exit, and gives a CTA with no M-block
+// left a tile of 0 rows (it still loads its half of B for its peer).
 template <int kStages_ = 4, int kJobSlots_ = 4, class Elems = Bf16Operands, bool kBKMajor = false,
-          bool kDgrad = false>
+          bool kDgrad = false, int kClusterM = 1>
 struct Sm90MoeTileEngine {
   static constexpr bool kFp8 = Elems::kFp8;
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
+  static_assert(kClusterM == 1 || (kClusterM == 2 && kBKMajor && !kFp8),
+                "B multicast over a 2-CTA cluster: bf16 with K-major B only");
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 256;
   static constexpr int kBlockK = Elems::kBlockK;
@@ -454,7 +476,7 @@ struct Sm90MoeTileEngine {
   __device__ static void init(SharedStorage& ss) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&ss.full[s], 32);  // one arrival per producer lane (+ TMA bytes)
-      Barrier::init(&ss.empty[s], kMathThreads / 32);
+      Barrier::init(&ss.empty[s], kMathThreads / 32 * kClusterM);  // every CTA's math warps
     }
     for (int j = 0; j < kJobSlots; ++j) Barrier::init(&ss.stored[j], kMathThreads);
     for (int j = 0; j < kJobSlots; ++j) {
@@ -530,13 +552,21 @@ struct Sm90MoeTileEngine {
         if constexpr (kBKMajor) {
           // Two boxes of 128 N-rows: L1 the gate rows [c, c+128) and the up rows [F+c, ...),
           // L2 the tile's two halves; each 16 KB, 128B-swizzled rows of 64 K.
-          if (lane < 2) {
+          // kClusterM = 2: this CTA's box only, multicast into both CTAs' stage.
+          const int box = kClusterM == 2 ? int(cute::block_rank_in_cluster()) : lane;
+          if (kClusterM == 2 ? lane == 0 : lane < 2) {
             const int n_row = job.kind == kL1GateUp && !kDgrad
-                                  ? (lane == 0 ? nb * 128 : p.f + nb * 128)
-                                  : nb * kBlockN + lane * 128;
-            cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
-                                         ss.b[s] + lane * kBHalfBytes, kb * kBlockK,
-                                         job.expert * op.n + n_row);
+                                  ? (box == 0 ? nb * 128 : p.f + nb * 128)
+                                  : nb * kBlockN + box * 128;
+            if constexpr (kClusterM == 2) {
+              cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&op.b_map, &ss.full[s], uint16_t(0x3), 0ull,
+                                                     ss.b[s] + box * kBHalfBytes, kb * kBlockK,
+                                                     job.expert * op.n + n_row);
+            } else {
+              cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
+                                           ss.b[s] + box * kBHalfBytes, kb * kBlockK,
+                                           job.expert * op.n + n_row);
+            }
           }
         } else if (lane < 4) {
           cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
@@ -981,7 +1011,7 @@ struct Sm90MoeTileEngine {
         // Release the previous stage, except the second-to-last one of the tile (staging).
         if (kb > 0) {
           cute::warpgroup_wait<1>();
-          if (kb != num_kb - 1 && lane == 0) Barrier::arrive(&ss.empty[(it - 1) % kStages]);
+          if (kb != num_kb - 1 && lane == 0) release_stage(ss, (it - 1) % kStages, 1);
         }
       }
       cute::warpgroup_wait<0>();
@@ -1123,9 +1153,17 @@ struct Sm90MoeTileEngine {
       }
       cutlass::arch::fence_view_async_shared();
       __syncwarp();
-      if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);  // 4 warps x 2 = 8
+      if (lane == 0) release_stage(ss, s_w, 2);  // 4 warps x 2 = 8
       Barrier::arrive(&ss.stored[slot]);
     }
+  }
+
+  // A math warp hands stage s back (bf16 path): `count` arrivals on this CTA's empty[s] and,
+  // with kClusterM = 2, on the peer's (its producer multicasts into this CTA's stage too).
+  __device__ static void release_stage(SharedStorage& ss, int s, uint32_t count) {
+    detail::mbar_arrive_cnt(&ss.empty[s], count);
+    if constexpr (kClusterM == 2)
+      detail::mbar_arrive_cnt_cluster(&ss.empty[s], cute::block_rank_in_cluster() ^ 1u, count);
   }
 
   // ---------------------------------------------------------------- signaller (one warp)
