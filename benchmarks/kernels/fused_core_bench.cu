@@ -7,7 +7,8 @@
 // [E, N, K] on the device, as the fused backward's dgrad GEMMs read W^T), same checks.
 //
 // Build: benchmarks/kernels/build_fused_core_bench.sh. Run: ./fused_core_bench [--quick]
-//   [--engine I] (0 S4, 1 S3, 2 S4-BK).
+//   [--engine I] (0 S4, 1 S3, 2 S4-BK, 3 S4-BK-C2: S4-BK with 2-CTA clusters sharing B, one GEMM
+//   per launch, experimental).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -143,6 +144,24 @@ struct Launcher {
   virtual size_t smem() const = 0;
   virtual bool b_kmajor() const = 0;
   virtual void launch(const Params& p, const RunArgs& a, int grid, cudaStream_t s) = 0;
+  virtual bool supports(const Variant&) const { return true; }
+};
+
+// Engine "S4-BK-C2": K-major B shared by 2-CTA clusters (kClusterM = 2, experimental), one GEMM
+// per launch (no one-launch L1+L2) with A rows contiguous.
+template <class Engine>
+struct ClusterLauncher : Launcher {
+  const char* nm;
+  explicit ClusterLauncher(const char* n) : nm(n) {}
+  const char* name() const override { return nm; }
+  size_t smem() const override { return sizeof(ClusterStorage<Engine>); }
+  bool b_kmajor() const override { return true; }
+  bool supports(const Variant& v) const override {
+    return v.mode != 3 && v.l1_load == ALoad::kTmaBlock;
+  }
+  void launch(const Params& p, const RunArgs& a, int grid, cudaStream_t s) override {
+    LaunchClusterPairs<Engine>(p, a, grid, s);
+  }
 };
 
 template <class Engine, bool kBKMajor = false>
@@ -406,6 +425,8 @@ int main(int argc, char** argv) {
   engines.push_back(new EngineLauncher<Sm90MoeTileEngine<3>>("S3"));
   engines.push_back(
       new EngineLauncher<Sm90MoeTileEngine<4, 4, Bf16Operands, true>, true>("S4-BK"));
+  engines.push_back(new ClusterLauncher<Sm90MoeTileEngine<4, 4, Bf16Operands, true, false, 2>>(
+      "S4-BK-C2"));
   for (auto* e : engines) printf("engine %s: %zu bytes of shared memory\n", e->name(), e->smem());
 
   const Variant variants[] = {
@@ -454,6 +475,7 @@ int main(int argc, char** argv) {
       for (size_t vi = 0; vi < sizeof(variants) / sizeof(variants[0]); ++vi) {
         const Variant& v = variants[vi];
         if (only_variant >= 0 && int(vi) != only_variant) continue;
+        if (!L.supports(v)) continue;
         const bool do_check = !v.raw_gate && !v.skip_epi && !no_check;
         if (do_check) {
           Poison(d);

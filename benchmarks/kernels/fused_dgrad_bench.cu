@@ -27,54 +27,15 @@
 #include "benchmarks/kernels/harness_core.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
 #include "ffi/impls/grouped_swiglu.h"
-#include "ffi/scheduler/one_kind_schedule.cuh"
 
 using DgradEngine = Sm90MoeTileEngine<4, 4, Bf16Operands, /*kBKMajor=*/true, /*kDgrad=*/true>;
 
-// --cluster: the engine's experimental B multicast over 2-CTA clusters (kClusterM = 2), one GEMM
-// kind per launch: a cluster takes a 256-row pair of M-blocks of one expert and N-block, each
-// CTA one M-block (0 rows when the expert has an odd number), both sharing the B stages.
+// --cluster: the engine's experimental B multicast over 2-CTA clusters (kClusterM = 2,
+// harness_core.cuh's ClusterPairKernel), one GEMM kind per launch.
 using ClusterEngine =
     Sm90MoeTileEngine<4, 4, Bf16Operands, /*kBKMajor=*/true, /*kDgrad=*/true, /*kClusterM=*/2>;
-using PairWalk = ExpertTileWalk<256, kMaxExperts>;
 static bool g_cluster = false;
 
-struct ClusterStorage {
-  ClusterEngine::SharedStorage engine;
-  PairWalk::SharedStorage walk;
-};
-
-// The CTA's half of its cluster's pair tile: M-block 2 p + rank (rows 0 past the expert's end).
-struct PairSchedule {
-  OneKindSchedule<PairWalk> pairs;
-  int rank;
-  __device__ __forceinline__ bool next(ExpertTile& job) {
-    if (!pairs.next(job)) return false;
-    job.row_begin += 128 * rank;
-    job.rows = max(0, min(128, job.rows - 128 * rank));
-    return true;
-  }
-};
-
-__global__ void __launch_bounds__(384, 1)
-    DgradClusterKernel(const __grid_constant__ Params p, const int32_t* offsets, int num_experts,
-                       int kind, int n_blocks, int n_major) {
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
-  auto& st = *reinterpret_cast<ClusterStorage*>(smem_raw);
-  if ((detail::smem_u32(smem_raw) & 1023) != 0) __trap();
-  if (threadIdx.x == 0) ClusterEngine::init(st.engine);
-  PairSchedule sched;
-  if (threadIdx.x < 32) {
-    sched.pairs.init(&st.walk, offsets, num_experts, threadIdx.x, kind, n_blocks, n_major != 0);
-    sched.pairs.t = blockIdx.x / 2;  // one pair tile per cluster
-    sched.pairs.stride = gridDim.x / 2;
-    sched.rank = int(cute::block_rank_in_cluster());
-  }
-  __syncthreads();
-  cute::cluster_sync();  // both CTAs' barriers initialised before any multicast or remote arrive
-  ClusterEngine::run_roles(st.engine, p, sched, NoHooks{});
-  cute::cluster_sync();  // neither CTA exits while its peer may still write into it
-}
 
 // The engine's SwiGLU-backward fast path (warp-wide exact fallback aside) against SwigluGrad:
 // every bf16 gate value times a few (dh, up) pairs, fp32 bits compared; elements outside the
@@ -132,8 +93,6 @@ struct DgradProblem {
   uint64_t gu_seed;
 };
 
-static void LaunchCluster(const Params& prm, const DgradProblem& d, int kind, int n_blocks,
-                          int n_major, cudaStream_t s);
 
 // gate and up values over [-4, 4] (the sigmoid's curve); with `outliers` (the checks, not the
 // timing) gate values past the fast path's range too.
@@ -221,9 +180,11 @@ static void Launch(DgradProblem& d, int mode, int dyi, bool keep_dh, cudaStream_
   a.n_major = n_major;
   a.hooks.mb_done = mode == 3 ? d.mb_done : nullptr;
   a.hooks.target = (d.epoch + 1) * a.nb1;
+  static int sms = 0;
+  if (sms == 0) CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   if (g_cluster) {  // one kind per launch: mode 3 = dh, then dx
-    if (mode & 1) LaunchCluster(prm, d, kDgradDh, a.nb1, n_major & 1, s);
-    if (mode & 2) LaunchCluster(prm, d, kDgradDx, a.nb2, (n_major >> 1) & 1, s);
+    a.hooks.mb_done = nullptr;
+    LaunchClusterPairs<ClusterEngine>(prm, a, sms, s);
     return;
   }
   static bool attr = false;
@@ -233,39 +194,10 @@ static void Launch(DgradProblem& d, int mode, int dyi, bool keep_dh, cudaStream_
                             int(sizeof(KernelStorage<DgradEngine>))));
     attr = true;
   }
-  static int sms = 0;
-  if (sms == 0) CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   MoeCoreKernel<DgradEngine>
       <<<sms, DgradEngine::kThreads, sizeof(KernelStorage<DgradEngine>), s>>>(prm, a);
   CK(cudaGetLastError());
   if (mode == 3) ++d.epoch;
-}
-
-static void LaunchCluster(const Params& prm, const DgradProblem& d, int kind, int n_blocks,
-                          int n_major, cudaStream_t s) {
-  const size_t smem = sizeof(ClusterStorage);
-  static bool attr = false;
-  if (!attr) {
-    CK(cudaFuncSetAttribute(DgradClusterKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            int(smem)));
-    attr = true;
-  }
-  static int sms = 0;
-  if (sms == 0) CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(sms & ~1);
-  config.blockDim = dim3(ClusterEngine::kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = s;
-  cudaLaunchAttribute attrs[1];
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = 2;
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
-  config.attrs = attrs;
-  config.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&config, DgradClusterKernel, prm, static_cast<const int32_t*>(d.offsets),
-                        d.p->e, kind, n_blocks, n_major));
 }
 
 static void Poison(DgradProblem& d) {
@@ -396,7 +328,7 @@ int main(int argc, char** argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("device %s, %d SMs; engine %s: %zu bytes of shared memory\n", prop.name,
          prop.multiProcessorCount, g_cluster ? "S4-dgrad-cluster2 (B multicast)" : "S4-dgrad",
-         g_cluster ? sizeof(ClusterStorage) : sizeof(KernelStorage<DgradEngine>));
+         g_cluster ? sizeof(ClusterStorage<ClusterEngine>) : sizeof(KernelStorage<DgradEngine>));
   int failures = 0;
   failures += !RunFastPathTest("swiglu-backward fast path vs SwigluGrad()", SwigluGradExactTest,
                                65536 * 16);

@@ -1,7 +1,7 @@
 // What the standalone harnesses of the tile engine share (fused_core_bench.cu: the forward's
 // GEMMs; fused_dgrad_bench.cu: the backward's dgrad GEMMs): the harness kernel (a static tile
 // schedule of two GEMM kinds, the second kind's tiles waiting for all of the first kind's tiles
-// of their M-block), random fills, an fp32 reference GEMM, error accumulation and counts, the
+// of their M-block; or, experimental, 2-CTA clusters sharing B), random fills, an fp32 reference GEMM, error accumulation and counts, the
 // routed and sized problems, and the sampled rows that are checked.
 #pragma once
 
@@ -19,6 +19,7 @@
 #include "benchmarks/kernels/harness_host.h"
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/scheduler/expert_tile_walk.cuh"
+#include "ffi/scheduler/one_kind_schedule.cuh"
 
 using namespace megamoe::fused;
 using namespace megamoe::fused::sm90;
@@ -100,6 +101,77 @@ __global__ void __launch_bounds__(384, 1)
   }
   __syncthreads();
   Engine::run_roles(st.engine, p, sched, args.hooks);
+}
+
+// ------------------------------------------------------------------ 2-CTA clusters sharing B
+// The engine's experimental kClusterM = 2: a cluster takes a 256-row pair of M-blocks of one
+// expert and N-block, each CTA one M-block (0 rows when the expert has an odd number), both
+// sharing the B stages. One GEMM kind per launch (no counters: a RunArgs mode of 3 launches
+// the first kind, then the second).
+using PairWalk = ExpertTileWalk<256, kMaxExperts>;
+
+template <class Engine>
+struct ClusterStorage {
+  typename Engine::SharedStorage engine;
+  PairWalk::SharedStorage walk;
+};
+
+// The CTA's half of its cluster's pair tile: M-block 2 p + rank (0 rows past the expert's end).
+struct PairSchedule {
+  OneKindSchedule<PairWalk> pairs;
+  int rank;
+  __device__ __forceinline__ bool next(ExpertTile& job) {
+    if (!pairs.next(job)) return false;
+    job.row_begin += 128 * rank;
+    job.rows = max(0, min(128, job.rows - 128 * rank));
+    return true;
+  }
+};
+
+template <class Engine>
+__global__ void __launch_bounds__(384, 1)
+    ClusterPairKernel(const __grid_constant__ Params p, const RunArgs args, int kind) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  auto& st = *reinterpret_cast<ClusterStorage<Engine>*>(smem_raw);
+  if ((detail::smem_u32(smem_raw) & 1023) != 0) __trap();
+  if (threadIdx.x == 0) Engine::init(st.engine);
+  PairSchedule sched;
+  if (threadIdx.x < 32) {
+    sched.pairs.init(&st.walk, args.offsets, args.num_experts, threadIdx.x, kind,
+                     kind == 0 ? args.nb1 : args.nb2, (args.n_major >> kind) & 1);
+    sched.pairs.t = blockIdx.x / 2;  // one pair tile per cluster
+    sched.pairs.stride = gridDim.x / 2;
+    sched.rank = int(cute::block_rank_in_cluster());
+  }
+  __syncthreads();
+  cute::cluster_sync();  // both CTAs' barriers initialised before any multicast or remote arrive
+  Engine::run_roles(st.engine, p, sched, NoHooks{});
+  cute::cluster_sync();  // neither CTA exits while its peer may still write into it
+}
+
+// Launches args.mode's kinds (bit 0 the first, bit 1 the second), one after the other, on
+// `grid` CTAs (even) in clusters of 2.
+template <class Engine>
+static void LaunchClusterPairs(const Params& p, const RunArgs& args, int grid, cudaStream_t s) {
+  const size_t smem = sizeof(ClusterStorage<Engine>);
+  CK(cudaFuncSetAttribute(ClusterPairKernel<Engine>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                          int(smem)));
+  for (int kind = 0; kind < 2; ++kind) {
+    if (!((args.mode >> kind) & 1)) continue;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid & ~1);
+    config.blockDim = dim3(Engine::kThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = s;
+    cudaLaunchAttribute attrs[1];
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = 2;
+    attrs[0].val.clusterDim.y = 1;
+    attrs[0].val.clusterDim.z = 1;
+    config.attrs = attrs;
+    config.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&config, ClusterPairKernel<Engine>, p, args, kind));
+  }
 }
 
 // ------------------------------------------------------------------ helpers (device)
