@@ -130,7 +130,7 @@ def peak_memory_gib(devices) -> float | None:
 def bench_backend(args, backend, num_gpus, deadline) -> dict:
   import jax  # noqa: PLC0415
   from benchmarks import train_step  # noqa: PLC0415
-  from jax_megamoe import backends  # noqa: PLC0415
+  from jax_megamoe import _ffi, backends  # noqa: PLC0415
 
   record = {"backend": backend, "config": args.config, "layers": args.layers or "all"}
   if deadline.expired:
@@ -152,6 +152,7 @@ def bench_backend(args, backend, num_gpus, deadline) -> dict:
       last["metrics"] = setup.run()
       jax.block_until_ready(last["metrics"])
 
+    launches_before = _ffi.launch_counts()
     t0 = time.perf_counter()
     run()
     compile_s = time.perf_counter() - t0
@@ -172,7 +173,11 @@ def bench_backend(args, backend, num_gpus, deadline) -> dict:
                 tflops_per_gpu=flops_per_gpu / seconds / 1e12,
                 mfu=flops_per_gpu / seconds / (args.peak_tflops * 1e12),
                 imbalance_first=imbalance_first, imbalance_last=imbalance_last,
-                peak_gib=peak_memory_gib(jax.local_devices()))
+                peak_gib=peak_memory_gib(jax.local_devices()),
+                # Kernels a heuristic picked, launched by this case's handlers (a replayed CUDA
+                # graph does not count): which path the step took (ffi/common/launch_counts.h).
+                launches={k: v - launches_before.get(k, 0)
+                          for k, v in _ffi.launch_counts().items()})
   log(f"[{backend}] {result['ms']:.2f} ms/step, {record['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
       f"MFU {record['mfu']:.1%}, routing imbalance {imbalance_first:.2f} (first step) -> "
       f"{imbalance_last:.2f} (last timed; 1 = balanced, {config.num_experts / config.top_k:g} "

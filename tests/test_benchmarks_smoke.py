@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import jax_megamoe
+from jax_megamoe import _ffi
 
 # benchmarks/ is a source-tree tool, not part of the installed package. Appended to the path,
 # so that jax_megamoe still comes from the installation CI tests.
@@ -175,6 +176,8 @@ def test_step_smoke(tmp_path):
   assert ref["tokens_per_s_per_gpu"] > 0 and 0 < ref["mfu"] < 1
   # The routing of what was timed: tiny has 8 experts, top-2 (1 = balanced, 4 = one expert).
   assert 1 <= ref["imbalance_first"] <= 4 and 1 <= ref["imbalance_last"] <= 4
+  # Which heuristic-picked kernels the case launched: none on the reference backend.
+  assert set(ref["launches"]) == set(_ffi.launch_counts()) and not any(ref["launches"].values())
   assert result["meta"]["tokens_per_gpu"] == 32
   assert result["meta"]["batch"] == 4 * jax.device_count()
   markdown = (tmp_path / "RESULTS.md").read_text()
@@ -294,7 +297,6 @@ def test_bench_quantize_times_every_quantiser_and_the_copy_floor(tmp_path):
   """bench_quantize (on the CPU handlers here): a row per op and shape, with the bytes each op
   moves (2 read + 1 written per value + the scales) and the JSON written."""
   from benchmarks import bench_quantize
-  from jax_megamoe import _ffi
   from jax_megamoe.backends import cuda_fp8
   if not all(_ffi.has_target(t, "cpu") for t in cuda_fp8.TARGETS):
     pytest.skip("not run: the native extension (with the FP8 CPU handlers) is not built")
