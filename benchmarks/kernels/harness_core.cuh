@@ -117,6 +117,7 @@ struct ClusterStorage {
 };
 
 // The CTA's half of its cluster's pair tile: M-block 2 p + rank (0 rows past the expert's end).
+// m_block, mb_global and tile stay the pair's: no counter hooks may key on them (NoHooks).
 struct PairSchedule {
   OneKindSchedule<PairWalk> pairs;
   int rank;
@@ -134,6 +135,7 @@ __global__ void __launch_bounds__(384, 1)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   auto& st = *reinterpret_cast<ClusterStorage<Engine>*>(smem_raw);
   if ((detail::smem_u32(smem_raw) & 1023) != 0) __trap();
+  if (cute::cluster_shape().x != 2) __trap();  // multicast and remote arrives need the peer
   if (threadIdx.x == 0) Engine::init(st.engine);
   PairSchedule sched;
   if (threadIdx.x < 32) {
@@ -154,8 +156,16 @@ __global__ void __launch_bounds__(384, 1)
 template <class Engine>
 static void LaunchClusterPairs(const Params& p, const RunArgs& args, int grid, cudaStream_t s) {
   const size_t smem = sizeof(ClusterStorage<Engine>);
-  CK(cudaFuncSetAttribute(ClusterPairKernel<Engine>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                          int(smem)));
+  static bool attr = false;  // per instantiation, once (outside the timed launches)
+  if (!attr) {
+    CK(cudaFuncSetAttribute(ClusterPairKernel<Engine>,
+                            cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    attr = true;
+  }
+  if (grid < 2) {
+    fprintf(stderr, "cluster launch: grid %d < 2\n", grid);
+    exit(2);
+  }
   for (int kind = 0; kind < 2; ++kind) {
     if (!((args.mode >> kind) & 1)) continue;
     cudaLaunchConfig_t config = {};

@@ -380,7 +380,7 @@ __device__ __forceinline__ void mbar_arrive_cnt_cluster(uint64_t* bar, uint32_t 
   asm volatile(
       "{\n\t.reg .b32 remAddr32;\n\t"
       "mapa.shared::cluster.u32 remAddr32, %0, %1;\n\t"
-      "mbarrier.arrive.shared::cluster.b64 _, [remAddr32], %2;\n\t}" ::"r"(smem_u32(bar)),
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remAddr32], %2;\n\t}" ::"r"(smem_u32(bar)),
       "r"(cta), "r"(count)
       : "memory");
 }
@@ -521,6 +521,10 @@ struct Sm90MoeTileEngine {
         continue;
       }
       const ALoad mode = static_cast<ALoad>(op.a_load);
+      // kClusterM = 2: contiguous A only; a 0-row tile (its B half is loaded for the peer) loads
+      // no A and computes nothing.
+      if (kClusterM == 2 && mode != ALoad::kTmaBlock) __trap();
+      const bool load_a = kClusterM == 1 || job.rows > 0;
       // Source rows of this tile (the index list is read once per tile).
       int32_t src[4];
 #pragma unroll
@@ -534,7 +538,7 @@ struct Sm90MoeTileEngine {
         }
       }
       __syncwarp();
-      const uint32_t a_bytes = mode == ALoad::kTmaBlock ? uint32_t(kABytes)
+      const uint32_t a_bytes = mode == ALoad::kTmaBlock ? (load_a ? uint32_t(kABytes) : 0u)
                                : mode == ALoad::kTmaRows ? uint32_t(job.rows) * 128u
                                                          : 0u;
       const int num_kb = op.k / kBlockK;
@@ -579,7 +583,7 @@ struct Sm90MoeTileEngine {
           detail::fence_proxy_async_global();
         }
         if (mode == ALoad::kTmaBlock) {
-          if (lane == 0)
+          if (lane == 0 && load_a)
             cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], 0ull, ss.a[s], kb * kBlockK,
                                          job.row_begin);
           Barrier::arrive(&ss.full[s]);
@@ -990,6 +994,8 @@ struct Sm90MoeTileEngine {
 #pragma unroll
         for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
         cute::warpgroup_arrive();
+        // (kClusterM = 2: a 0-row tile has no A in the stage and computes nothing.)
+        if (kClusterM == 1 || job.rows > 0) {
 #pragma unroll
         for (int k = 0; k < kBlockK / 16; ++k) {
           // A K-major: +32 B per 16 of K inside the swizzled 128 B row; SBO = 8 rows = 1024 B.
@@ -1004,6 +1010,7 @@ struct Sm90MoeTileEngine {
             const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 2048, kBBoxBytes, 1024);
             detail::wgmma_call(da, db, acc, true, cute::make_index_sequence<128>{});
           }
+        }
         }
         cute::warpgroup_commit_batch();
 #pragma unroll
@@ -1161,7 +1168,10 @@ struct Sm90MoeTileEngine {
   // A math warp hands stage s back (bf16 path): `count` arrivals on this CTA's empty[s] and,
   // with kClusterM = 2, on the peer's (its producer multicasts into this CTA's stage too).
   __device__ static void release_stage(SharedStorage& ss, int s, uint32_t count) {
-    detail::mbar_arrive_cnt(&ss.empty[s], count);
+    if (kClusterM == 1 && count == 1)
+      Barrier::arrive(&ss.empty[s]);  // the instruction the engine always used
+    else
+      detail::mbar_arrive_cnt(&ss.empty[s], count);
     if constexpr (kClusterM == 2)
       detail::mbar_arrive_cnt_cluster(&ss.empty[s], cute::block_rank_in_cluster() ^ 1u, count);
   }
