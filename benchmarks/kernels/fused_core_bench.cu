@@ -383,19 +383,7 @@ static double TimeVariant(Launcher& L, DeviceProblem& d, const Variant& v, int i
   cudaStream_t s = 0;
   const Params prm[2] = {MakeParams(d, v, 0, L.b_kmajor()),
                          MakeParams(d, v, 1, L.b_kmajor())};  // rotate the inputs
-  std::vector<cudaEvent_t> ev(2 * iters);
-  for (auto& e : ev) CK(cudaEventCreate(&e));
-  for (int i = 0; i < 3; ++i) Launch(L, d, v, prm[i & 1], s, grid);
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(ev[2 * i], s));
-    Launch(L, d, v, prm[i & 1], s, grid);
-    CK(cudaEventRecord(ev[2 * i + 1], s));
-  }
-  CK(cudaDeviceSynchronize());
-  for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
-  for (auto& e : ev) CK(cudaEventDestroy(e));
-  return Median(ms);
+  return TimeLaunches([&](int i) { Launch(L, d, v, prm[i & 1], s, grid); }, iters, s);
 }
 
 int main(int argc, char** argv) {

@@ -298,19 +298,7 @@ static unsigned long long RerunDiff(DgradProblem& d) {
 }
 
 static double TimeMode(DgradProblem& d, int mode, int iters, int n_major = 0) {
-  std::vector<cudaEvent_t> ev(2 * iters);
-  for (auto& e : ev) CK(cudaEventCreate(&e));
-  for (int i = 0; i < 3; ++i) Launch(d, mode, i & 1, false, 0, n_major);
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(ev[2 * i], 0));
-    Launch(d, mode, i & 1, false, 0, n_major);
-    CK(cudaEventRecord(ev[2 * i + 1], 0));
-  }
-  CK(cudaDeviceSynchronize());
-  for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
-  for (auto& e : ev) CK(cudaEventDestroy(e));
-  return Median(ms);
+  return TimeLaunches([&](int i) { Launch(d, mode, i & 1, false, 0, n_major); }, iters, 0);
 }
 
 int main(int argc, char** argv) {

@@ -375,6 +375,26 @@ static double Median(std::vector<float> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
+// Median ms of `iters` timed calls of launch(i) on stream s (CUDA events around each call),
+// after 3 warm-up calls; i counts from 0 over warm-up and timed calls alike (callers rotate
+// their inputs with i & 1).
+template <class LaunchI>
+static double TimeLaunches(LaunchI launch, int iters, cudaStream_t s) {
+  std::vector<cudaEvent_t> ev(2 * iters);
+  for (auto& e : ev) CK(cudaEventCreate(&e));
+  for (int i = 0; i < 3; ++i) launch(i);
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(ev[2 * i], s));
+    launch(i);
+    CK(cudaEventRecord(ev[2 * i + 1], s));
+  }
+  CK(cudaDeviceSynchronize());
+  for (int i = 0; i < iters; ++i) CK(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]));
+  for (auto& e : ev) CK(cudaEventDestroy(e));
+  return Median(ms);
+}
+
 static std::vector<int32_t> Samples(const Problem& p) {
   std::vector<int32_t> s;
   const int64_t rows = p.rows();

@@ -34,6 +34,17 @@ inline int CurrentDeviceSmCount() {
   });
 }
 
+struct ComputeMajorTag {};
+
+// Compute capability major of the current device (9 on an H200).
+inline int CurrentDeviceComputeMajor() {
+  return OncePerCurrentDevice<ComputeMajorTag>([](int dev) {
+    int value = 0;
+    cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, dev);
+    return value;
+  });
+}
+
 // The largest multiprocessor count among the visible devices, 0 when there are none (host
 // only; sizes a scratch buffer while tracing, before XLA picks the device).
 inline int MaxVisibleSmCount() {

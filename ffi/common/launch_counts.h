@@ -3,6 +3,7 @@
 // counts when it enqueues the kernels: a CUDA graph that XLA replays does not count again.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace megamoe {
@@ -14,6 +15,9 @@ enum class CountedLaunch : int {
 
 // The Python names of the counts, in CountedLaunch order.
 inline constexpr const char* kCountedLaunchNames[] = {"moe_dgrad_core"};
+static_assert(sizeof(kCountedLaunchNames) / sizeof(kCountedLaunchNames[0]) ==
+                  static_cast<size_t>(CountedLaunch::kNumCounted),
+              "one Python name per counted launch");
 
 void CountLaunch(CountedLaunch what);
 int64_t LaunchCount(CountedLaunch what);

@@ -55,16 +55,6 @@ __global__ void __launch_bounds__(Engine::kThreads, 1)
   Engine::run_roles(st.engine, p, sched, fused::sm90::NoHooks{});
 }
 
-struct ComputeMajorTag {};
-
-int CurrentDeviceComputeMajor() {
-  return OncePerCurrentDevice<ComputeMajorTag>([](int dev) {
-    int value = 0;
-    cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, dev);
-    return value;
-  });
-}
-
 }  // namespace
 
 std::string MoeDgradUnsupportedReason(int64_t hidden, int64_t ffn, int64_t num_experts) {
