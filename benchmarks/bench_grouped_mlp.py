@@ -74,6 +74,7 @@ def time_torch(fn, trials=7, calls=3, warmup=2) -> float:
 def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
   import jax
   import jax.numpy as jnp
+  from jax_megamoe import _ffi
   from jax_megamoe.backends import cuda_bf16
 
   n, e = int(sizes.sum()), len(sizes)
@@ -164,9 +165,13 @@ def bench_ours(h, f, sizes, results, key, variant="default", with_fp8=True):
       os.environ.update(envs[name])
       jax.clear_caches()
     try:
+      before = _ffi.launch_counts()
       ms = time_jax(fn)
+      # Heuristic-picked kernels this case's handlers launched (a replayed CUDA graph does not
+      # count): says which path a forced case really took.
+      launches = {k: v - before.get(k, 0) for k, v in _ffi.launch_counts().items()}
       results.append({**key, "impl": f"megamoe v{variant}", "op": name, "ms": ms,
-                      "tflops": flops / ms / 1e9})
+                      "tflops": flops / ms / 1e9, "launches": launches})
     except Exception as ex:  # noqa: BLE001
       results.append({**key, "impl": f"megamoe v{variant}", "op": name,
                       "error": str(ex).splitlines()[0][:300]})

@@ -380,7 +380,12 @@ __device__ __forceinline__ void mbar_arrive_cnt_cluster(uint64_t* bar, uint32_t 
   asm volatile(
       "{\n\t.reg .b32 remAddr32;\n\t"
       "mapa.shared::cluster.u32 remAddr32, %0, %1;\n\t"
+#ifdef MEGAMOE_EXPERIMENT_CLUSTER_ARRIVE_CTA_SCOPE
+      // Experiment (harness builds only): CUTLASS's form, release at CTA scope.
+      "mbarrier.arrive.shared::cluster.b64 _, [remAddr32], %2;\n\t}" ::"r"(smem_u32(bar)),
+#else
       "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remAddr32], %2;\n\t}" ::"r"(smem_u32(bar)),
+#endif
       "r"(cta), "r"(count)
       : "memory");
 }
@@ -994,8 +999,11 @@ struct Sm90MoeTileEngine {
 #pragma unroll
         for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
         cute::warpgroup_arrive();
-        // (kClusterM = 2: a 0-row tile has no A in the stage and computes nothing.)
-        if (kClusterM == 1 || job.rows > 0) {
+        // kClusterM = 2: a 0-row tile (its B half loaded for the peer) has no A of its own in
+        // the stage and multiplies what the A region last held, which no one writes while this
+        // warpgroup owns the stage; its epilogue stores no row. Not skipped: a branch around
+        // the wgmmas makes ptxas serialise them in every tile (C7519, "warpgroup.arrive is
+        // injected"), which cost the first cluster build 25-50% of its mainloop rate.
 #pragma unroll
         for (int k = 0; k < kBlockK / 16; ++k) {
           // A K-major: +32 B per 16 of K inside the swizzled 128 B row; SBO = 8 rows = 1024 B.
@@ -1010,7 +1018,6 @@ struct Sm90MoeTileEngine {
             const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 2048, kBBoxBytes, 1024);
             detail::wgmma_call(da, db, acc, true, cute::make_index_sequence<128>{});
           }
-        }
         }
         cute::warpgroup_commit_batch();
 #pragma unroll
