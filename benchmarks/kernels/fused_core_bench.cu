@@ -135,7 +135,10 @@ struct Variant {
   bool gate_up;  // L1 also stores gate_up
   int n_major = 0;        // tile order inside an expert: bit 0 L1, bit 1 L2 N-block-major
   bool raw_gate = false;  // benchmark only: no SwiGLU math (not checked)
-  bool skip_epi = false;  // benchmark only: store nothing (mainloop rate, not checked)
+  // Benchmark only (not checked): EngineParams::bench_skip_epilogue. 1 no epilogue (mainloop
+  // rate), 2 the epilogue without its global stores, 3 the staging only, 4 as 1 with the row
+  // destinations looked up.
+  int skip_epi = 0;
 };
 
 struct Launcher {
@@ -215,7 +218,7 @@ static Params MakeParams(DeviceProblem& d, const Variant& v, int xi, bool b_kmaj
   prm.gate_up = v.gate_up ? d.gu : nullptr;
   prm.f = int(F);
   prm.l1_raw_gate = v.raw_gate ? 1 : 0;
-  prm.bench_skip_epilogue = v.skip_epi ? 1 : 0;
+  prm.bench_skip_epilogue = v.skip_epi;
   prm.l2_dest = IndexedRowDest{d.out, d.dest_row, H};
   return prm;
 }
@@ -422,16 +425,24 @@ int main(int argc, char** argv) {
       {"L1 contiguous-A +gate_up", 1, ALoad::kTmaBlock, true},
       {"L1 contiguous-A, N-major order", 1, ALoad::kTmaBlock, false, 1},
       {"L1 contiguous-A, no SwiGLU (timing)", 1, ALoad::kTmaBlock, false, 0, true},
-      {"L1 contiguous-A, mainloop only (timing)", 1, ALoad::kTmaBlock, false, 0, false, true},
+      {"L1 contiguous-A, mainloop only (timing)", 1, ALoad::kTmaBlock, false, 0, false, 1},
       {"L1 gathered-A (cp.async)", 1, ALoad::kCpAsyncRows, false},
       {"L1 gathered-A (TMA per row)", 1, ALoad::kTmaRows, false},
       {"L2 (per-row destinations)", 2, ALoad::kTmaBlock, false},
       {"L2, N-major order", 2, ALoad::kTmaBlock, false, 2},
-      {"L2, mainloop only (timing)", 2, ALoad::kTmaBlock, false, 0, false, true},
+      {"L2, mainloop only (timing)", 2, ALoad::kTmaBlock, false, 0, false, 1},
       {"L1+L2 one launch, contiguous-A", 3, ALoad::kTmaBlock, false},
       {"L1+L2 one launch, contiguous-A +gate_up", 3, ALoad::kTmaBlock, true},
       {"L1+L2 one launch, contiguous-A, L1 N-major", 3, ALoad::kTmaBlock, false, 1},
       {"L1+L2 one launch, gathered-A (cp.async)", 3, ALoad::kCpAsyncRows, false},
+      // Where L2's epilogue time goes (against "L2, mainloop only"): its math, staging and
+      // smem reads without the global stores; the staging alone.
+      {"L2, no global stores (timing)", 2, ALoad::kTmaBlock, false, 0, false, 2},
+      {"L2, staging only (timing)", 2, ALoad::kTmaBlock, false, 0, false, 3},
+      {"L2, mainloop + row destinations looked up (timing)", 2, ALoad::kTmaBlock, false, 0,
+       false, 4},
+      {"L1 contiguous-A, no global stores (timing)", 1, ALoad::kTmaBlock, false, 0, false, 2},
+      {"L1 contiguous-A, staging only (timing)", 1, ALoad::kTmaBlock, false, 0, false, 3},
   };
   constexpr int kOneLaunchVariant = 10;  // "L1+L2 one launch, contiguous-A"
 
@@ -464,7 +475,7 @@ int main(int argc, char** argv) {
         const Variant& v = variants[vi];
         if (only_variant >= 0 && int(vi) != only_variant) continue;
         if (!L.supports(v)) continue;
-        const bool do_check = !v.raw_gate && !v.skip_epi && !no_check;
+        const bool do_check = !v.raw_gate && v.skip_epi == 0 && !no_check;
         if (do_check) {
           Poison(d);
           if (v.mode == 2) {

@@ -203,7 +203,8 @@ struct alignas(128) EngineParams {
   // (math, staging, smem reads) but no global stores (what the stores cost); 3 = the staging
   // only: the bf16 / L2 epilogue writes its slots, then hands the stages back without reading
   // them (with 1 and 2: what staging costs, and what holding the stages costs the producer;
-  // FP8 L1's own epilogue ignores it).
+  // FP8 L1's own epilogue ignores it); 4 = as 1, but each tile's row destinations are still
+  // looked up before its mainloop (what that lookup costs).
   int32_t bench_skip_epilogue;
   // Benchmark only, FP8: 1 = no per-half wait and promotion; the wgmma run into one temporary
   // with one batch kept in flight, as bf16's mainloop (wrong values: the MMA and load ceiling
@@ -947,8 +948,9 @@ struct Sm90MoeTileEngine {
       const bool l1 = job.kind == kL1GateUp && !kDgrad;
       const bool l1_fp8 = kFp8 && l1;  // h quantised and stored as e4m3 (own epilogue)
       const bool dh_tile = kDgrad && job.kind == kDgradDh;  // SwiGLU-backward epilogue
-      const int nslots =
-          p.bench_skip_epilogue == 1 ? 0 : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1) : 2;
+      const int nslots = p.bench_skip_epilogue == 1 || p.bench_skip_epilogue == 4 ? 0
+                         : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1)
+                              : 2;
       // Destination of each row of the tile (looked up before the mainloop so that the row
       // functor's loads are long done at the epilogue; kept in smem, not in registers). Row
       // 64 wg + rd_row0 + 8 k is written by the thread of chunk 0 that later stores it.
@@ -965,7 +967,7 @@ struct Sm90MoeTileEngine {
           for (int j = 0; j < 4; ++j)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(line + 64 * j));
         }
-      } else if (nslots > 0 && !l1_fp8 && rd_chunk == 0) {
+      } else if ((nslots > 0 || p.bench_skip_epilogue == 4) && !l1_fp8 && rd_chunk == 0) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const int r = 64 * wg + rd_row0 + 8 * k;
