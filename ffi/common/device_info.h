@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <mutex>
+#include <type_traits>
 
 namespace megamoe {
 
@@ -23,26 +24,24 @@ int OncePerCurrentDevice(Compute compute) {
   return value[dev];
 }
 
-struct SmCountTag {};
-
-// Multiprocessor count of the current device (132 on an H200 SXM).
-inline int CurrentDeviceSmCount() {
-  return OncePerCurrentDevice<SmCountTag>([](int dev) {
+// A device attribute of the current device, queried once per device ordinal.
+template <cudaDeviceAttr kAttr>
+int CurrentDeviceAttribute() {
+  return OncePerCurrentDevice<std::integral_constant<cudaDeviceAttr, kAttr>>([](int dev) {
     int value = 0;
-    cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&value, kAttr, dev);
     return value;
   });
 }
 
-struct ComputeMajorTag {};
+// Multiprocessor count of the current device (132 on an H200 SXM).
+inline int CurrentDeviceSmCount() {
+  return CurrentDeviceAttribute<cudaDevAttrMultiProcessorCount>();
+}
 
 // Compute capability major of the current device (9 on an H200).
 inline int CurrentDeviceComputeMajor() {
-  return OncePerCurrentDevice<ComputeMajorTag>([](int dev) {
-    int value = 0;
-    cudaDeviceGetAttribute(&value, cudaDevAttrComputeCapabilityMajor, dev);
-    return value;
-  });
+  return CurrentDeviceAttribute<cudaDevAttrComputeCapabilityMajor>();
 }
 
 // The largest multiprocessor count among the visible devices, 0 when there are none (host
