@@ -464,7 +464,10 @@ struct Sm90MoeTileEngine {
     alignas(1024) uint8_t b[kStages][kBBytes];
     ExpertTile jobs[kJobSlots];
     int32_t row_src[kBlockM];  // kCpAsyncRows: source row of each tile row (producer only)
-    __nv_bfloat16* row_dst[kBlockM];  // destination of each tile row (consumers; null = skip)
+    // Destination of each row of the tile in job slot j (null = skip), written by the producer
+    // with the job, read by the consumers' epilogue; the slot is reused only after its tile
+    // is stored (the signaller's job_empty arrival).
+    __nv_bfloat16* row_dst[kJobSlots][kBlockM];
     uint64_t full[kStages], empty[kStages];
     uint64_t stored[kJobSlots];
     uint64_t job_full[kJobSlots], job_empty[kJobSlots];
@@ -492,6 +495,26 @@ struct Sm90MoeTileEngine {
     cutlass::arch::fence_barrier_init();
   }
 
+  // Whether a tile's epilogue stores through ss.row_dst: not FP8 L1 (its own epilogue), not a
+  // dgrad dh tile (the SwiGLU backward writes dgate_up itself), not bench mode 1.
+  template <class Params>
+  __device__ static bool uses_row_dst(const Params& p, const ExpertTile& job) {
+    const bool l1 = job.kind == kL1GateUp && !kDgrad;
+    if (kFp8 && l1) return false;
+    if (kDgrad && job.kind == kDgradDh) return false;
+    return p.bench_skip_epilogue != 1;
+  }
+
+  // Where row r of the tile's output block goes: L1's h row, or the caller's L2 row functor.
+  template <class Params>
+  __device__ static __nv_bfloat16* row_destination(const Params& p, const ExpertTile& job,
+                                                   int r) {
+    if (job.kind == kL1GateUp && !kDgrad)
+      return p.h + int64_t(job.row_begin + r) * p.f + job.n_block * 128;
+    __nv_bfloat16* d = p.l2_dest.row(job, r);
+    return d == nullptr ? nullptr : d + job.n_block * kBlockN;
+  }
+
   // ---------------------------------------------------------------- producer (one warp)
   // Scheduler: `__device__ bool next(ExpertTile&)`, called by all 32 lanes, warp-uniform.
   template <class Params, class Scheduler, class Hooks>
@@ -514,10 +537,18 @@ struct Sm90MoeTileEngine {
       if (!more) job.kind = -1;
       const int slot = jn % kJobSlots;
       Barrier::wait(&ss.job_empty[slot], ((jn / kJobSlots) & 1) ^ 1);
-      if (lane == 0) {
-        ss.jobs[slot] = job;
-        Barrier::arrive(&ss.job_full[slot]);
+      if (lane == 0) ss.jobs[slot] = job;
+      // The rows' destinations, off the consumers' path: a row functor may load from global
+      // memory, and a consumer would wait for that load before its tile's first wgmma.
+      if (more && uses_row_dst(p, job)) {
+#pragma unroll
+        for (int i = 0; i < kBlockM / 32; ++i) {
+          const int r = lane + 32 * i;
+          ss.row_dst[slot][r] = r < job.rows ? row_destination(p, job, r) : nullptr;
+        }
       }
+      __syncwarp();  // every lane's row_dst before lane 0's release of job_full
+      if (lane == 0) Barrier::arrive(&ss.job_full[slot]);
       ++jn;
       if (!more) break;
 
@@ -951,10 +982,7 @@ struct Sm90MoeTileEngine {
       const int nslots = p.bench_skip_epilogue == 1 || p.bench_skip_epilogue == 4 ? 0
                          : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1)
                               : 2;
-      // Destination of each row of the tile (looked up before the mainloop so that the row
-      // functor's loads are long done at the epilogue; kept in smem, not in registers). Row
-      // 64 wg + rd_row0 + 8 k is written by the thread of chunk 0 that later stores it.
-      __syncwarp();  // the previous tile's stores of these rows (same warp) read the table
+      // (Each row's destination is in ss.row_dst[slot], from the producer.)
       if (dh_tile && nslots > 0) {
         // The epilogue's gate and up columns into L2 while the mainloop runs: 128 rows x
         // (gate, up) x 4 lines of 128 B, 4 lines per math thread.
@@ -966,21 +994,6 @@ struct Sm90MoeTileEngine {
 #pragma unroll
           for (int j = 0; j < 4; ++j)
             asm volatile("prefetch.global.L2 [%0];" ::"l"(line + 64 * j));
-        }
-      } else if ((nslots > 0 || p.bench_skip_epilogue == 4) && !l1_fp8 && rd_chunk == 0) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const int r = 64 * wg + rd_row0 + 8 * k;
-          __nv_bfloat16* d = nullptr;
-          if (r < job.rows) {
-            if (l1) {
-              d = p.h + int64_t(job.row_begin + r) * p.f + job.n_block * 128;
-            } else {
-              d = p.l2_dest.row(job, r);
-              if (d != nullptr) d += job.n_block * kBlockN;
-            }
-          }
-          ss.row_dst[r] = d;
         }
       }
       // Zeroed here rather than with scale-D = 0 on the first wgmma, so that the compiler sees
@@ -1139,7 +1152,7 @@ struct Sm90MoeTileEngine {
       // Destination of (slot sl, row k of this thread), or null.
       auto dest = [&](int sl, int k) -> __nv_bfloat16* {
         const int r = 64 * wg + rd_row0 + 8 * k;
-        __nv_bfloat16* d = ss.row_dst[r];
+        __nv_bfloat16* d = ss.row_dst[slot][r];
         if (d == nullptr) return nullptr;
         if (l1 && sl > 0)  // gate_up row: gate at n_block * 128, up at F + n_block * 128
           return p.gate_up + int64_t(job.row_begin + r) * 2 * p.f + (sl == 2 ? p.f : 0) +
