@@ -36,8 +36,11 @@
 //                                  128-row box would have put it) — correct but op-bound,
 //                   kCpAsyncRows:  cp.async 16-byte copies with the 128B swizzle applied by
 //                                  hand (8 lanes per row, 4 rows per instruction).
-//   warp 1        signaller: once both consumer warpgroups have issued a tile's stores, fences
-//                 at Hooks::kStoreFence scope and calls hooks.tile_done(tile). Nothing else.
+//   warp 1        signaller: looks up where each row of a published tile goes (the caller's
+//                 RowDest::row, which may load from global memory) into the job slot's
+//                 row_dst table, off the consumers' path (they wait on dst_ready only at the
+//                 epilogue); then, once both consumer warpgroups have issued the tile's stores,
+//                 fences at Hooks::kStoreFence scope and calls hooks.tile_done(tile).
 //   warps 2, 3    free for the caller (dispatch / combine roles of the fused kernel).
 //   warps 4..11   two consumer warpgroups: wgmma mainloop, fp32 accumulators (128 regs), then
 //                 the epilogue: SwiGLU or plain cast into staging smem, and each warpgroup
@@ -204,7 +207,7 @@ struct alignas(128) EngineParams {
   // only: the bf16 / L2 epilogue writes its slots, then hands the stages back without reading
   // them (with 1 and 2: what staging costs, and what holding the stages costs the producer;
   // FP8 L1's own epilogue ignores it); 4 = as 1, but each tile's row destinations are still
-  // looked up before its mainloop (what that lookup costs).
+  // looked up (by the signaller since session 17: what the lookup still costs off the path).
   int32_t bench_skip_epilogue;
   // Benchmark only, FP8: 1 = no per-half wait and promotion; the wgmma run into one temporary
   // with one batch kept in flight, as bf16's mainloop (wrong values: the MMA and load ceiling
@@ -464,12 +467,13 @@ struct Sm90MoeTileEngine {
     alignas(1024) uint8_t b[kStages][kBBytes];
     ExpertTile jobs[kJobSlots];
     int32_t row_src[kBlockM];  // kCpAsyncRows: source row of each tile row (producer only)
-    // Destination of each row of the tile in job slot j (null = skip), written by the producer
-    // with the job, read by the consumers' epilogue; the slot is reused only after its tile
-    // is stored (the signaller's job_empty arrival).
+    // Destination of each row of the tile in job slot j (null = skip), written by the
+    // signaller (dst_ready[j] then completes), read by the consumers' epilogue; the slot is
+    // reused only after its tile is stored (the signaller's job_empty arrival).
     __nv_bfloat16* row_dst[kJobSlots][kBlockM];
     uint64_t full[kStages], empty[kStages];
     uint64_t stored[kJobSlots];
+    uint64_t dst_ready[kJobSlots];
     uint64_t job_full[kJobSlots], job_empty[kJobSlots];
     struct Fp8Scales {
       alignas(128) float a[kStages][kAScaleStride];  // a stage's A scales (TMA, kAScaleBox)
@@ -488,6 +492,7 @@ struct Sm90MoeTileEngine {
       Barrier::init(&ss.empty[s], kMathThreads / 32 * kClusterM);  // every CTA's math warps
     }
     for (int j = 0; j < kJobSlots; ++j) Barrier::init(&ss.stored[j], kMathThreads);
+    for (int j = 0; j < kJobSlots; ++j) Barrier::init(&ss.dst_ready[j], 1);
     for (int j = 0; j < kJobSlots; ++j) {
       Barrier::init(&ss.job_full[j], 1);
       Barrier::init(&ss.job_empty[j], kMathThreads / 32 + 1);
@@ -538,18 +543,7 @@ struct Sm90MoeTileEngine {
       const int slot = jn % kJobSlots;
       Barrier::wait(&ss.job_empty[slot], ((jn / kJobSlots) & 1) ^ 1);
       if (lane == 0) ss.jobs[slot] = job;
-      // The rows' destinations, off the consumers' path: a row functor may load from global
-      // memory, and a consumer would wait for that load before its tile's first wgmma.
-      if (more && uses_row_dst(p, job)) {
-        // Two rows in flight per lane: the fused forward's producer (56 registers) spilled
-        // 112 / 236 B (bf16) with all four unrolled, 64 / 152 B with two (main: 92 / 160).
-#pragma unroll 2
-        for (int i = 0; i < kBlockM / 32; ++i) {
-          const int r = lane + 32 * i;
-          ss.row_dst[slot][r] = r < job.rows ? row_destination(p, job, r) : nullptr;
-        }
-      }
-      __syncwarp();  // every lane's row_dst before lane 0's release of job_full
+      __syncwarp();  // the job's store before the arrive (ClusterBarrier::arrive has no clobber)
       if (lane == 0) Barrier::arrive(&ss.job_full[slot]);
       ++jn;
       if (!more) break;
@@ -965,7 +959,8 @@ struct Sm90MoeTileEngine {
     [[maybe_unused]] float tmp[kFp8 ? 64 : 1];
     while (true) {
       const int slot = jn % kJobSlots;
-      Barrier::wait(&ss.job_full[slot], (jn / kJobSlots) & 1);
+      const uint32_t job_phase = (jn / kJobSlots) & 1;
+      Barrier::wait(&ss.job_full[slot], job_phase);
       const ExpertTile job = ss.jobs[slot];
       __syncwarp();
       if (lane == 0) Barrier::arrive(&ss.job_empty[slot]);
@@ -979,7 +974,6 @@ struct Sm90MoeTileEngine {
       // producer pads a one-stage tile to two).
       if (!kFp8 && num_kb < 2) __trap();
       const bool l1 = job.kind == kL1GateUp && !kDgrad;
-      const bool l1_fp8 = kFp8 && l1;  // h quantised and stored as e4m3 (own epilogue)
       const bool dh_tile = kDgrad && job.kind == kDgradDh;  // SwiGLU-backward epilogue
       const int nslots = p.bench_skip_epilogue == 1 || p.bench_skip_epilogue == 4 ? 0
                          : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1)
@@ -1151,7 +1145,7 @@ struct Sm90MoeTileEngine {
       // FP8; the spills go to L2, the smem carve-out leaving little L1): slot by slot measured
       // faster on both cores at 30B: bf16 L1+L2 2.104 vs 2.217 ms, FP8 L2 0.683 vs 0.908 ms
       // (benchmarks/RESULTS.md, session 9).
-      // Destination of (slot sl, row k of this thread), or null.
+      // Destination of (staging slot sl, row k of this thread), or null.
       auto dest = [&](int sl, int k) -> __nv_bfloat16* {
         const int r = 64 * wg + rd_row0 + 8 * k;
         __nv_bfloat16* d = ss.row_dst[slot][r];
@@ -1162,6 +1156,11 @@ struct Sm90MoeTileEngine {
         return d + (l1 ? 0 : sl * 128) + rd_chunk * 8;
       };
       const int read_slots = p.bench_skip_epilogue == 3 ? 0 : nslots;
+      if (read_slots > 0 && !dh_tile) {
+        // The rows' destinations (the signaller's); uses_row_dst must agree with this path.
+        if (!uses_row_dst(p, job)) __trap();
+        Barrier::wait(&ss.dst_ready[slot], job_phase);
+      }
       if constexpr (kDgrad) {
         if (dh_tile)
           epilogue_swiglu_backward(p, job, slot_base, read_slots, wg, rd_row0, rd_chunk, rd_off);
@@ -1213,6 +1212,20 @@ struct Sm90MoeTileEngine {
       __syncwarp();
       ++jn;
       if (job.kind >= 0) {
+        // The rows' destinations while the consumers run the tile's mainloop: a row functor
+        // may load from global memory, and done by the consumers at the tile's start that
+        // load delayed its first wgmma (FUSED_CORE_NOTES, session 17).
+        if (uses_row_dst(p, job)) {
+          // Two rows in flight per lane: the fused forward's producer warpgroup has 56
+          // registers (all four unrolled spilled more there).
+#pragma unroll 2
+          for (int i = 0; i < kBlockM / 32; ++i) {
+            const int r = lane + 32 * i;
+            ss.row_dst[slot][r] = r < job.rows ? row_destination(p, job, r) : nullptr;
+          }
+        }
+        __syncwarp();  // every lane's row_dst before lane 0's release of dst_ready
+        if (lane == 0) Barrier::arrive(&ss.dst_ready[slot]);
         Barrier::wait(&ss.stored[slot], phase);
         if (lane == 0) {
           detail::store_fence<Hooks::kStoreFence>();

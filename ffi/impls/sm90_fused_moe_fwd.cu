@@ -107,7 +107,7 @@ __host__ __device__ constexpr int64_t CopyPlanOffsetInts(int64_t num_tokens, int
 
 // ------------------------------------------------------------------------ shared memory
 
-// Tables a rank's CTAs keep through the GEMMs (the L2 epilogue reads them).
+// Tables a rank's CTAs keep through the GEMMs (the engine's signaller reads them: CombRowDest).
 struct alignas(16) RankTables {
   int32_t src_start[kFusedMaxExperts];   // [El][R]: first pool row of (local expert, source)
   int32_t src_prefix[kFusedMaxExperts];  // [El][R]: that block's first row in the source's comb
