@@ -62,6 +62,9 @@
 //   stored[kJobSlots]      a tile's stores issued, 256 math threads -> signaller, one per job
 //                          slot: the signaller frees the slot (job_empty) only after the tile's
 //                          tile_done, so the math warps can never lap a stored barrier
+//   dst_ready[kJobSlots]   the slot's row_dst table written, signaller lane 0 -> the math
+//                          threads, once per real job (also when the tile needs no table);
+//                          waited on just before the epilogue's row reads
 //   named barrier 1 (256)  both warpgroups done reading the tile's stages (before staging)
 //   named barrier 2, 3     per warpgroup: staging written (before the row reads)
 // The ring's counters run on across tiles, so the producer loads tile i+1 while the consumers
@@ -76,7 +79,10 @@
 //     its stores of the tile and arrived on an mbarrier (release, CTA scope), the signaller
 //     acquired it and ran fence.acq_rel.{gpu,sys} (Hooks::kStoreFence = 1, 2; 0: no fence):
 //     the CUTLASS pattern of a CTA barrier followed by one thread's fenced release. Bump a
-//     counter with a red.release / red.relaxed after that fence.
+//     counter with a red.release / red.relaxed after that fence. It must not block: the next
+//     tile's row destinations (signaller) follow it, and that tile's epilogue waits for them.
+//   RowDest::row(tile, r): called by the signaller's lanes while the consumers run the tile's
+//     mainloop; it may load from global memory but must not block.
 //
 // FP8 (Elems = E4m3Operands; recipes "fp8" / "fp8_pow2", jax_megamoe/fp8.py defines them): e4m3
 // operands with fp32 scales, A (rows) in 1 x 128 blocks along K, B (weights) in 128 x 128 blocks.
@@ -978,7 +984,7 @@ struct Sm90MoeTileEngine {
       const int nslots = p.bench_skip_epilogue == 1 || p.bench_skip_epilogue == 4 ? 0
                          : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1)
                               : 2;
-      // (Each row's destination is in ss.row_dst[slot], from the producer.)
+      // (Each row's destination is in ss.row_dst[slot], from the signaller: dst_ready[slot].)
       if (dh_tile && nslots > 0) {
         // The epilogue's gate and up columns into L2 while the mainloop runs: 128 rows x
         // (gate, up) x 4 lines of 128 B, 4 lines per math thread.
