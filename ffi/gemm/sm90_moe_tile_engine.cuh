@@ -378,6 +378,10 @@ __device__ __forceinline__ void st_global_v4(void* p, uint4 v) {
                : "memory");
 }
 
+// Keeps the compiler from moving memory accesses across this point (CUTLASS's mbarrier wait and
+// arrive are asm volatile without a "memory" clobber).
+__device__ __forceinline__ void compiler_barrier() { asm volatile("" ::: "memory"); }
+
 __device__ __forceinline__ void mbar_arrive_cnt(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(count)
                : "memory");
@@ -967,6 +971,7 @@ struct Sm90MoeTileEngine {
       const int slot = jn % kJobSlots;
       const uint32_t job_phase = (jn / kJobSlots) & 1;
       Barrier::wait(&ss.job_full[slot], job_phase);
+      detail::compiler_barrier();  // the wait's asm has no memory clobber: read the job after it
       const ExpertTile job = ss.jobs[slot];
       __syncwarp();
       if (lane == 0) Barrier::arrive(&ss.job_empty[slot]);
@@ -1214,6 +1219,7 @@ struct Sm90MoeTileEngine {
       const int slot = jn % kJobSlots;
       const uint32_t phase = (jn / kJobSlots) & 1;
       Barrier::wait(&ss.job_full[slot], phase);
+      detail::compiler_barrier();  // the wait's asm has no memory clobber: read the job after it
       const ExpertTile job = ss.jobs[slot];
       __syncwarp();
       ++jn;
