@@ -51,7 +51,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import problem  # noqa: E402
 import jax_megamoe  # noqa: E402
-from benchmarks import step_breakdown, trace_events  # noqa: E402
+from benchmarks import step_breakdown, timing, trace_events  # noqa: E402
 from jax_megamoe.backends import fused  # noqa: E402
 
 
@@ -99,18 +99,19 @@ def alone_trace(events: list, calls: int) -> dict:
 
 def call_overhead(fn, args, reps: int) -> dict:
   """Per call of fn(*args): alone_ms (median, waiting for each call), queued_ms (reps calls
-  queued, one wait), and from a trace of queued calls: gpu_busy_ms (union of kernel time per
+  queued, one wait: timing.measure_queued_ms), and from a trace of queued calls: gpu_busy_ms (union of kernel time per
   call), gpu_idle_ms (window minus busy, per call) and kernels_ms (GPU time per call by kernel
   name, largest first); trivial_alone_ms (a one-kernel program on the same arguments, alone)
   and alone_trace's figures."""
   alone = _alone_ms(fn, args, reps)
   trivial = jax.jit(lambda x, *rest: x[:8] * 2)
   trivial_alone = _alone_ms(trivial, args, reps)
-  t = time.perf_counter()
-  outs = [fn(*args) for _ in range(reps)]
-  jax.block_until_ready(outs)
-  queued = (time.perf_counter() - t) * 1e3 / reps
-  del outs
+  # Warmed-up and a median, as bench_layer's queued_ms: a first queue of calls keeps `reps`
+  # calls' outputs alive (1.2 GB of weight gradients per grad call at 30B) and may grow XLA's
+  # allocator, whose device allocations wait for the GPU (session 18 read 18 ms per queued
+  # 30B grad call, 7.5 of GPU work, on the backend that ran first).
+  queued = timing.measure_queued_ms(lambda: fn(*args), jax.block_until_ready, depth=reps,
+                                    samples=3)["queued_ms"]
   events = _device_events(lambda: jax.block_until_ready([fn(*args) for _ in range(reps)]))
   alone_events = _device_events(
       lambda: [jax.block_until_ready(fn(*args)) for _ in range(reps)])
