@@ -40,3 +40,10 @@ def dense_moe(x, topk_ids, topk_weights, w_gate_up, w_down):
 def rel_err(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_errors_below(errors: dict, tolerance: float):
+  """Every relative error finite and below `tolerance`. (`max(errors.values()) < tolerance`
+  lets a NaN through unless it comes first: NaN compares false either way.)"""
+  bad = {name: e for name, e in errors.items() if not (np.isfinite(e) and e < tolerance)}
+  assert not bad, f"errors not below {tolerance}: {bad} (all: {errors})"

@@ -86,7 +86,7 @@ def _check(layer, args, forward_only=False):
   got = _value_and_grads(layer, *args)
   assert np.all(np.isfinite(np.asarray(got[0], np.float32))), "y has non-finite rows"
   errs = _errors(got, want)
-  assert max(errs.values()) < 1e-2, errs
+  ep_helpers.assert_errors_below(errs, 1e-2)
   return got
 
 
@@ -378,7 +378,7 @@ def _check_fp8(layer, recipe, args, tolerance=FP8_TOLERANCE, **kw):
   assert np.all(np.isfinite(np.asarray(got[0], np.float32))), "y has non-finite rows"
   errs = _errors(got, want)
   print(recipe, errs)
-  assert max(errs.values()) < tolerance, errs
+  ep_helpers.assert_errors_below(errs, tolerance)
   return got
 
 
