@@ -99,10 +99,10 @@ def alone_trace(events: list, calls: int) -> dict:
 
 def call_overhead(fn, args, reps: int) -> dict:
   """Per call of fn(*args): alone_ms (median, waiting for each call), queued_ms (reps calls
-  queued, one wait: timing.measure_queued_ms), and from a trace of queued calls: gpu_busy_ms (union of kernel time per
-  call), gpu_idle_ms (window minus busy, per call) and kernels_ms (GPU time per call by kernel
-  name, largest first); trivial_alone_ms (a one-kernel program on the same arguments, alone)
-  and alone_trace's figures."""
+  queued, one wait: timing.measure_queued_ms), and from a trace of queued calls: gpu_busy_ms
+  (union of kernel time per call), gpu_idle_ms (window minus busy, per call) and kernels_ms
+  (GPU time per call by kernel name, largest first); trivial_alone_ms (a one-kernel program on
+  the same arguments, alone) and alone_trace's figures."""
   alone = _alone_ms(fn, args, reps)
   trivial = jax.jit(lambda x, *rest: x[:8] * 2)
   trivial_alone = _alone_ms(trivial, args, reps)

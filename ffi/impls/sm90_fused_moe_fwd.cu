@@ -55,6 +55,7 @@
 #include "ffi/comm/row_transfer.cuh"
 #include "ffi/comm/slot_sum.cuh"
 #include "ffi/comm/symmetric_memory.h"
+#include "ffi/common/device_info.h"
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
 #include "ffi/heuristics/fused_copy_head.h"
@@ -782,10 +783,9 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
                                const FusedForwardProblem& p, cudaStream_t stream) {
   if (count < 1 || count > kMaxRanks) return "bad number of local ranks " + std::to_string(count);
   const ep::WorkspaceLayout& L = ranks[0].view->layout;
-  int device = 0, sms = 0, major = 0;
+  int device = 0;
   cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  const int sms = CurrentDeviceSmCount(), major = CurrentDeviceComputeMajor();
   if (major != 9) {
     return "the fused kernel is sm_90a only (wgmma, TMA); device " + std::to_string(device) +
            " has compute capability " + std::to_string(major) + ".x";
