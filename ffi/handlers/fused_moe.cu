@@ -3,9 +3,9 @@
 // fused regions), num_experts (global E), n_cap (pool rows per rank), max_ctas (CTAs of the
 // launch: > 0 at most that many, <= 0 every SM but -max_ctas), pow2 (FP8 h scales). On a
 // virtual-rank workspace every operand carries a leading axis of one entry per rank. Residual
-// outputs, each [0] when not kept: gate_up ([n_cap, 2F] per rank) and y_sorted ([n_cap, H] per
-// rank), any workspace; x_sorted ([n_cap, H]), a workspace of one rank only, bf16 only (it
-// replaces the pool region; an FP8 pool holds e4m3 rows).
+// outputs, each [0] when not kept: gate_up ([n_cap, 2F] per rank), y_sorted ([n_cap, H] per
+// rank) and, bf16 only, x_sorted ([n_cap, H] per rank: the pool's rows; one rank alone it
+// replaces the pool region, several copy the pool out; an FP8 pool holds e4m3 rows).
 //
 // Element types, from x's: bfloat16 (recipe None; x_scale, w_gate_up_scale, w_down_scale and
 // h_scale [0]) or float8_e4m3fn (recipes "fp8" / "fp8_pow2", attribute pow2; jax_megamoe/fp8.py):
@@ -163,12 +163,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                     debug};
   if (std::string why = FusedForwardUnsupported(problem, v0.layout, v0.num_ranks); !why.empty())
     return Fail(why);
-  const auto dims = [](const ffi::AnyBuffer& b) {
-    auto d = b.dimensions();
-    return std::vector<int64_t>(d.begin(), d.end());
-  };
-  // gate_up and y_sorted are kept per rank, any workspace; x_sorted by one rank alone.
-  RankOperand ogate, oyrows;
+  // gate_up, y_sorted and (bf16) x_sorted are kept per rank, any workspace.
+  RankOperand ogate, oyrows, oxrows;
   const bool keep_gate_up = gate_up->element_count() > 0;
   if (keep_gate_up) {
     if (auto e = SplitRanks(*gate_up, ranks, 2, "gate_up", &ogate); e.failure()) return e;
@@ -184,11 +180,9 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   const bool keep_x_rows = x_sorted->element_count() > 0;
   if (keep_x_rows) {
     if (fp8) return Fail("x_sorted must be [0] with FP8 operands (the pool holds e4m3 rows)");
-    if (ranks.count != 1 || v0.num_ranks != 1)
-      return Fail("x_sorted (the pool) is kept by a workspace of one rank only, this one has " +
-                  n(v0.num_ranks));
-    if (dims(*x_sorted) != std::vector<int64_t>{n_cap, H})
-      return Fail("x_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) + "]");
+    if (auto e = SplitRanks(*x_sorted, ranks, 2, "x_sorted", &oxrows); e.failure()) return e;
+    if (oxrows.dims[0] != n_cap || oxrows.dims[1] != H)
+      return Fail("x_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) + "] per rank");
   }
   std::vector<FusedRankOperands> ops;
   for (int r = 0; r < ranks.count; ++r) {
@@ -198,7 +192,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                    fp8 ? odns.at<float>(r) : nullptr, oy.at(r), oh.at(r),
                    fp8 ? ohs.at<float>(r) : nullptr, occ.at<int32_t>(r), orows.at<int32_t>(r),
                    odest.at<int32_t>(r), ogs.at<int32_t>(r),
-                   keep_x_rows ? x_sorted->untyped_data() : nullptr,
+                   keep_x_rows ? oxrows.at(r) : nullptr,
                    keep_gate_up ? ogate.at(r) : nullptr,
                    keep_y_rows ? oyrows.at(r) : nullptr, ost.at<int32_t>(r),
                    oph.at<int32_t>(r)});

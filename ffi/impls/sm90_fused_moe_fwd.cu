@@ -30,13 +30,15 @@
 //                Beside them, the producer warpgroup's two free warps copy the rest of the
 //                plan in order: the first tiles wait for their own rows, not the whole copy
 //   6 results    results_ready[me] = epoch + 1 on every source; wait for every expert rank's
-//   7 combine    y[t] = sum over slots j, in order, of w[t, j] * comb[slot row], fp32
+//   7 combine    y[t] = sum over slots j, in order, of w[t, j] * comb[slot row], fp32; with
+//                several ranks and residuals kept, also this rank's pool rows copied out
 //
 // Residuals for the backward (FusedRankOperands): L1 also stores its gate_up, and L2's rows go
 // to y_sorted too (one rank alone: y_sorted is the comb buffer, a slot's comb row being its pool
-// row there; several: a second store in L2's epilogue); one rank alone, bf16, can also keep its
-// pool rows: the pool is then x_sorted (an FP8 pool holds e4m3 rows; the backward scatters x's
-// bf16 rows itself). XLA buffers instead of the workspace's regions.
+// row there; several: a second store in L2's epilogue); bf16 can also keep its pool rows
+// (x_sorted): one rank alone, the pool is then x_sorted; several, phase 7 copies the pool out,
+// since the next call's sources overwrite it (an FP8 pool holds e4m3 rows; the backward
+// scatters x's bf16 rows itself). XLA buffers instead of the workspace's regions.
 //
 // Safety: the launch is cooperative (every CTA co-resident before any waits); every wait is
 // bounded and reports rank, stage and counters; a rank that timed out writes NaN into y.
@@ -187,6 +189,7 @@ struct alignas(128) RankParams {
   PeerView view;
   char* pool[kMaxRanks];        // every rank's pool as mapped here (the dispatch's targets)
   const __nv_bfloat16* comb;    // this rank's comb buffer (the combine's source)
+  __nv_bfloat16* pool_rows_out; // residual x_sorted [n_cap, H] of several ranks (else nullptr)
   int32_t* group_sizes;         // [E/R]: pool rows per local expert (after capacity)
   const __nv_bfloat16* x;       // bf16 rows, or (FP8) e4m3 rows of H bytes
   const float* x_scale;         // FP8: [T, H/128] the rows' 1 x 128 scales
@@ -695,6 +698,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  // This rank's pool rows out (residual x_sorted, several ranks): every source's copies into the
+  // pool landed before its results_ready release that phase 6 acquired (and the next call's
+  // sources write only after this rank's next counts). Rows past the last group stay unwritten,
+  // as the pool's own rows with one rank alone (no GEMM of the backward reads them).
+  if (A.pool_rows_out != nullptr) {
+    const size_t vecs = static_cast<size_t>(min(S.total_rows, n_cap)) * row_vecs_bf16;
+    const uint4* __restrict__ src = reinterpret_cast<const uint4*>(A.pool[me]);
+    uint4* __restrict__ dst = reinterpret_cast<uint4*>(A.pool_rows_out);
+    const uint4 nan = ep::NanVec16(static_cast<const __nv_bfloat16*>(nullptr));
+    constexpr int kVecs = 4;  // 16-byte vectors per lane in flight; a warp's are contiguous
+    for (size_t i0 = static_cast<size_t>(gwarp) * 32 * kVecs + lane; i0 < vecs;
+         i0 += static_cast<size_t>(nwarps) * 32 * kVecs) {
+      uint4 q[kVecs];
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u) {
+        if (i0 + u * 32 < vecs) q[u] = failed ? nan : ep::LoadPeerWritten(src + i0 + u * 32);
+      }
+#pragma unroll
+      for (int u = 0; u < kVecs; ++u) {
+        if (i0 + u * 32 < vecs) dst[i0 + u * 32] = q[u];
+      }
+    }
+  }
+
   mark(8);
   if (cta == 0 && threadIdx.x == 0) {
     A.stats[0] = S.total_rows;
@@ -835,8 +862,12 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     rp.slot_rows = o.slot_rows;
     rp.slot_dest = o.slot_dest;
     rp.group_sizes = o.group_sizes;
-    // Redirected to XLA buffers (the handler checks that x_sorted comes with one rank alone, bf16).
-    const bool pool_is_x_sorted = o.x_sorted != nullptr;
+    // Redirected to XLA buffers (the handler checks that x_sorted comes with bf16 only): one
+    // rank alone, the pool is x_sorted; several, phase 7 copies the pool out to it.
+    const bool pool_is_x_sorted = o.x_sorted != nullptr && R == 1 && count == 1;
+    rp.pool_rows_out = o.x_sorted != nullptr && !pool_is_x_sorted
+                           ? static_cast<__nv_bfloat16*>(o.x_sorted)
+                           : nullptr;
     const bool comb_is_y_sorted = o.y_sorted != nullptr && R == 1 && count == 1;
     for (int q = 0; q < R; ++q) rp.pool[q] = o.view->base[q] + L.fpool;
     if (pool_is_x_sorted) rp.pool[0] = static_cast<char*>(o.x_sorted);

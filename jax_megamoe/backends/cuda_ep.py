@@ -77,10 +77,18 @@ class EpConfig:
     return dict(workspace_id=np.int64(self.workspace_id), num_experts=np.int64(self.num_experts))
 
 
+# slot_pos entries that are not pool rows (ffi/layout/ep_layout.h: kSlotNotRouted, kSlotDropped):
+# the slot's expert is another rank's (or the slot is masked), or it is this rank's but the slot
+# was dropped (capacity, or a repeated expert of its token). The combine kernels tell them
+# apart: a rank sends a token's partial when any of its slots is not SLOT_NOT_ROUTED.
+SLOT_NOT_ROUTED = -1
+SLOT_DROPPED = -2
+
+
 class Dispatched(NamedTuple):
   x_sorted: jax.Array     # [n_cap, H]
   group_sizes: jax.Array  # [E/R] int32
-  slot_pos: jax.Array     # [R*T, k] int32
+  slot_pos: jax.Array     # [R*T, k] int32: pool row, SLOT_NOT_ROUTED or SLOT_DROPPED
   recv_w: jax.Array       # [R*T, k] float32
   stats: jax.Array        # [4] int32: rows needed, n_cap, overflow, repeated expert ids
 

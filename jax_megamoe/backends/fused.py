@@ -21,12 +21,15 @@ Backward (until the fused backward exists) runs backend "cuda"'s kernels, from r
   4 B per expert: 1.6 GiB, what backend "cuda" keeps), and the backward is cuda's EP backward
   on one rank: combine's VJP (dy_sorted = w * dy by slot, d topk_weights = <dy, y_sorted>), the
   grouped MLP backward, dispatch's VJP (dx summed over slots). No forward is recomputed.
-- several ranks (EP across GPUs, virtual ranks), bf16: the kernel keeps gate_up, h and y_sorted
-  (L2's rows, a second store of its epilogue) but not the pool (symmetric memory the next layer
-  overwrites) nor expert-side slot tables, so the backward runs cuda's dispatch again (x_sorted,
-  slot_pos, recv_w: the same (expert, source, token) row order as the kernel's pool), then
-  cuda's EP backward. No GEMM is recomputed. (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: what
-  the fused backward will keep.)
+- several ranks (EP across GPUs, virtual ranks), bf16: the kernel keeps gate_up, h, y_sorted
+  (L2's rows, a second store of its epilogue) and x_sorted (the pool is symmetric memory the
+  next layer overwrites, so the kernel copies its rows out after every source's rows landed:
+  one more read and write of the pool per forward in residual mode), the same per rank as one
+  rank keeps. The expert side's slot tables (slot_pos, recv_w: where each source's slot went in
+  this rank's pool) come from every source's slot_dest, ids and weights (an all_gather over the
+  expert axis of 3 x T x k x 4 bytes per rank; a virtual group has them stacked). The backward
+  is then cuda's EP backward, with no dispatch and no GEMM recomputed.
+  (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: what the fused backward will keep.)
 
 Recipes "fp8" / "fp8_pow2" (jax_megamoe.fp8 defines them; the same function as backend "cuda"'s
 FP8 path): the token rows are quantised before they travel (1 x 128 blocks, cuda_fp8.quantize_rows)
@@ -176,8 +179,8 @@ class FusedConfig:
 
   @property
   def one_rank(self) -> bool:
-    """One rank alone: the forward also keeps its slot table (slot_dest) and, bf16, its pool
-    rows (x_sorted); with several ranks the backward dispatches the rows again instead."""
+    """One rank alone: the kernel's pool and comb buffer are XLA buffers (x_sorted, y_sorted),
+    and its slot table (slot_dest) is the expert side's (expert_rank_tables)."""
     return self.workspace.num_ranks == 1 and not self.stacked
 
   def mlp(self):
@@ -191,10 +194,10 @@ class FusedConfig:
 
 
 class FusedResiduals(NamedTuple):
-  """What the forward keeps for the backward (rows in the pool's expert order; with one rank,
-  slot (t, j) of the token-major input is row slot_dest[t, j], -1 for none). x_sorted and
-  slot_dest are None with several ranks; FP8 keeps no x_sorted and no h (the pool and h hold
-  e4m3 rows; the backward rebuilds their bf16 values)."""
+  """What the forward keeps for the backward (rows in the pool's expert order; slot (t, j) of
+  the token-major input is row slot_dest[t, j] of its expert rank's pool, -1 for none). FP8
+  keeps no x_sorted and no h (the pool and h hold e4m3 rows; the backward rebuilds their bf16
+  values)."""
   gate_up: jax.Array      # [.., n_cap, 2F] L1's output before SwiGLU
   h: jax.Array | None     # [.., n_cap, F] SwiGLU's output, L2's input
   y_sorted: jax.Array     # [.., n_cap, H] L2's output rows
@@ -237,7 +240,7 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
   n_cap = cfg.plan.n_cap
   kept = lambda keep, *shape: jax.ShapeDtypeStruct((*lead, *shape) if keep else (0,),
                                                   jnp.bfloat16)
-  rows = residuals and cfg.one_rank and not fp8
+  rows = residuals and not fp8
   none = jnp.zeros((0,), jnp.float32)
   scales = fp8_scales if fp8 else (none, none, none)
   out_types = (
@@ -261,9 +264,8 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
           max_ctas=np.int64(cfg.max_ctas), pow2=np.int64(cfg.pow2)))
   kept_res = None
   if residuals:
-    kept_res = FusedResiduals(gate_up, None if fp8 else h, y_sorted, group_sizes)
-    if cfg.one_rank:
-      kept_res = kept_res._replace(x_sorted=x_sorted if rows else None, slot_dest=slot_dest)
+    kept_res = FusedResiduals(gate_up, None if fp8 else h, y_sorted, group_sizes,
+                              x_sorted if rows else None, slot_dest)
   return y, stats, phases, kept_res
 
 
@@ -284,15 +286,40 @@ def _fused_layer_fwd(x, ids, w, w_gate_up, w_down, cfg):
   return y, (x, ids, w, w_gate_up, w_down, kept)
 
 
+def expert_rank_tables(slot_dest, ids, w, cfg: FusedConfig):
+  """This rank's slot tables as cuda's dispatch lays them out (cuda_ep.Dispatched), from every
+  source's slot table: slot_pos [R*T, k] (row s*T + t: the pool row here of source s's slot
+  (t, j); -1 where its expert is another rank's or masked; -2 where it is this rank's but the
+  kernel dropped it, at capacity or as a repeated expert, as ffi/layout/ep_layout.h's
+  cuda_ep.SLOT_DROPPED, which the combine kernels tell apart from -1) and recv_w [R*T, k] (its weight,
+  0 where slot_pos < 0). Operands as the layer's: stacked [R, T, k] for a virtual group, else
+  this rank's [T, k] (several ranks: inside shard_map, gathered over the expert axis)."""
+  ranks = cfg.workspace.num_ranks
+  local = cfg.num_experts // ranks
+
+  def tables(dest, ids, w, rank):  # every source's [R, T, k] -> this rank's [R*T, k]
+    mine = (ids >= 0) & (ids // local == rank)
+    pos = jnp.where(mine, jnp.where(dest >= 0, dest, cuda_ep.SLOT_DROPPED),
+                    cuda_ep.SLOT_NOT_ROUTED)
+    flat = lambda a: a.reshape(-1, a.shape[-1])
+    return flat(pos), flat(jnp.where(pos >= 0, w, 0.0).astype(jnp.float32))
+
+  if cfg.stacked:
+    return jax.vmap(tables, in_axes=(None, None, None, 0))(slot_dest, ids, w,
+                                                           jnp.arange(ranks))
+  if ranks == 1:
+    return tables(slot_dest[None], ids[None], w[None], 0)
+  axis = cfg.workspace.expert_axis
+  gather = lambda a: jax.lax.all_gather(a, axis)
+  return tables(gather(slot_dest), gather(ids), gather(w), jax.lax.axis_index(axis))
+
+
 def _fused_layer_bwd(cfg, residuals, dy):
   x, ids, w, w_gate_up, w_down, kept = residuals
   dy = dy.astype(x.dtype)
   ep = cfg.ep_config()
-  if kept.x_sorted is not None:  # one rank: every row kept (slot_dest is dispatch's slot_pos)
-    x_sorted, slot_pos, recv_w = kept.x_sorted, kept.slot_dest, w
-  else:  # several ranks: cuda's dispatch lays the rows out as the kernel's pool
-    d = cuda_ep.dispatch_rows(x, ids, w, ep, cfg.plan.n_cap)
-    x_sorted, slot_pos, recv_w = d.x_sorted, d.slot_pos, d.recv_w
+  x_sorted = kept.x_sorted
+  slot_pos, recv_w = expert_rank_tables(kept.slot_dest, ids, w, cfg)
   group_sizes = kept.group_sizes
   dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, slot_pos, recv_w, ids,
                                                   group_sizes, ep)
@@ -387,8 +414,9 @@ def _fused_fp8_layer_bwd(cfg, residuals, dy):
   x, ids, w, w_gate_up, w_down, blocks, kept = residuals
   dy = dy.astype(x.dtype)
   ep = cfg.ep_config()
-  if kept.slot_dest is not None:  # one rank: the kernel's slot table is dispatch's slot_pos
-    x_sorted, slot_pos, recv_w = _pool_rows(x, kept.slot_dest, cfg.plan.n_cap), kept.slot_dest, w
+  if cfg.one_rank:
+    x_sorted = _pool_rows(x, kept.slot_dest, cfg.plan.n_cap)
+    slot_pos, recv_w = expert_rank_tables(kept.slot_dest, ids, w, cfg)
   else:
     x_sorted, slot_pos, recv_w = _fp8_pool_rows(x, ids, w, cfg, ep)
   dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, slot_pos, recv_w, ids,
