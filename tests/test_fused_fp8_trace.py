@@ -87,8 +87,10 @@ def test_forward_is_one_fused_call_on_e4m3_operands(recipe):
   n_cap = cfg.plan.n_cap
   assert outs[0] == f"tensor<{T}x{H}xbf16>"  # y
   assert outs[1] == f"tensor<{n_cap}x{F}xf8E4M3FN>"  # h, L2's A
-  assert outs[-1] == f"tensor<{F // 128}x{fused.scale_pitch(n_cap)}xf32>"  # h's scales
-  assert all(o == "tensor<0xbf16>" for o in outs[8:11]), outs  # no residuals
+  assert outs[-2] == f"tensor<{F // 128}x{fused.scale_pitch(n_cap)}xf32>"  # h's scales
+  # No residuals: x_sorted (e4m3), gate_up, y_sorted, x_sorted's scales.
+  assert outs[8:11] == ["tensor<0xf8E4M3FN>", "tensor<0xbf16>", "tensor<0xbf16>"], outs
+  assert outs[-1] == "tensor<0xf32>", outs
 
 
 def test_one_rank_training_step_reads_the_residuals():
@@ -102,9 +104,10 @@ def test_one_rank_training_step_reads_the_residuals():
   (call,) = _fused_calls(text)
   _, outs = _signature(call)
   n_cap = cfg.plan.n_cap
-  # Residuals: no x_sorted (the pool holds e4m3 rows), gate_up and y_sorted kept.
-  assert outs[8:11] == ["tensor<0xbf16>", f"tensor<{n_cap}x{2 * F}xbf16>",
+  # Residuals: no x_sorted (the backward scatters x's bf16 rows), gate_up and y_sorted kept.
+  assert outs[8:11] == ["tensor<0xf8E4M3FN>", f"tensor<{n_cap}x{2 * F}xbf16>",
                         f"tensor<{n_cap}x{H}xbf16>"], outs
+  assert outs[-1] == "tensor<0xf32>", outs
   # The weights quantised once each; the backward: h again from gate_up (SwiGLU kernel), the
   # two dgrad and two wgrad GEMMs, cuda's combine and dispatch VJPs, no forward GEMM.
   assert text.count("@megamoe_fp8_quantize_weights(") == 2
@@ -128,21 +131,23 @@ def test_virtual_group_keeps_the_rank_axis():
   assert ins[3] == f"tensor<{num_ranks}x{el}x{2 * F}x{H}xf8E4M3FN>"
   assert ins[5] == f"tensor<{num_ranks}x{T}x{H // 128}xf32>"
   assert ins[7] == f"tensor<{num_ranks}x{el}x{F // 128}x{H // 128}xf32>"
-  assert outs[-1] == f"tensor<{num_ranks}x{F // 128}x{fused.scale_pitch(cfg.plan.n_cap)}xf32>"
+  assert outs[-2] == f"tensor<{num_ranks}x{F // 128}x{fused.scale_pitch(cfg.plan.n_cap)}xf32>"
 
-  # Backward: the kernel keeps gate_up and y_sorted per rank; cuda's dispatch of the FP8 rows
-  # runs again (the pool's rows and tables), then per rank h from gate_up and the FP8 dgrad and
-  # wgrad GEMMs: no forward GEMM, no combine forward.
+  # Backward: the kernel keeps its pool's e4m3 rows and scales, gate_up and y_sorted per rank;
+  # then per rank h from gate_up and the FP8 dgrad and wgrad GEMMs: no dispatch, no forward
+  # GEMM, no combine forward.
   def loss(x, w, a, b):
     return jnp.sum(fused.fused_layer(x, ids, w, a, b, cfg).astype(jnp.float32) ** 2)
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
   (call,) = _fused_calls(text)
   n_cap = cfg.plan.n_cap
-  assert _signature(call)[1][8:11] == [
-      "tensor<0xbf16>", f"tensor<{num_ranks}x{n_cap}x{2 * F}xbf16>",
-      f"tensor<{num_ranks}x{n_cap}x{H}xbf16>"], _signature(call)[1]
+  outs = _signature(call)[1]
+  assert outs[8:11] == [
+      f"tensor<{num_ranks}x{n_cap}x{H}xf8E4M3FN>", f"tensor<{num_ranks}x{n_cap}x{2 * F}xbf16>",
+      f"tensor<{num_ranks}x{n_cap}x{H}xbf16>"], outs
+  assert outs[-1] == f"tensor<{num_ranks}x{n_cap}x{H // 128}xf32>", outs
   assert text.count("@megamoe_fp8_quantize_weights(") == 2
-  assert text.count("@megamoe_ep_dispatch_fwd(") == 1 and "@megamoe_ep_dispatch_bwd(" in text
+  assert "@megamoe_ep_dispatch_fwd(" not in text and "@megamoe_ep_dispatch_bwd(" in text
   assert "@megamoe_ep_combine_bwd(" in text and "@megamoe_ep_combine_fwd(" not in text
   assert text.count("@megamoe_fp8_swiglu_quantize(") == num_ranks
   assert text.count("@megamoe_grouped_gemm_fp8(") == 2 * num_ranks  # dgrad only
@@ -158,7 +163,7 @@ def test_bf16_call_is_unchanged_apart_from_empty_scales():
   ins, outs = _signature(call)
   assert ins[:5] == [f"tensor<{T}x{H}xbf16>", f"tensor<{T}x{K}xi32>", f"tensor<{T}x{K}xf32>",
                      f"tensor<{E}x{H}x{2 * F}xbf16>", f"tensor<{E}x{F}x{H}xbf16>"]
-  assert ins[5:] == ["tensor<0xf32>"] * 3 and outs[-1] == "tensor<0xf32>"
+  assert ins[5:] == ["tensor<0xf32>"] * 3 and outs[-2:] == ["tensor<0xf32>"] * 2
   assert outs[1] == f"tensor<{cfg.plan.n_cap}x{F}xbf16>"
 
 
@@ -293,8 +298,10 @@ def test_one_rank_residual_backward_matches_emulation(recipe, monkeypatch):
 # --- the several-rank residual backward, run on the CPU with stand-ins --------------------------
 # A virtual group of R ranks (operands stacked [R, ...]). The stand-ins keep the contracts of the
 # kernel and of cuda's EP kernels: rank q's pool holds the slots whose expert it owns, in (local
-# expert, source rank, token) order; dispatch's slot_pos [R, R*T, k] is that pool row at the
-# owner rank (-1 elsewhere). The FP8 quantisers and GEMMs of the backward are the real ones.
+# expert, source rank, token) order; the kernel's slot_dest [R, T, k] is that pool row at the
+# owner rank (-1 for masked slots), its x_sorted the pool's e4m3 rows with their scales. The FP8
+# quantisers and GEMMs of the backward, and the tables (fused.expert_rank_tables), are the real
+# ones.
 
 
 def _pool_layout(ids, num_ranks: int, num_experts: int):
@@ -337,7 +344,9 @@ def _multi_rank_kernel_stand_in(xq, ids, w, wgu_q, wd_q, cfg, *, residuals=False
                                                       x_scale.reshape(ranks * tokens, -1)),
                                jnp.float32)
   x_slot = jnp.repeat(x, top_k, axis=0)
-  gate_up, y_sorted = [], []
+  xq_slot = jnp.repeat(xq.reshape(ranks * tokens, -1), top_k, axis=0)
+  scale_slot = jnp.repeat(x_scale.reshape(ranks * tokens, -1), top_k, axis=0)
+  gate_up, y_sorted, pool_q, pool_scale = [], [], [], []
   for q in range(ranks):
     count = jnp.sum(group_sizes[q])
     mm = lambda a, b: jax.lax.ragged_dot(a, b, group_sizes[q],
@@ -354,27 +363,22 @@ def _multi_rank_kernel_stand_in(xq, ids, w, wgu_q, wd_q, cfg, *, residuals=False
     in_use = (jnp.arange(n_cap) < count)[:, None]
     gate_up.append(jnp.where(in_use, gu, 0))
     y_sorted.append(jnp.where(in_use, ys, 0))
+    pool_q.append(_to_pool(xq_slot, order[q], count, n_cap))
+    pool_scale.append(_to_pool(scale_slot, order[q], count, n_cap))
   gate_up, y_sorted = jnp.stack(gate_up), jnp.stack(y_sorted)
+  x_sorted = cuda_fp8.QuantizedRows(jnp.stack(pool_q), jnp.stack(pool_scale))
+  slot_dest = jnp.where(owner >= 0, rows, -1).reshape(ranks, tokens, top_k)
   slot_y = y_sorted[jnp.maximum(owner, 0), jnp.maximum(rows, 0)]
   weights = jnp.where(owner >= 0, w.reshape(-1), 0.0).reshape(ranks * tokens, top_k)
   y = token_layout.combine_slots(slot_y.reshape(ranks * tokens, top_k, -1), weights,
                                  jnp.bfloat16).reshape(ranks, tokens, -1)
-  kept = fused.FusedResiduals(gate_up, None, y_sorted, group_sizes) if residuals else None
+  kept = (fused.FusedResiduals(gate_up, None, y_sorted, group_sizes, x_sorted, slot_dest)
+          if residuals else None)
   return y, jnp.zeros((ranks, 4), jnp.int32), None, kept
 
 
-def _dispatch_rows_stand_in(packed, ids, w, cfg, n_cap):
-  ranks, tokens, top_k = ids.shape
-  rows, owner, order, group_sizes = _pool_layout(ids, ranks, cfg.num_experts)
-  per_slot = jnp.repeat(packed.reshape(ranks * tokens, -1), top_k, axis=0)
-  x_sorted = jnp.stack([_to_pool(per_slot, order[q], jnp.sum(group_sizes[q]), n_cap)
-                        for q in range(ranks)])
-  # slot_pos [R, R*T, k]: the pool row at rank q of each slot q owns, else -1.
-  mine = owner[None, :] == jnp.arange(ranks)[:, None]
-  slot_pos = jnp.where(mine, rows[None, :], -1).reshape(ranks, ranks * tokens, top_k)
-  recv_w = jnp.where(slot_pos >= 0, w.reshape(1, ranks * tokens, top_k), 0.0)
-  return cuda_ep.Dispatched(x_sorted, group_sizes, slot_pos, recv_w,
-                            jnp.zeros((ranks, 4), jnp.int32))
+def _no_dispatch(*args, **kwargs):
+  raise AssertionError("the backward ran cuda's dispatch again")
 
 
 def _multi_rank_combine_backward_stand_in(d_out, y_sorted, slot_pos, recv_w, ids, group_sizes,
@@ -397,13 +401,14 @@ def _multi_rank_dispatch_backward_stand_in(dx_sorted, d_recv_w, slot_pos, ids, c
 @pytest.mark.parametrize("num_ranks", [2, 3])
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
 def test_several_rank_residual_backward_matches_emulation(recipe, num_ranks, monkeypatch):
-  """The several-rank FP8 backward's wiring (rows dispatched again in FP8, the kernel's gate_up
-  and y_sorted, h rebuilt, per-rank FP8 MLP backward, the VJPs of combine and dispatch) against
-  the reference with dW_gate_up from the FP8 rows, as backend cuda's EP path defines it."""
+  """The several-rank FP8 backward's wiring (the kernel's e4m3 pool rows dequantised, the tables
+  from every source's slot_dest, the kernel's gate_up and y_sorted, h rebuilt, per-rank FP8 MLP
+  backward, the VJPs of combine and dispatch; no dispatch again) against the reference with
+  dW_gate_up from the FP8 rows, as backend cuda's EP path defines it."""
   import jax_megamoe as jm
   from jax_megamoe import fp8
   monkeypatch.setattr(fused, "_fused_call", _multi_rank_kernel_stand_in)
-  monkeypatch.setattr(cuda_ep, "dispatch_rows", _dispatch_rows_stand_in)
+  monkeypatch.setattr(cuda_ep, "dispatch_rows", _no_dispatch)
   monkeypatch.setattr(cuda_ep, "combine_backward", _multi_rank_combine_backward_stand_in)
   monkeypatch.setattr(cuda_ep, "dispatch_backward", _multi_rank_dispatch_backward_stand_in)
   rng = np.random.default_rng(11 + num_ranks)

@@ -158,15 +158,18 @@ def test_virtual_ranks_backward_reads_the_residuals():
   ws.close()
 
 
-@pytest.mark.parametrize("num_ranks, capacity_factor", [(2, None), (3, None), (4, 0.6)])
-def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor):
-  """The rows several ranks keep (x_sorted, copied out of each pool) and the expert side's slot
-  tables built from every source's slot_dest (fused.expert_rank_tables) are bit for bit what
-  cuda's dispatch of the same call lays out, which the backward ran before them: masked slots,
-  a token's repeated expert (dropped as a repeat) and, with capacity_factor, rows dropped at
-  capacity (SLOT_DROPPED where the expert is the rank's, SLOT_NOT_ROUTED where not). 300 tokens
-  per rank over 24 experts: several M-tiles per expert, a chunk count not a multiple of 32."""
-  from jax_megamoe.backends import cuda_ep
+@pytest.mark.parametrize("num_ranks, capacity_factor, recipe",
+                         [(2, None, None), (3, None, None), (4, 0.6, None), (3, None, "fp8"),
+                          (4, 0.6, "fp8_pow2")])
+def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor, recipe):
+  """The rows several ranks keep (x_sorted, copied out of each pool; FP8: the e4m3 rows with
+  their scales) and the expert side's slot tables built from every source's slot_dest
+  (fused.expert_rank_tables) are bit for bit what cuda's dispatch of the same call (FP8: of the
+  same packed e4m3 rows) lays out, which the backward ran before them: masked slots, a token's
+  repeated expert (dropped as a repeat) and, with capacity_factor, rows dropped at capacity
+  (SLOT_DROPPED where the expert is the rank's, SLOT_NOT_ROUTED where not). 300 tokens per rank
+  over 24 experts: several M-tiles per expert, a chunk count not a multiple of 32."""
+  from jax_megamoe.backends import cuda_ep, cuda_fp8
   tokens, experts, top_k = 300, 24, 4
   x, distinct, w, wgu, wd, _ = _inputs(41 + num_ranks, num_ranks * tokens, experts, top_k,
                                        "masked")
@@ -177,18 +180,30 @@ def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor
                                       dtype=jnp.bfloat16, fused_rows=num_ranks * tokens * top_k)
   stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
   shape, plan, w_gu, w_dn = virtual_ranks._virtual_layer_args(
-      stack(x), stack(distinct), stack(w), wgu, wd, ws, fused.cuda_mlp(None), capacity_factor,
-      False, None)
-  cfg = fused.FusedConfig(ws, experts, plan, 0)
+      stack(x), stack(distinct), stack(w), wgu, wd, ws, fused.cuda_mlp(recipe),
+      capacity_factor, False, None)
+  cfg = fused.FusedConfig(ws, experts, plan, 0, recipe=recipe)
+  ep = cfg.ep_config()
 
   def both(x, ids, w, w_gu, w_dn):
-    _, _, _, kept = fused._fused_call(x, ids, w, w_gu, w_dn, cfg, residuals=True)
+    if recipe is None:
+      _, _, _, kept = fused._fused_call(x, ids, w, w_gu, w_dn, cfg, residuals=True)
+      d = cuda_ep.dispatch_rows(x, ids, w, ep, plan.n_cap)
+      want_rows = d.x_sorted
+    else:  # as _fp8_call, and as the backward's FP8 dispatch did before
+      quantize = lambda a: cuda_fp8.quantize_rows(a, pow2=cfg.pow2)
+      rows, blocks = ep.per_rank(quantize, x), fused.quantized_weights(w_gu, w_dn, cfg)
+      _, _, _, kept = fused._fused_call(
+          rows.q, ids, w, blocks.w_gate_up.q, blocks.w_down.q, cfg, residuals=True,
+          fp8_scales=(rows.scale, blocks.w_gate_up.scale, blocks.w_down.scale))
+      d = cuda_ep.dispatch_rows(ep.per_rank(lambda a: cuda_fp8.pack_rows(quantize(a)), x), ids,
+                                w, ep, plan.n_cap)
+      want_rows = ep.per_rank(lambda p: cuda_fp8.unpack_rows(p, HIDDEN), d.x_sorted)
     slot_pos, recv_w = fused.expert_rank_tables(kept.slot_dest, ids, w, cfg)
-    return kept.x_sorted, kept.group_sizes, slot_pos, recv_w, cuda_ep.dispatch_rows(
-        x, ids, w, cfg.ep_config(), plan.n_cap)
+    return kept.x_sorted, kept.group_sizes, slot_pos, recv_w, d, want_rows
 
   _poison()
-  rows, sizes, slot_pos, recv_w, d = jax.jit(both)(
+  rows, sizes, slot_pos, recv_w, d, want_rows = jax.jit(both)(
       stack(x), stack(ids).astype(jnp.int32), stack(w).astype(jnp.float32), w_gu, w_dn)
   np.testing.assert_array_equal(np.asarray(sizes), np.asarray(d.group_sizes))
   want_pos = np.asarray(d.slot_pos)
@@ -197,11 +212,17 @@ def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor
     assert int(np.asarray(d.stats)[:, 2].max()) == 1, "no rank dropped rows at capacity"
   np.testing.assert_array_equal(np.asarray(slot_pos), want_pos)
   np.testing.assert_array_equal(np.asarray(recv_w), np.asarray(d.recv_w))
-  bits = lambda a: np.asarray(a).view(np.uint16)
+  bits = lambda a: np.asarray(a).view(np.uint8)
   for r in range(num_ranks):
     n = int(np.asarray(sizes)[r].sum())
     assert n > 0
-    np.testing.assert_array_equal(bits(rows[r, :n]), bits(d.x_sorted[r, :n]), err_msg=f"rank {r}")
+    if recipe is None:
+      np.testing.assert_array_equal(bits(rows[r, :n]), bits(want_rows[r, :n]), f"rank {r}")
+    else:
+      np.testing.assert_array_equal(bits(rows.q[r, :n]), bits(want_rows.q[r, :n, :HIDDEN]),
+                                    f"rank {r}")
+      np.testing.assert_array_equal(np.asarray(rows.scale[r, :n]),
+                                    np.asarray(want_rows.scale[r, :n]), f"rank {r}")
   ws.close()
 
 

@@ -4,8 +4,9 @@
 // launch: > 0 at most that many, <= 0 every SM but -max_ctas), pow2 (FP8 h scales). On a
 // virtual-rank workspace every operand carries a leading axis of one entry per rank. Residual
 // outputs, each [0] when not kept: gate_up ([n_cap, 2F] per rank), y_sorted ([n_cap, H] per
-// rank) and, bf16 only, x_sorted ([n_cap, H] per rank: the pool's rows; one rank alone it
-// replaces the pool region, several copy the pool out; an FP8 pool holds e4m3 rows).
+// rank) and x_sorted ([n_cap, H] per rank: the pool's rows; bf16 with one rank alone it replaces
+// the pool region, otherwise the kernel copies the pool out; FP8: e4m3 rows, with their scales
+// in x_sorted_scale [n_cap, H/128] float32, [0] for bf16).
 //
 // Element types, from x's: bfloat16 (recipe None; x_scale, w_gate_up_scale, w_down_scale and
 // h_scale [0]) or float8_e4m3fn (recipes "fp8" / "fp8_pow2", attribute pow2; jax_megamoe/fp8.py):
@@ -66,7 +67,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                        ffi::Result<ffi::Buffer<ffi::S32>> phases,
                        ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::AnyBuffer> gate_up,
                        ffi::Result<ffi::AnyBuffer> y_sorted,
-                       ffi::Result<ffi::Buffer<ffi::F32>> h_scale, int64_t workspace_id,
+                       ffi::Result<ffi::Buffer<ffi::F32>> h_scale,
+                       ffi::Result<ffi::Buffer<ffi::F32>> x_sorted_scale, int64_t workspace_id,
                        int64_t num_experts, int64_t n_cap, int64_t max_ctas, int64_t pow2) {
   LocalRanks ranks;
   if (auto e = ep::ResolveRanks(workspace_id, ordinal, &ranks); e.failure()) return e;
@@ -79,14 +81,15 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
     if (auto e = RequireType(dtype, elem, name, elem_name); e.failure()) return e;
   }
   for (auto [dtype, name] : {std::pair{y->element_type(), "y"},
-                             {x_sorted->element_type(), "x_sorted"},
                              {gate_up->element_type(), "gate_up"},
                              {y_sorted->element_type(), "y_sorted"}}) {
     if (auto e = RequireBf16(dtype, name); e.failure()) return e;
   }
   if (!fp8 && (x_scale.element_count() != 0 || w_gate_up_scale.element_count() != 0 ||
-               w_down_scale.element_count() != 0 || h_scale->element_count() != 0))
-    return Fail("x_scale, w_gate_up_scale, w_down_scale and h_scale must be [0] for bfloat16");
+               w_down_scale.element_count() != 0 || h_scale->element_count() != 0 ||
+               x_sorted_scale->element_count() != 0))
+    return Fail("x_scale, w_gate_up_scale, w_down_scale, h_scale and x_sorted_scale must be [0] "
+                "for bfloat16");
   RankOperand ox, oids, ow, ogu, odn, oy, oh, occ, orows, odest, ogs, ost, oph;
   if (auto e = FirstFailure({SplitRanks(x, ranks, 2, "x", &ox),
                             SplitRanks(ids, ranks, 2, "topk_ids", &oids),
@@ -163,8 +166,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                     debug};
   if (std::string why = FusedForwardUnsupported(problem, v0.layout, v0.num_ranks); !why.empty())
     return Fail(why);
-  // gate_up, y_sorted and (bf16) x_sorted are kept per rank, any workspace.
-  RankOperand ogate, oyrows, oxrows;
+  // gate_up, y_sorted and x_sorted (FP8: with x_sorted_scale) are kept per rank, any workspace.
+  RankOperand ogate, oyrows, oxrows, oxscale;
   const bool keep_gate_up = gate_up->element_count() > 0;
   if (keep_gate_up) {
     if (auto e = SplitRanks(*gate_up, ranks, 2, "gate_up", &ogate); e.failure()) return e;
@@ -179,10 +182,18 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   }
   const bool keep_x_rows = x_sorted->element_count() > 0;
   if (keep_x_rows) {
-    if (fp8) return Fail("x_sorted must be [0] with FP8 operands (the pool holds e4m3 rows)");
+    if (auto e = RequireType(x_sorted->element_type(), elem, "x_sorted", elem_name); e.failure())
+      return e;
     if (auto e = SplitRanks(*x_sorted, ranks, 2, "x_sorted", &oxrows); e.failure()) return e;
     if (oxrows.dims[0] != n_cap || oxrows.dims[1] != H)
       return Fail("x_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) + "] per rank");
+  }
+  if (fp8 && (keep_x_rows || x_sorted_scale->element_count() > 0)) {
+    if (auto e = SplitRanks(*x_sorted_scale, ranks, 2, "x_sorted_scale", &oxscale); e.failure())
+      return e;
+    if (!keep_x_rows || oxscale.dims[0] != n_cap || oxscale.dims[1] != H / 128)
+      return Fail("with FP8 x_sorted [n_cap, H] comes with x_sorted_scale [n_cap=" + n(n_cap) +
+                  ", H/128=" + n(H / 128) + "] per rank, and neither without the other");
   }
   std::vector<FusedRankOperands> ops;
   for (int r = 0; r < ranks.count; ++r) {
@@ -193,6 +204,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                    fp8 ? ohs.at<float>(r) : nullptr, occ.at<int32_t>(r), orows.at<int32_t>(r),
                    odest.at<int32_t>(r), ogs.at<int32_t>(r),
                    keep_x_rows ? oxrows.at(r) : nullptr,
+                   fp8 && keep_x_rows ? oxscale.at<float>(r) : nullptr,
                    keep_gate_up ? ogate.at(r) : nullptr,
                    keep_y_rows ? oyrows.at(r) : nullptr, ost.at<int32_t>(r),
                    oph.at<int32_t>(r)});
@@ -232,7 +244,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeFusedMoeFwd, megamoe::fused::FusedMoeFwd,
                                       .Ret<ffi::AnyBuffer>()  // x_sorted (residual or [0])
                                       .Ret<ffi::AnyBuffer>()  // gate_up (residual or [0])
                                       .Ret<ffi::AnyBuffer>()  // y_sorted (residual or [0])
-                                      .Ret<ffi::Buffer<ffi::F32>>())  // h_scale (FP8, or [0])
+                                      .Ret<ffi::Buffer<ffi::F32>>()  // h_scale (FP8, or [0])
+                                      .Ret<ffi::Buffer<ffi::F32>>())  // x_sorted_scale (or [0])
                                   .Attr<int64_t>("n_cap")
                                   .Attr<int64_t>("max_ctas")
                                   .Attr<int64_t>("pow2"),

@@ -36,10 +36,11 @@ struct FusedRankOperands {
   // Residuals for the backward (nullptr: not kept), rows in pool order (slot (t, j)'s row is
   // slot_dest[t, j] at one rank): gate_up, L1's output before SwiGLU; y_sorted, L2's output
   // rows (one rank: they replace the comb region, whose rows are the pool's there; several: a
-  // second store in L2's epilogue); x_sorted, the pool rows, bf16 alone (one rank: they
-  // replace the pool region; several: the kernel copies the pool out after every source's rows
-  // landed; an FP8 pool holds e4m3 rows, and the backward scatters x instead).
-  void* x_sorted;          // [n_cap, H] bf16
+  // second store in L2's epilogue); x_sorted, the pool rows (bf16 with one rank alone: they
+  // replace the pool region; otherwise the kernel copies the pool out after every source's rows
+  // landed; FP8: e4m3 rows and their scales x_sorted_scale).
+  void* x_sorted;          // [n_cap, H] bf16 (FP8: e4m3)
+  float* x_sorted_scale;   // FP8: [n_cap, H/128] x_sorted's 1 x 128 scales (else nullptr)
   void* gate_up;           // [n_cap, 2F] bf16
   void* y_sorted;          // [n_cap, H] bf16
   int32_t* stats;          // [4]: rows routed here, n_cap, overflow (0/1), repeated expert ids

@@ -189,7 +189,8 @@ struct alignas(128) RankParams {
   PeerView view;
   char* pool[kMaxRanks];        // every rank's pool as mapped here (the dispatch's targets)
   const __nv_bfloat16* comb;    // this rank's comb buffer (the combine's source)
-  __nv_bfloat16* pool_rows_out; // residual x_sorted [n_cap, H] of several ranks (else nullptr)
+  void* pool_rows_out;          // residual x_sorted [n_cap, H] (else nullptr; FP8: e4m3)
+  float* pool_scales_out;       // FP8: its scales [n_cap, H/128] (else nullptr)
   int32_t* group_sizes;         // [E/R]: pool rows per local expert (after capacity)
   const __nv_bfloat16* x;       // bf16 rows, or (FP8) e4m3 rows of H bytes
   const float* x_scale;         // FP8: [T, H/128] the rows' 1 x 128 scales
@@ -698,12 +699,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // This rank's pool rows out (residual x_sorted, several ranks): every source's copies into the
-  // pool landed before its results_ready release that phase 6 acquired (and the next call's
-  // sources write only after this rank's next counts). Rows past the last group stay unwritten,
-  // as the pool's own rows with one rank alone (no GEMM of the backward reads them).
+  // This rank's pool rows out (residual x_sorted, several ranks; FP8 with their scales, row-major
+  // [n_cap, H/128] as cuda_fp8.QuantizedRows): every source's copies into the pool landed before
+  // its results_ready release that phase 6 acquired (and the next call's sources write only
+  // after this rank's next counts). Rows past the last group stay unwritten, as the pool's own
+  // rows with one rank alone (no GEMM of the backward reads them).
   if (A.pool_rows_out != nullptr) {
-    const size_t vecs = static_cast<size_t>(min(S.total_rows, n_cap)) * row_vecs_bf16;
+    const int rows = min(S.total_rows, n_cap);
+    const size_t vecs = static_cast<size_t>(rows) * (H * Eng::kElemBytes / 16);
     const uint4* __restrict__ src = reinterpret_cast<const uint4*>(A.pool[me]);
     uint4* __restrict__ dst = reinterpret_cast<uint4*>(A.pool_rows_out);
     const uint4 nan = ep::NanVec16(static_cast<const __nv_bfloat16*>(nullptr));
@@ -718,6 +721,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int u = 0; u < kVecs; ++u) {
         if (i0 + u * 32 < vecs) dst[i0 + u * 32] = q[u];
+      }
+    }
+    if constexpr (Eng::kFp8) {  // the pool's scales are K-block-major: [H/128, pitch]
+      const int nblk = H / 128;
+      const float* scales = reinterpret_cast<const float*>(A.pool[me] + P.pool_scale_offset);
+      for (int i = gthread; i < rows * nblk; i += nthreads) {
+        const int r = i / nblk, b = i % nblk;
+        A.pool_scales_out[i] =
+            failed ? __int_as_float(0x7fc00000)
+                   : __ldcg(scales + static_cast<size_t>(b) * P.pool_scale_pitch + r);
       }
     }
   }
@@ -862,12 +875,11 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     rp.slot_rows = o.slot_rows;
     rp.slot_dest = o.slot_dest;
     rp.group_sizes = o.group_sizes;
-    // Redirected to XLA buffers (the handler checks that x_sorted comes with bf16 only): one
-    // rank alone, the pool is x_sorted; several, phase 7 copies the pool out to it.
-    const bool pool_is_x_sorted = o.x_sorted != nullptr && R == 1 && count == 1;
-    rp.pool_rows_out = o.x_sorted != nullptr && !pool_is_x_sorted
-                           ? static_cast<__nv_bfloat16*>(o.x_sorted)
-                           : nullptr;
+    // Redirected to XLA buffers: bf16 with one rank alone, the pool is x_sorted; otherwise phase
+    // 7 copies the pool out to it (FP8: with its scales, which live past the pool's rows).
+    const bool pool_is_x_sorted = o.x_sorted != nullptr && !fp8 && R == 1 && count == 1;
+    rp.pool_rows_out = pool_is_x_sorted ? nullptr : o.x_sorted;
+    rp.pool_scales_out = fp8 && o.x_sorted != nullptr ? o.x_sorted_scale : nullptr;
     const bool comb_is_y_sorted = o.y_sorted != nullptr && R == 1 && count == 1;
     for (int q = 0; q < R; ++q) rp.pool[q] = o.view->base[q] + L.fpool;
     if (pool_is_x_sorted) rp.pool[0] = static_cast<char*>(o.x_sorted);

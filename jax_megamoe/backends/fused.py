@@ -43,11 +43,12 @@ the definition does) into e4m3 + 1 x 128 scales for L2; combine stays bf16. Back
   scattered from x by slot_dest and h recomputed from gate_up by cuda_fp8.swiglu_quantize, both
   in the backward): no forward GEMM recomputed; dW_gate_up from the bf16 rows, as backend cuda
   without a mesh computes it.
-- several ranks: the kernel keeps gate_up and y_sorted as with bf16; the backward runs cuda's
-  dispatch of the same FP8 rows again (the pool's rows and tables, as the bf16 path does), then
-  the same FP8 backward. dW_gate_up is computed from those dequantised FP8 rows, the rows that
-  reached the expert rank, as in backend cuda's EP path. No forward GEMM is recomputed
-  (until session 14 it ran cuda's whole FP8 layer again here).
+- several ranks: the kernel keeps gate_up and y_sorted as with bf16, and its pool's e4m3 rows
+  with their scales (copied out, as bf16's rows); the tables as with bf16; then the same FP8
+  backward. dW_gate_up is computed from those dequantised FP8 rows, the rows that reached the
+  expert rank, as in backend cuda's EP path. No dispatch and no forward GEMM run again (until
+  session 18 the backward ran cuda's dispatch of the same FP8 rows; until session 14 cuda's
+  whole FP8 layer).
 
 What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, recipe
 None, "fp8" or "fp8_pow2". Other layers (and meshes the NVLink kernels cannot serve) run on
@@ -196,13 +197,14 @@ class FusedConfig:
 class FusedResiduals(NamedTuple):
   """What the forward keeps for the backward (rows in the pool's expert order; slot (t, j) of
   the token-major input is row slot_dest[t, j] of its expert rank's pool, -1 for none). FP8
-  keeps no x_sorted and no h (the pool and h hold e4m3 rows; the backward rebuilds their bf16
-  values)."""
+  keeps no h (the backward recomputes it from gate_up), and x_sorted is the pool's e4m3 rows
+  with their scales (cuda_fp8.QuantizedRows) with several ranks, None with one (the backward
+  scatters x's bf16 rows)."""
   gate_up: jax.Array      # [.., n_cap, 2F] L1's output before SwiGLU
   h: jax.Array | None     # [.., n_cap, F] SwiGLU's output, L2's input
   y_sorted: jax.Array     # [.., n_cap, H] L2's output rows
   group_sizes: jax.Array  # [.., E/R] int32 pool rows per local expert
-  x_sorted: jax.Array | None = None   # [n_cap, H] the dispatched rows
+  x_sorted: jax.Array | cuda_fp8.QuantizedRows | None = None  # [n_cap, H] the pool's rows
   slot_dest: jax.Array | None = None  # [T, k] int32
 
 
@@ -238,9 +240,11 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
   top_k = ids.shape[-1]
   ffn = w_down.shape[-1] if fp8 else w_down.shape[-2]
   n_cap = cfg.plan.n_cap
-  kept = lambda keep, *shape: jax.ShapeDtypeStruct((*lead, *shape) if keep else (0,),
-                                                  jnp.bfloat16)
-  rows = residuals and not fp8
+  kept = lambda keep, *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
+      (*lead, *shape) if keep else (0,), dtype)
+  # The pool's rows: bf16 always; FP8 (e4m3 + scales) with several ranks only, since one rank's
+  # backward reads x's bf16 rows (_pool_rows).
+  rows = residuals and (not fp8 or not cfg.one_rank)
   none = jnp.zeros((0,), jnp.float32)
   scales = fp8_scales if fp8 else (none, none, none)
   out_types = (
@@ -252,18 +256,22 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
       jax.ShapeDtypeStruct((*lead, w_gate_up.shape[-3]), jnp.int32),  # group_sizes
       jax.ShapeDtypeStruct((*lead, 4), jnp.int32),
       jax.ShapeDtypeStruct((*lead, len(PHASES)), jnp.int32),
-      kept(rows, n_cap, hidden), kept(residuals, n_cap, 2 * ffn),
+      kept(rows, n_cap, hidden, dtype=x.dtype), kept(residuals, n_cap, 2 * ffn),
       kept(residuals, n_cap, hidden),
       jax.ShapeDtypeStruct((*lead, ffn // cuda_fp8.BLOCK, scale_pitch(n_cap)) if fp8 else (0,),
                            jnp.float32),  # h_scale (scratch)
+      kept(rows and fp8, n_cap, hidden // cuda_fp8.BLOCK, dtype=jnp.float32),  # x_sorted_scale
   )
-  y, h, _, _, slot_dest, group_sizes, stats, phases, x_sorted, gate_up, y_sorted, _ = (
+  (y, h, _, _, slot_dest, group_sizes, stats, phases, x_sorted, gate_up, y_sorted, _,
+   x_sorted_scale) = (
       jax.ffi.ffi_call(TARGET, out_types)(
           x, ids, w, w_gate_up, w_down, *scales, workspace_id=np.int64(cfg.workspace.id),
           num_experts=np.int64(cfg.num_experts), n_cap=np.int64(n_cap),
           max_ctas=np.int64(cfg.max_ctas), pow2=np.int64(cfg.pow2)))
   kept_res = None
   if residuals:
+    if rows and fp8:
+      x_sorted = cuda_fp8.QuantizedRows(x_sorted, x_sorted_scale)
     kept_res = FusedResiduals(gate_up, None if fp8 else h, y_sorted, group_sizes,
                               x_sorted if rows else None, slot_dest)
   return y, stats, phases, kept_res
@@ -395,30 +403,19 @@ def _pool_rows(x, slot_dest, n_cap: int):
   return jnp.where((source >= 0)[:, None], rows, jnp.zeros((), x.dtype))
 
 
-def _fp8_pool_rows(x, ids, w, cfg: FusedConfig, ep: cuda_ep.EpConfig):
-  """Several ranks: the dispatched rows as the kernel's pool held them (its e4m3 rows, in bf16),
-  their layout (slot_pos) and received weights, from cuda's dispatch of the same FP8 rows (the
-  same (expert, source, token) order as the kernel's pool)."""
-  hidden = x.shape[-1]
-  quantize = lambda a: cuda_fp8.pack_rows(cuda_fp8.quantize_rows(a, pow2=cfg.pow2))
-  d = cuda_ep.dispatch_rows(ep.per_rank(quantize, x), ids, w, ep, cfg.plan.n_cap)
-  rows = lambda packed: cuda_fp8.dequantize_rows(cuda_fp8.unpack_rows(packed, hidden))
-  return ep.per_rank(rows, d.x_sorted), d.slot_pos, d.recv_w
-
-
 def _fused_fp8_layer_bwd(cfg, residuals, dy):
-  """cuda's EP backward with its FP8 MLP backward, from the kernel's gate_up and y_sorted; no
-  forward GEMM runs again. dW_gate_up's rows: x's bf16 rows at one rank (as backend cuda without
-  a mesh), the dequantised FP8 rows that reached the expert rank with several (as backend cuda's
-  EP path)."""
+  """cuda's EP backward with its FP8 MLP backward, from the kernel's residuals; no dispatch and
+  no forward GEMM run again. dW_gate_up's rows: x's bf16 rows at one rank (as backend cuda
+  without a mesh), the dequantised FP8 rows that reached the expert rank with several (the
+  kernel's pool rows, as backend cuda's EP path)."""
   x, ids, w, w_gate_up, w_down, blocks, kept = residuals
   dy = dy.astype(x.dtype)
   ep = cfg.ep_config()
   if cfg.one_rank:
     x_sorted = _pool_rows(x, kept.slot_dest, cfg.plan.n_cap)
-    slot_pos, recv_w = expert_rank_tables(kept.slot_dest, ids, w, cfg)
   else:
-    x_sorted, slot_pos, recv_w = _fp8_pool_rows(x, ids, w, cfg, ep)
+    x_sorted = ep.per_rank(cuda_fp8.dequantize_rows, kept.x_sorted)
+  slot_pos, recv_w = expert_rank_tables(kept.slot_dest, ids, w, cfg)
   dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, slot_pos, recv_w, ids,
                                                   kept.group_sizes, ep)
 
