@@ -325,11 +325,12 @@ def _pool_layout(ids, num_ranks: int, num_experts: int):
   return rows, owner, jnp.stack(orders), jnp.stack(sizes).astype(jnp.int32)
 
 
-def _to_pool(per_slot, order, count, n_cap):
-  """Rows of one rank's pool [n_cap, ...] from per-slot rows [R*T*k, ...]; rows past count 0."""
+def _to_pool(per_slot, order, count, n_cap, tail=0):
+  """Rows of one rank's pool [n_cap, ...] from per-slot rows [R*T*k, ...]; rows past count
+  `tail` (NaN stands for what the kernel leaves there: it writes no row past the groups)."""
   rows = per_slot[order[:n_cap]]
   keep = (jnp.arange(n_cap) < count).reshape(-1, *([1] * (rows.ndim - 1)))
-  return jnp.where(keep, rows, jnp.zeros((), rows.dtype))
+  return jnp.where(keep, rows, jnp.asarray(tail, rows.dtype))
 
 
 def _multi_rank_kernel_stand_in(xq, ids, w, wgu_q, wd_q, cfg, *, residuals=False,
@@ -363,8 +364,8 @@ def _multi_rank_kernel_stand_in(xq, ids, w, wgu_q, wd_q, cfg, *, residuals=False
     in_use = (jnp.arange(n_cap) < count)[:, None]
     gate_up.append(jnp.where(in_use, gu, 0))
     y_sorted.append(jnp.where(in_use, ys, 0))
-    pool_q.append(_to_pool(xq_slot, order[q], count, n_cap))
-    pool_scale.append(_to_pool(scale_slot, order[q], count, n_cap))
+    pool_q.append(_to_pool(xq_slot, order[q], count, n_cap, tail=jnp.nan))
+    pool_scale.append(_to_pool(scale_slot, order[q], count, n_cap, tail=jnp.nan))
   gate_up, y_sorted = jnp.stack(gate_up), jnp.stack(y_sorted)
   x_sorted = cuda_fp8.QuantizedRows(jnp.stack(pool_q), jnp.stack(pool_scale))
   slot_dest = jnp.where(owner >= 0, rows, -1).reshape(ranks, tokens, top_k)

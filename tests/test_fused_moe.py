@@ -9,7 +9,7 @@ timing out; the row copy before or beside the GEMMs, bit for bit the same. Recip
 "fp8_pow2" (end of the file): against the FP8 emulation (2e-2, as
 backend cuda's FP8 MLP), without a mesh, under a one-GPU mesh and at R = 2, 4 virtual ranks,
 odd sizes and stage counts, empty experts, bitwise run to run, gradients (from the kernel's
-residuals at one rank, through cuda's FP8 layer recomputed with several ranks).
+residuals: at one rank x's bf16 rows scattered, with several the kernel's kept e4m3 rows).
 Outputs land in device memory filled with NaN beforehand. GPU only; skipped (reported as not
 run) elsewhere (the Python side of FP8 is checked on the CPU by test_fused_fp8_trace.py).
 """

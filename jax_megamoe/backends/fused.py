@@ -229,11 +229,10 @@ PHASES = ("start", "route", "counts exchanged", "slot positions", "head copied",
 def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bool = False,
                 fp8_scales=None):
   """The custom call: (y, stats [.., 4], phase clock [.., len(PHASES)], FusedResiduals or
-  None). residuals: keep them (the slot table too with one rank, and bf16 the pool rows).
-  bf16: x, w_gate_up [.., E/R, H, 2F], w_down [.., E/R, F, H] bf16. FP8 (fp8_scales =
-  (x_scale, w_gate_up_scale, w_down_scale)): x e4m3 [.., T, H], the weights e4m3 and K-major
-  as cuda_fp8.QuantizedWeights ([.., E/R, 2F, H], [.., E/R, H, F]); residuals without
-  x_sorted and h."""
+  None). residuals: keep them (FusedResiduals). bf16: x, w_gate_up [.., E/R, H, 2F], w_down
+  [.., E/R, F, H] bf16. FP8 (fp8_scales = (x_scale, w_gate_up_scale, w_down_scale)): x e4m3
+  [.., T, H], the weights e4m3 and K-major as cuda_fp8.QuantizedWeights ([.., E/R, 2F, H],
+  [.., E/R, H, F]); residuals without h, and with one rank without x_sorted."""
   fp8 = fp8_scales is not None
   lead = (cfg.workspace.num_ranks,) if cfg.stacked else ()
   tokens, hidden = x.shape[-2:]
