@@ -296,10 +296,10 @@ def _fused_layer_fwd(x, ids, w, w_gate_up, w_down, cfg):
 def expert_rank_tables(slot_dest, ids, w, cfg: FusedConfig):
   """This rank's slot tables as cuda's dispatch lays them out (cuda_ep.Dispatched), from every
   source's slot table: slot_pos [R*T, k] (row s*T + t: the pool row here of source s's slot
-  (t, j); -1 where its expert is another rank's or masked; -2 where it is this rank's but the
-  kernel dropped it, at capacity or as a repeated expert, as ffi/layout/ep_layout.h's
-  cuda_ep.SLOT_DROPPED, which the combine kernels tell apart from -1) and recv_w [R*T, k] (its weight,
-  0 where slot_pos < 0). Operands as the layer's: stacked [R, T, k] for a virtual group, else
+  (t, j); cuda_ep.SLOT_NOT_ROUTED where its expert is another rank's or masked;
+  cuda_ep.SLOT_DROPPED where it is this rank's but the kernel dropped it, at capacity or as a
+  repeated expert: the combine kernels tell the two apart) and recv_w [R*T, k] (its weight, 0
+  where slot_pos < 0). Operands as the layer's: stacked [R, T, k] for a virtual group, else
   this rank's [T, k] (several ranks: inside shard_map, gathered over the expert axis)."""
   ranks = cfg.workspace.num_ranks
   local = cfg.num_experts // ranks
