@@ -321,18 +321,24 @@ def expert_rank_tables(slot_dest, ids, w, cfg: FusedConfig):
   return tables(gather(slot_dest), gather(ids), gather(w), jax.lax.axis_index(axis))
 
 
+def _residual_ep_backward(cfg, kept, ids, w, dy, mlp_backward, *mlp_args):
+  """cuda's EP backward from the kernel's residuals (both recipes): combine's VJP on the expert
+  side's slot tables, mlp_backward(dy_sorted, *mlp_args) per rank (-> dx_sorted, dW_gate_up,
+  dW_down), dispatch's VJP. Returns (dx, d topk_weights, dW_gate_up, dW_down)."""
+  ep = cfg.ep_config()
+  slot_pos, recv_w = expert_rank_tables(kept.slot_dest, ids, w, cfg)
+  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, slot_pos, recv_w, ids,
+                                                  kept.group_sizes, ep)
+  dx_sorted, dwgu, dwd = ep.per_rank(mlp_backward, dy_sorted, *mlp_args)
+  dx, dw = cuda_ep.dispatch_backward(dx_sorted, d_w_slots, slot_pos, ids, ep)
+  return dx, dw, dwgu, dwd
+
+
 def _fused_layer_bwd(cfg, residuals, dy):
   x, ids, w, w_gate_up, w_down, kept = residuals
-  dy = dy.astype(x.dtype)
-  ep = cfg.ep_config()
-  x_sorted = kept.x_sorted
-  slot_pos, recv_w = expert_rank_tables(kept.slot_dest, ids, w, cfg)
-  group_sizes = kept.group_sizes
-  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, slot_pos, recv_w, ids,
-                                                  group_sizes, ep)
-  dx_sorted, dwgu, dwd = ep.per_rank(cuda_bf16.backward, dy_sorted, x_sorted, group_sizes,
-                                     w_gate_up, w_down, kept.gate_up, kept.h)
-  dx, dw = cuda_ep.dispatch_backward(dx_sorted, d_w_slots, slot_pos, ids, ep)
+  dx, dw, dwgu, dwd = _residual_ep_backward(
+      cfg, kept, ids, w, dy.astype(x.dtype), cuda_bf16.backward, kept.x_sorted,
+      kept.group_sizes, w_gate_up, w_down, kept.gate_up, kept.h)
   return dx, None, dw, dwgu, dwd
 
 
@@ -408,24 +414,18 @@ def _fused_fp8_layer_bwd(cfg, residuals, dy):
   without a mesh), the dequantised FP8 rows that reached the expert rank with several (the
   kernel's pool rows, as backend cuda's EP path)."""
   x, ids, w, w_gate_up, w_down, blocks, kept = residuals
-  dy = dy.astype(x.dtype)
-  ep = cfg.ep_config()
   if cfg.one_rank:
     x_sorted = _pool_rows(x, kept.slot_dest, cfg.plan.n_cap)
   else:
-    x_sorted = ep.per_rank(cuda_fp8.dequantize_rows, kept.x_sorted)
-  slot_pos, recv_w = expert_rank_tables(kept.slot_dest, ids, w, cfg)
-  dy_sorted, d_w_slots = cuda_ep.combine_backward(dy, kept.y_sorted, slot_pos, recv_w, ids,
-                                                  kept.group_sizes, ep)
+    x_sorted = cfg.ep_config().per_rank(cuda_fp8.dequantize_rows, kept.x_sorted)
 
   def mlp_backward(dy_sorted, x_sorted, group_sizes, gate_up, blocks):
     hidden, _ = cuda_fp8.swiglu_quantize(gate_up, group_sizes, pow2=cfg.pow2)
     res = cuda_fp8.MlpResiduals(gate_up, hidden, blocks)
     return cuda_fp8.mlp_backward(dy_sorted, x_sorted, group_sizes, res, cfg.pow2)
 
-  dx_sorted, dwgu, dwd = ep.per_rank(mlp_backward, dy_sorted, x_sorted, kept.group_sizes,
-                                     kept.gate_up, blocks)
-  dx, dw = cuda_ep.dispatch_backward(dx_sorted, d_w_slots, slot_pos, ids, ep)
+  dx, dw, dwgu, dwd = _residual_ep_backward(cfg, kept, ids, w, dy.astype(x.dtype), mlp_backward,
+                                            x_sorted, kept.group_sizes, kept.gate_up, blocks)
   return dx, None, dw, dwgu, dwd, cuda_fp8.zero_cotangent(blocks)
 
 
