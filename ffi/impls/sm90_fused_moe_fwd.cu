@@ -9,18 +9,9 @@
 // every rank's group runs the phases below, in order, talking to the other ranks only through
 // the symmetric workspace (ffi/comm/symmetric_memory.h, fused regions):
 //
-//   1 route      per 32-token chunk, this rank's slots per expert (the scratch's chunk counts);
-//                this rank's arrival counters zeroed
-//   2 counts     per expert, the scan over chunks and the total, stored into every rank's
-//                fcounts; then counts_ready[me] = epoch + 1 on every rank, and wait for every
-//                source's (the rank's epoch lives in device memory: graph replays see it)
-//   3 layout     from the full count matrix, in every CTA: where each expert's rows start in
-//                its owner's pool (group order: expert, source rank, token), this rank's first
-//                row in each block, the M-blocks, this rank's own expert walk, comb order and
-//                copy order
-//   4 plan       each slot's pool row and comb row, and the copy plan: the slot's (token, pool
-//                row, M-block) at its place in copy order (local expert index, then owner rank,
-//                then token), so that the copy fills every rank's pool M-blocks in pool order
+//   1-4 routing  route, counts, layout, plan (ffi/scheduler/fused_routing.cuh): every slot's
+//                pool row at its expert rank, its row in this rank's comb buffer, and the copy
+//                plan that fills every rank's pool M-blocks in pool order
 //     head copy  the plan's first rows (MEGAMOE_FUSED_COPY_HEAD, ffi/heuristics/
 //                fused_copy_head.h), copied by every warp: token row -> pool row, then that
 //                pool M-block's arrival counter bumped (release)
@@ -64,6 +55,7 @@
 #include "ffi/heuristics/fused_tile_order.h"
 #include "ffi/impls/fused_moe.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
+#include "ffi/scheduler/fused_routing.cuh"
 
 namespace megamoe::fused {
 namespace {
@@ -83,7 +75,6 @@ static_assert(Engine::kBlockM == ep::kFusedBlockM, "pool M-blocks are the tile e
 
 constexpr int kThreads = Engine::kThreads;
 constexpr int kWarps = kThreads / 32;
-constexpr int kChunk = 32;        // tokens of a routing chunk: one per lane
 constexpr int kCopyUnroll = 4;    // 16-byte vectors in flight per lane when copying rows
 // The producer warpgroup's warps that the tile engine leaves free copy the rows (phase 5).
 constexpr int kFirstCopyWarp = 2, kCopyWarps = 2;
@@ -95,26 +86,7 @@ static_assert(Engine::kProducerWarp < kFirstCopyWarp && Engine::kSignallerWarp <
                   kFirstCopyWarp + kCopyWarps <= Engine::kFirstMathWarp,
               "the copy warps are the producer warpgroup's free warps");
 
-// ------------------------------------------------------------------------ the copy plan
-
-// One row to copy: token row `token` of this rank goes to row `pool_row` of rank `rank`'s pool,
-// inside that pool's M-block `mblock`; token -1: the slot was dropped at capacity.
-struct alignas(16) CopyRow {
-  int32_t token, pool_row, rank, mblock;
-};
-
-// Scratch ints before the copy plan: the chunk counts, rounded up to the plan's 16 bytes.
-__host__ __device__ constexpr int64_t CopyPlanOffsetInts(int64_t num_tokens, int64_t num_experts) {
-  return (num_experts * ((num_tokens + kChunk - 1) / kChunk) + 3) / 4 * 4;
-}
-
 // ------------------------------------------------------------------------ shared memory
-
-// Tables a rank's CTAs keep through the GEMMs (the engine's signaller reads them: CombRowDest).
-struct alignas(16) RankTables {
-  int32_t src_start[kFusedMaxExperts];   // [El][R]: first pool row of (local expert, source)
-  int32_t src_prefix[kFusedMaxExperts];  // [El][R]: that block's first row in the source's comb
-};
 
 // The tables come first (8 KB, a multiple of the engine's 1024-byte alignment) so that their
 // place does not depend on the engine (CombRowDest reads them).
@@ -123,23 +95,12 @@ struct alignas(1024) FusedSmem {
   RankTables tables;
   typename Eng::SharedStorage engine;  // its stage ring doubles as RoutingScratch until the GEMMs
   Walk::SharedStorage walk;      // this rank's experts: clamped offsets, M-block prefix
-  unsigned long long epoch;
-  int32_t total_rows;            // rows routed to this rank's experts (before capacity)
-  int32_t total_blocks;          // M-blocks of this rank's pool
-  int32_t copy_rows;             // rows of this rank's copy plan (its slots, before capacity)
+  RoutingTotals totals;
 };
 
 // Routing scratch, in the stage ring (free until the GEMMs start).
-struct RoutingScratch {
-  uint32_t mask[kWarps][kFusedMaxExperts];  // per warp: the chunk's tokens of each expert
-  int32_t dst_base[kFusedMaxExperts];       // this rank's first row in expert e's block
-  int32_t owner_offset[kFusedMaxExperts];   // first row of expert e in its owner's pool
-  int32_t owner_mblock[kFusedMaxExperts];   // first M-block of expert e in its owner's pool
-  int32_t my_prefix[kFusedMaxExperts];      // this rank's slots of experts < e (comb order)
-  int32_t copy_prefix[kFusedMaxExperts];    // this rank's slots before expert e's in copy order
-  int32_t rows[kFusedMaxExperts];           // rows of expert e over all sources
-};
-static_assert(sizeof(RoutingScratch) <= sizeof(Engine::SharedStorage::a) +
+using RankRoutingScratch = RoutingScratch<kWarps>;
+static_assert(sizeof(RankRoutingScratch) <= sizeof(Engine::SharedStorage::a) +
                                             sizeof(Engine::SharedStorage::b),
               "the routing scratch must fit in the stage ring");
 static_assert(sizeof(RankTables) % 1024 == 0, "the engine's storage follows the tables");
@@ -184,6 +145,8 @@ struct CombRowDest {
 
 using EngineParams = sm90::EngineParams<CombRowDest>;
 
+// RouteAndPlan (fused_routing.cuh) reads ids, chunk_counts, copy_plan, slot_rows, slot_dest,
+// group_sizes and stats.
 struct alignas(128) RankParams {
   EngineParams engine;
   PeerView view;
@@ -275,37 +238,6 @@ struct TileHooks {
 
 // ------------------------------------------------------------------------ helpers
 
-// Inclusive prefix sum of v over the warp's lanes.
-__device__ __forceinline__ int WarpInclusiveSum(int v, int lane) {
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int u = __shfl_up_sync(0xffffffffu, v, d);
-    if (lane >= d) v += u;
-  }
-  return v;
-}
-
-// The warp's chunk of tokens [chunk * 32, + 32): mask[e] holds a bit per lane whose token routes
-// a slot to expert e. Returns, for the calling lane's token, a bit per slot j that repeats an
-// expert of an earlier slot (counted once).
-__device__ __forceinline__ unsigned ChunkMasks(const int32_t* __restrict__ ids, int chunk,
-                                               int tokens, int top_k, int experts,
-                                               uint32_t* mask, int lane) {
-  for (int e = lane; e < experts; e += 32) mask[e] = 0u;
-  __syncwarp();
-  unsigned repeated = 0u;
-  const int t = chunk * kChunk + lane;
-  if (t < tokens) {
-    const uint32_t bit = 1u << lane;
-    for (int j = 0; j < top_k; ++j) {
-      const int e = __ldg(ids + static_cast<size_t>(t) * top_k + j);
-      if (e >= 0 && e < experts && (atomicOr(&mask[e], bit) & bit)) repeated |= 1u << j;
-    }
-  }
-  __syncwarp();
-  return repeated;
-}
-
 // The calling warp's share of the plan rows [begin, end), in chunks of kChunkRows rows: chunks
 // first, first + stride, ... (so that the copy of all the warps advances in plan order). Each
 // token row is read and written to its pool row (FP8: with its scales); the arrivals are
@@ -386,7 +318,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const PeerView& v = A.view;
   const ep::WorkspaceLayout& L = v.layout;
   FusedSmem<Eng>& S = Smem<Eng>();
-  RoutingScratch& RS = *reinterpret_cast<RoutingScratch*>(&S.engine.a[0][0]);
   ep::FusedSignals* sig = v.fused_signals(v.rank);
 
   const int G = P.ctas_per_rank, T = P.num_tokens, K = P.top_k, E = P.num_experts;
@@ -395,7 +326,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int gwarp = cta * kWarps + warp, nwarps = G * kWarps;
   const int gthread = cta * kThreads + threadIdx.x, nthreads = G * kThreads;
-  const int n_chunks = (T + kChunk - 1) / kChunk;
 
   // CTA 0's clock at each phase's end (fused_moe.h: kFusedPhases), for the breakdown benchmark.
   const unsigned long long t0 = ep::GlobalTimerNs();
@@ -404,200 +334,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (cta == 0 && threadIdx.x == 0) stamp(phase);
   };
   mark(0);
-  if (threadIdx.x == 0) S.epoch = *reinterpret_cast<volatile unsigned long long*>(&sig->uses);
-  __syncthreads();
-  const unsigned long long epoch = S.epoch;
-  int32_t* fcounts = reinterpret_cast<int32_t*>(v.base[me] + L.fcounts);
-  const size_t parity_ints = static_cast<size_t>(kMaxRanks) * kFusedMaxExperts;
-  const int32_t* counts = fcounts + (epoch & 1) * parity_ints;  // [s][e] of this call
   auto* rows_arrived = reinterpret_cast<unsigned long long*>(v.base[me] + L.ftiles);
   auto* l1_done = reinterpret_cast<unsigned long long*>(v.base[me] + L.fl1done);
 
-  // ---- 1 route: this rank's slots per expert in every 32-token chunk; zero its counters.
-  const int64_t mblocks = ep::FusedMBlocks(L.fused_rows);
-  for (int64_t i = gthread; i < mblocks; i += nthreads) {
-    rows_arrived[i] = 0ull;
-    l1_done[i] = 0ull;
-  }
-  uint32_t* mask = RS.mask[warp];
-  for (int chunk = gwarp; chunk < n_chunks; chunk += nwarps) {
-    ChunkMasks(A.ids, chunk, T, K, E, mask, lane);
-    for (int e = lane; e < E; e += 32) {
-      A.chunk_counts[static_cast<size_t>(e) * n_chunks + chunk] = __popc(mask[e]);
-    }
-  }
-  ep::RankBarrier(v, G);
-  mark(1);
-
-  // ---- 2 counts: per expert the scan over chunks (in place) and the total, to every rank.
-  for (int e = gwarp; e < E; e += nwarps) {
-    int32_t* row = A.chunk_counts + static_cast<size_t>(e) * n_chunks;
-    int carry = 0;
-    for (int base = 0; base < n_chunks; base += 32) {
-      const int c = base + lane;
-      const int val = c < n_chunks ? __ldcg(row + c) : 0;
-      const int incl = WarpInclusiveSum(val, lane);
-      if (c < n_chunks) row[c] = carry + incl - val;
-      carry += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (lane < R) {
-      int32_t* dst = reinterpret_cast<int32_t*>(v.base[lane] + L.fcounts) +
-                     (epoch & 1) * parity_ints + static_cast<size_t>(me) * kFusedMaxExperts + e;
-      *dst = carry;
-    }
-  }
-  ep::RankBarrier(v, G);
-  if (cta == 0 && threadIdx.x == 0) {
-    __threadfence_system();
-    for (int q = 0; q < R; ++q) ep::StoreReleaseSys(&v.fused_signals(q)->counts_ready[me], epoch + 1);
-  }
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < R; ++s) {
-      if (!ep::WaitAtLeast<false>(v, &sig->counts_ready[s], epoch + 1, ep::kStageFusedCounts,
-                                  s)) {
-        break;
-      }
-    }
-  }
-  // A rank whose wait failed (here or in an earlier call) sends nothing and computes no tile:
-  // its peers' waits on it then time out and poison their outputs too. (Decided per CTA; the
-  // barriers below stay matched whatever each CTA decides.)
-  const bool routed = !ep::BlockRankFailed(v);
-  mark(2);
-
-  // ---- 3 layout, from counts[s][e] (every source's totals).
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    int rows = 0, before_me = 0;
-    for (int s = 0; s < R; ++s) {
-      const int c = __ldcg(counts + static_cast<size_t>(s) * kFusedMaxExperts + e);
-      if (s < me) before_me += c;
-      rows += c;
-    }
-    RS.rows[e] = rows;
-    RS.dst_base[e] = before_me;  // + owner_offset below
-  }
-  __syncthreads();
-  if (warp < R) {  // warp q: expert offsets and M-blocks inside rank q's pool
-    const int q = warp;
-    int off = 0, mb = 0;
-    for (int base = 0; base < El; base += 32) {
-      const int el = base + lane;
-      const int rows = el < El ? RS.rows[q * El + el] : 0;
-      const int incl = WarpInclusiveSum(rows, lane);
-      const int my_off = off + incl - rows;
-      const int lo = min(my_off, n_cap), hi = min(my_off + rows, n_cap);
-      const int blocks = (hi - lo + Engine::kBlockM - 1) / Engine::kBlockM;
-      const int bincl = WarpInclusiveSum(blocks, lane);
-      if (el < El) {
-        RS.owner_offset[q * El + el] = my_off;
-        RS.owner_mblock[q * El + el] = mb + bincl - blocks;
-      }
-      off += __shfl_sync(0xffffffffu, incl, 31);
-      mb += __shfl_sync(0xffffffffu, bincl, 31);
-    }
-    if (q == me && lane == 0) {
-      S.total_rows = off;
-      S.total_blocks = mb;
-    }
-  }
-  __syncthreads();
-  for (int s = warp; s < R; s += kWarps) {  // warp s: source s's comb order (expert-sorted)
-    const int32_t* cs = counts + static_cast<size_t>(s) * kFusedMaxExperts;
-    int carry = 0;
-    for (int base = 0; base < E; base += 32) {
-      const int e = base + lane;
-      const int c = e < E ? __ldcg(cs + e) : 0;
-      const int incl = WarpInclusiveSum(c, lane);
-      const int prefix = carry + incl - c;
-      if (e < E) {
-        if (s == me) RS.my_prefix[e] = prefix;
-        if (e / El == me) S.tables.src_prefix[(e - me * El) * R + s] = prefix;
-      }
-      carry += __shfl_sync(0xffffffffu, incl, 31);
-    }
-  }
-  if (warp == kWarps - 1) {
-    // This rank's copy order: local expert index first, then owner rank. Every source then
-    // fills every rank's pool from its first M-blocks on, as the tiles consume them.
-    const int32_t* mine = counts + static_cast<size_t>(me) * kFusedMaxExperts;
-    int carry = 0;
-    for (int base = 0; base < E; base += 32) {
-      const int k = base + lane;
-      const int e = k < E ? (k % R) * El + k / R : 0;
-      const int c = k < E ? __ldcg(mine + e) : 0;
-      const int incl = WarpInclusiveSum(c, lane);
-      if (k < E) RS.copy_prefix[e] = carry + incl - c;
-      carry += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (lane == 0) S.copy_rows = carry;
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < E; e += kThreads) RS.dst_base[e] += RS.owner_offset[e];
-  for (int el = threadIdx.x; el < El; el += kThreads) {
-    const int e = me * El + el;
-    int start = RS.owner_offset[e];
-    for (int s = 0; s < R; ++s) {
-      S.tables.src_start[el * R + s] = start;
-      start += __ldcg(counts + static_cast<size_t>(s) * kFusedMaxExperts + e);
-    }
-    S.walk.offsets[el] = min(RS.owner_offset[e], n_cap);
-    S.walk.mb_prefix[el] = RS.owner_mblock[e];
-  }
-  if (threadIdx.x == 0) {
-    S.walk.offsets[El] = min(S.total_rows, n_cap);
-    S.walk.mb_prefix[El] = S.total_blocks;
-  }
-  __syncthreads();
-  if (cta == 0) {
-    for (int el = threadIdx.x; el < El; el += kThreads) {
-      A.group_sizes[el] = S.walk.offsets[el + 1] - S.walk.offsets[el];
-    }
-  }
-
-  // ---- 4 plan: every slot's pool row at its expert rank, its row in this rank's comb, and its
-  // row of the copy plan.
-  int repeated_here = 0;
-  for (int chunk = gwarp; chunk < n_chunks; chunk += nwarps) {
-    const unsigned repeated = ChunkMasks(A.ids, chunk, T, K, E, mask, lane);
-    const int t = chunk * kChunk + lane;
-    if (t < T) {
-      const unsigned lower = ep::LaneMaskLt();
-      for (int j = 0; j < K; ++j) {
-        const size_t sj = static_cast<size_t>(t) * K + j;
-        const int e = __ldg(A.ids + sj);
-        int dest = -1, comb = -1;
-        if (e >= 0 && e < E) {
-          if ((repeated >> j) & 1u) {
-            ++repeated_here;
-          } else {
-            const int within = __ldcg(A.chunk_counts + static_cast<size_t>(e) * n_chunks + chunk) +
-                               __popc(mask[e] & lower);
-            const int p = RS.dst_base[e] + within;
-            CopyRow row{-1, -1, -1, -1};
-            if (p < n_cap) {  // else dropped: the expert rank reports its overflow (stats)
-              dest = p;
-              comb = RS.my_prefix[e] + within;
-              row = CopyRow{t, p, e / El,
-                            RS.owner_mblock[e] + (p - RS.owner_offset[e]) / Engine::kBlockM};
-            }
-            A.copy_plan[RS.copy_prefix[e] + within] = row;
-          }
-        }
-        A.slot_dest[sj] = dest;
-        A.slot_rows[sj] = comb;
-      }
-    }
-    __syncwarp();
-  }
-  if (repeated_here) atomicAdd(A.stats + 3, repeated_here);
-  // A CTA that leaves this barrier on an error of its rank may not have every CTA's plan rows:
-  // it copies nothing (the rank's waits then fail on the recorded error).
-  const bool copying = ep::RankBarrier(v, G) && routed;
+  // ---- 1-4 route, counts, layout, plan (ffi/scheduler/fused_routing.cuh).
+  const RoutingResult rr = RouteAndPlan<Engine::kBlockM, kWarps>(
+      A, RoutingShape{T, K, E, n_cap}, v, rows_arrived, l1_done,
+      RoutingSmem<Engine::kBlockM, kWarps>{
+          *reinterpret_cast<RankRoutingScratch*>(&S.engine.a[0][0]), S.tables, S.walk, S.totals},
+      cta, G, mark);
+  const unsigned long long epoch = rr.epoch;
+  const bool routed = rr.routed, copying = rr.copying;
   mark(3);
 
   // The plan's head, copied by every warp before the tiles start: the first tiles' rows, and a
   // lead for the copy warps, which copy the rest beside the tiles (phase 5).
-  const int head = static_cast<int>(static_cast<int64_t>(S.copy_rows) * P.copy_head_percent / 100);
+  const int head = static_cast<int>(static_cast<int64_t>(S.totals.copy_rows) * P.copy_head_percent / 100);
   if (copying) CopyPlannedRows<Eng, kHeadChunkRows>(P, A, 0, head, gwarp, nwarps);
   mark(4);
 
@@ -622,8 +374,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // skipped tile (L2 waits on L1, never the reverse), so the kernel still completes.
       const bool l1_on = routed && !(P.debug & kFusedDebugNoGemm);
       const bool l2_on = l1_on && !(P.debug & kFusedDebugNoL2);
-      sched.l1_tiles = l1_on ? S.total_blocks * l1_n : 0;
-      sched.l2_tiles = l2_on ? S.total_blocks * l2_n : 0;
+      sched.l1_tiles = l1_on ? S.totals.total_blocks * l1_n : 0;
+      sched.l2_tiles = l2_on ? S.totals.total_blocks * l2_n : 0;
       sched.l1_blocks_n = l1_n;
       sched.l2_blocks_n = l2_n;
       sched.l1_n_major = P.l1_n_major != 0;
@@ -635,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {  // the copy warps
       const int w = warp - kFirstCopyWarp;
       if (copying) {
-        CopyPlannedRows<Eng, kCopyChunkRows>(P, A, head, S.copy_rows, cta * kCopyWarps + w,
+        CopyPlannedRows<Eng, kCopyChunkRows>(P, A, head, S.totals.copy_rows, cta * kCopyWarps + w,
                                              G * kCopyWarps);
       }
       if (cta == 0 && w == 0 && lane == 0) stamp(5);
@@ -705,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // after this rank's next counts). Rows past the last group stay unwritten, as the pool's own
   // rows with one rank alone (no GEMM of the backward reads them).
   if (A.pool_rows_out != nullptr) {
-    const int rows = min(S.total_rows, n_cap);
+    const int rows = min(S.totals.total_rows, n_cap);
     const size_t vecs = static_cast<size_t>(rows) * (H * Eng::kElemBytes / 16);
     const uint4* __restrict__ src = reinterpret_cast<const uint4*>(A.pool[me]);
     uint4* __restrict__ dst = reinterpret_cast<uint4*>(A.pool_rows_out);
@@ -737,9 +489,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   mark(8);
   if (cta == 0 && threadIdx.x == 0) {
-    A.stats[0] = S.total_rows;
+    A.stats[0] = S.totals.total_rows;
     A.stats[1] = n_cap;
-    if (S.total_rows > n_cap) atomicOr(A.stats + 2, 1);
+    if (S.totals.total_rows > n_cap) atomicOr(A.stats + 2, 1);
     // The rank's next call starts from the next epoch (every CTA has read this one).
     *reinterpret_cast<volatile unsigned long long*>(&sig->uses) = epoch + 1;
   }
