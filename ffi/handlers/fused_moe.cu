@@ -206,7 +206,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                    keep_x_rows ? oxrows.at(r) : nullptr,
                    fp8 && keep_x_rows ? oxscale.at<float>(r) : nullptr,
                    keep_gate_up ? ogate.at(r) : nullptr,
-                   keep_y_rows ? oyrows.at(r) : nullptr, ost.at<int32_t>(r),
+                   keep_y_rows ? oyrows.at(r) : nullptr, /*y_comb=*/nullptr, ost.at<int32_t>(r),
                    oph.at<int32_t>(r)});
   }
   if (std::string err = LaunchFusedForward(ops.data(), static_cast<int>(ops.size()),

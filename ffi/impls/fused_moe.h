@@ -43,6 +43,9 @@ struct FusedRankOperands {
   float* x_sorted_scale;   // FP8: [n_cap, H/128] x_sorted's 1 x 128 scales (else nullptr)
   void* gate_up;           // [n_cap, 2F] bf16
   void* y_sorted;          // [n_cap, H] bf16
+  void* y_comb;            // [T * k, H] bf16: several ranks, this rank's comb rows (L2's rows of
+                           // its slots, in comb order: slot (t, j)'s row is slot_rows[t, j]),
+                           // copied out after the combine (one rank alone: y_sorted is that)
   int32_t* stats;          // [4]: rows routed here, n_cap, overflow (0/1), repeated expert ids
   int32_t* phases;         // [kFusedPhases]: ns from the start to each phase's end (CTA 0)
 };
@@ -97,5 +100,36 @@ int64_t FusedScratchInts(int64_t num_tokens, int64_t num_experts, int64_t top_k)
 // it). "" on success, else what failed.
 std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int absent,
                                const FusedForwardProblem& problem, cudaStream_t stream);
+
+// The backward's pass (bf16; benchmarks/kernels/FUSED_BACKWARD_PLAN.md, step 3): the same
+// kernel's phases with the dgrad engine. One rank's operands; rows in pool order are the
+// forward's (the routing runs again on the same ids and gives the same pool rows).
+struct FusedBackwardRankOperands {
+  const ep::PeerView* view;
+  const void* dy;          // [T, H] bf16, d loss / d y of this rank's tokens
+  const int32_t* ids;      // [T, k] the forward's ids
+  const float* weights;    // [T, k] the forward's routing weights
+  const void* y_comb;      // the forward's y rows in this rank's comb order, [T * k, H] bf16
+                           // (one rank alone: its y_sorted, whose order is the comb's there)
+  const void* gate_up;     // [n_cap, 2F] bf16 the forward's residual (expert side)
+  const void* w_gate_up;   // [E/R, H, 2F] bf16, this rank's experts (read K-major)
+  const void* w_down;      // [E/R, F, H] bf16 (read K-major)
+  void* dx;                // [T, H] bf16: the sum over each token's slots of their dx rows
+  float* d_weights;        // [T, k] fp32: <dy[t], y of slot (t, j)>, 0 for slots not routed
+  void* dy_sorted;         // [n_cap, H] bf16: w * dy rows in pool order (the wgrads' operand;
+                           // one rank alone it is the pool, otherwise the kernel copies it out)
+  void* dgate_up;          // [n_cap, 2F] bf16: the SwiGLU backward's output (L1 dgrad's A)
+  int32_t* scratch;        // [FusedScratchInts(T, E, k)], as the forward's
+  int32_t* slot_rows;      // [T, k] scratch, as the forward's
+  int32_t* slot_dest;      // [T, k] scratch, as the forward's
+  int32_t* group_sizes;    // [E/R] (equal to the forward's)
+  int32_t* stats;          // [4] as the forward's
+  int32_t* phases;         // [kFusedPhases]
+};
+
+// Launches the backward's pass for a bf16 problem (fp8 = 0) that FusedForwardUnsupported accepts
+// and whose hidden and ffn are multiples of 256 (the dgrad tiles); "" on success.
+std::string LaunchFusedBackward(const FusedBackwardRankOperands* ranks, int count, int absent,
+                                const FusedForwardProblem& problem, cudaStream_t stream);
 
 }  // namespace megamoe::fused

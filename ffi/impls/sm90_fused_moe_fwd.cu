@@ -70,6 +70,12 @@ using Fp8Engine = sm90::Sm90MoeTileEngine<4, 4, sm90::E4m3Operands>;
 static_assert(Fp8Engine::kBlockM == Engine::kBlockM && Fp8Engine::kBlockN == Engine::kBlockN &&
                   Fp8Engine::kThreads == Engine::kThreads,
               "the kernel's phases other than the GEMMs are shared by both engines");
+// The backward's pass (kBwd): the dgrad GEMMs on the stored weights, read K-major.
+using DgradEngine = sm90::Sm90MoeTileEngine<4, 4, sm90::Bf16Operands, /*kBKMajor=*/true,
+                                            /*kDgrad=*/true>;
+static_assert(DgradEngine::kBlockM == Engine::kBlockM && DgradEngine::kBlockN == Engine::kBlockN &&
+                  DgradEngine::kThreads == Engine::kThreads,
+              "the backward's pass shares the kernel's phases");
 using Walk = ExpertTileWalk<Engine::kBlockM, kFusedMaxExperts>;
 static_assert(Engine::kBlockM == ep::kFusedBlockM, "pool M-blocks are the tile engine's M");
 
@@ -106,7 +112,8 @@ static_assert(sizeof(RankRoutingScratch) <= sizeof(Engine::SharedStorage::a) +
 static_assert(sizeof(RankTables) % 1024 == 0, "the engine's storage follows the tables");
 // 227 KB of dynamic shared memory per block on sm_90, less the 1 KB ptxas reports as static.
 static_assert(sizeof(FusedSmem<Engine>) <= 232448 - 1024 &&
-                  sizeof(FusedSmem<Fp8Engine>) <= 232448 - 1024,
+                  sizeof(FusedSmem<Fp8Engine>) <= 232448 - 1024 &&
+                  sizeof(FusedSmem<DgradEngine>) <= 232448 - 1024,
               "the fused kernel's shared memory exceeds what an sm_90 block may take");
 
 __device__ __forceinline__ uint8_t* SmemBase() {
@@ -153,6 +160,7 @@ struct alignas(128) RankParams {
   char* pool[kMaxRanks];        // every rank's pool as mapped here (the dispatch's targets)
   const __nv_bfloat16* comb;    // this rank's comb buffer (the combine's source)
   void* pool_rows_out;          // residual x_sorted [n_cap, H] (else nullptr; FP8: e4m3)
+  void* comb_rows_out;          // residual y_comb [T * k, H] bf16 (else nullptr)
   float* pool_scales_out;       // FP8: its scales [n_cap, H/128] (else nullptr)
   int32_t* group_sizes;         // [E/R]: pool rows per local expert (after capacity)
   const __nv_bfloat16* x;       // bf16 rows, or (FP8) e4m3 rows of H bytes
@@ -160,6 +168,10 @@ struct alignas(128) RankParams {
   const int32_t* ids;
   const float* weights;
   __nv_bfloat16* y;
+  // Backward only (x is dy there, y is dx): the forward's y rows in this rank's comb order
+  // (y_sorted with one rank alone), and d topk_weights [T, k] (zeroed by the launcher).
+  const __nv_bfloat16* y_comb;
+  float* d_weights;
   int32_t* chunk_counts;  // the scratch's first part: [E, ceil(T / 32)]
   CopyRow* copy_plan;     // its second part: [T * k] in copy order
   int32_t* slot_rows;
@@ -238,6 +250,50 @@ struct TileHooks {
 
 // ------------------------------------------------------------------------ helpers
 
+// The backward's copy of one slot's row (CopyPlannedRows, kBwd): dst = w[slot] * dy[t] (bf16),
+// and d_weights[slot] = <dy[t], y_comb[slot_rows[slot]]> (fp32).
+__device__ __forceinline__ void CopyWeightedRow(const KernelParams& P, const RankParams& A,
+                                                int slot, int nvec, uint4* dst) {
+  const int lane = threadIdx.x & 31;
+  const int t = slot / P.top_k;
+  const float w = __ldg(A.weights + slot);
+  const int comb_row = __ldcg(A.slot_rows + slot);  // phase 4's, behind the plan's barrier
+  const uint4* src = reinterpret_cast<const uint4*>(A.x) + static_cast<size_t>(t) * nvec;
+  const uint4* yrow = reinterpret_cast<const uint4*>(A.y_comb) + static_cast<size_t>(comb_row) * nvec;
+  float total = 0.f;
+  for (int c0 = 0; c0 < nvec; c0 += 32 * kCopyUnroll) {
+    uint4 gv[kCopyUnroll], yv[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int c = c0 + u * 32 + lane;
+      if (c < nvec) {
+        gv[u] = __ldg(src + c);
+        yv[u] = __ldg(yrow + c);
+      }
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int c = c0 + u * 32 + lane;
+      if (c < nvec) {
+        float gf[8], yf[8], df[8];
+        ep::Unpack(gv[u], gf, static_cast<const __nv_bfloat16*>(nullptr));
+        ep::Unpack(yv[u], yf, static_cast<const __nv_bfloat16*>(nullptr));
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          df[q] = w * gf[q];
+          dot = fmaf(gf[q], yf[q], dot);
+        }
+        dst[c] = ep::Pack(df, static_cast<const __nv_bfloat16*>(nullptr));
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    total += dot;
+  }
+  if (lane == 0) A.d_weights[slot] = total;
+}
+
 // The calling warp's share of the plan rows [begin, end), in chunks of kChunkRows rows: chunks
 // first, first + stride, ... (so that the copy of all the warps advances in plan order). Each
 // token row is read and written to its pool row (FP8: with its scales); the arrivals are
@@ -245,7 +301,12 @@ struct TileHooks {
 // proxy fence (the expert rank's TMA reads the rows). One release per run, not per row: a
 // release waits for the warp's stores to land, so per row it bounded the copy by the store
 // latency (session 13: 1.4 ms for the 30B shape's rows on two warps per SM, as long as L1).
-template <class Eng, int kChunkRows>
+// kBwd: the plan rows name slots (t * k + j); the row copied is w[t, j] * dy[t] (bf16, as
+// backend cuda's combine backward rounds it), and the same pass computes d topk_weights[t, j] =
+// <dy[t], the slot's forward y row> in the order of cuda's CombineBwdRecvKernel (per chunk of
+// 32 x kCopyUnroll vectors: each lane's fma chain, a butterfly sum, chunks in order), so both
+// backends give the same bits.
+template <class Eng, int kChunkRows, bool kBwd = false>
 __device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const RankParams& A,
                                                 int begin, int end, int first, int stride) {
   static_assert(kChunkRows >= 1 && kChunkRows <= 32, "a chunk's plan rows are one per lane");
@@ -287,11 +348,15 @@ __device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const Ran
         run_mblock = mblock;
         run_rows = 0;
       }
-      const uint4* src = reinterpret_cast<const uint4*>(
-          reinterpret_cast<const char*>(A.x) + static_cast<size_t>(token) * H * Eng::kElemBytes);
       uint4* dst = reinterpret_cast<uint4*>(A.pool[rank]) + static_cast<size_t>(pool_row) * nvec;
-      ep::WarpCopyRow<kCopyUnroll>(
-          nvec, [&](int c) { return __ldg(src + c); }, [&](auto&& store) { store(dst); });
+      if constexpr (kBwd) {
+        CopyWeightedRow(P, A, token, nvec, dst);
+      } else {
+        const uint4* src = reinterpret_cast<const uint4*>(
+            reinterpret_cast<const char*>(A.x) + static_cast<size_t>(token) * H * Eng::kElemBytes);
+        ep::WarpCopyRow<kCopyUnroll>(
+            nvec, [&](int c) { return __ldg(src + c); }, [&](auto&& store) { store(dst); });
+      }
       if constexpr (Eng::kFp8) {  // the row's H/128 scales, K-block-major in the pool
         const int nblk = H / 128;
         float* scales = reinterpret_cast<float*>(A.pool[rank] + P.pool_scale_offset);
@@ -308,9 +373,14 @@ __device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const Ran
 
 // ------------------------------------------------------------------------ the kernel
 
-template <class Eng>
+// kBwd: the backward's pass over the same phases (FUSED_BACKWARD_PLAN.md, step 3) with the
+// dgrad engine: dy rows (times w) to the pools instead of x rows, dh tiles (SwiGLU backward
+// from the forward's gate_up) then dx tiles instead of L1 and L2, dx rows to the sources' comb
+// rows, and the unweighted slot sum into dx. The routing is the forward's again (same ids, same
+// pool rows); its plan rows name slots, for the weights and d topk_weights.
+template <class Eng, bool kBwd>
 __global__ void __launch_bounds__(kThreads, 1)
-    FusedMoeForwardKernel(const __grid_constant__ KernelParams P) {
+    FusedMoeKernel(const __grid_constant__ KernelParams P) {
   const int slot = blockIdx.x / P.ctas_per_rank;  // which local rank this CTA works for
   const int cta = blockIdx.x % P.ctas_per_rank;
   if (slot >= P.num_local || slot == P.absent) return;
@@ -338,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto* l1_done = reinterpret_cast<unsigned long long*>(v.base[me] + L.fl1done);
 
   // ---- 1-4 route, counts, layout, plan (ffi/scheduler/fused_routing.cuh).
-  const RoutingResult rr = RouteAndPlan<Engine::kBlockM, kWarps>(
+  const RoutingResult rr = RouteAndPlan<Engine::kBlockM, kWarps, kBwd>(
       A, RoutingShape{T, K, E, n_cap}, v, rows_arrived, l1_done,
       RoutingSmem<Engine::kBlockM, kWarps>{
           *reinterpret_cast<RankRoutingScratch*>(&S.engine.a[0][0]), S.tables, S.walk, S.totals},
@@ -350,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The plan's head, copied by every warp before the tiles start: the first tiles' rows, and a
   // lead for the copy warps, which copy the rest beside the tiles (phase 5).
   const int head = static_cast<int>(static_cast<int64_t>(S.totals.copy_rows) * P.copy_head_percent / 100);
-  if (copying) CopyPlannedRows<Eng, kHeadChunkRows>(P, A, 0, head, gwarp, nwarps);
+  if (copying) CopyPlannedRows<Eng, kHeadChunkRows, kBwd>(P, A, 0, head, gwarp, nwarps);
   mark(4);
 
   // The stage ring is the engine's from here: its generic (routing) accesses are ordered before
@@ -361,7 +431,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- 5 GEMMs on the tile engine.
   if (threadIdx.x == 0) Eng::init(S.engine);
   __syncthreads();
-  const int l1_n = F / 128, l2_n = H / Engine::kBlockN;
+  // Tiles per M-block of the first GEMM (L1: 128 h columns each; dh: 256 of F) and the second.
+  const int l1_n = kBwd ? F / Engine::kBlockN : F / 128, l2_n = H / Engine::kBlockN;
   if (warp < Eng::kFirstMathWarp) {
     cutlass::arch::warpgroup_reg_dealloc<Eng::kProducerRegs>();
     if (warp == Eng::kProducerWarp) {
@@ -387,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {  // the copy warps
       const int w = warp - kFirstCopyWarp;
       if (copying) {
-        CopyPlannedRows<Eng, kCopyChunkRows>(P, A, head, S.totals.copy_rows, cta * kCopyWarps + w,
+        CopyPlannedRows<Eng, kCopyChunkRows, kBwd>(P, A, head, S.totals.copy_rows, cta * kCopyWarps + w,
                                              G * kCopyWarps);
       }
       if (cta == 0 && w == 0 && lane == 0) stamp(5);
@@ -429,6 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (failed) {
       for (int c = lane; c < row_vecs_bf16; c += 32)
         dst[c] = ep::NanVec16(static_cast<const __nv_bfloat16*>(nullptr));
+      if (kBwd && lane < K) A.d_weights[static_cast<size_t>(t) * K + lane] = __int_as_float(0x7fc00000);
       continue;
     }
     const size_t s0 = static_cast<size_t>(t) * K;
@@ -441,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int u = 0; u < ep::kSlotSumVecs; ++u)
 #pragma unroll
         for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
-      ep::WarpSlotSum<__nv_bfloat16, true>(valid, row_j, w_j, c0, row_vecs_bf16, load, acc);
+      ep::WarpSlotSum<__nv_bfloat16, !kBwd>(valid, row_j, w_j, c0, row_vecs_bf16, load, acc);
 #pragma unroll
       for (int u = 0; u < ep::kSlotSumVecs; ++u) {
         const int c = c0 + u * 32 + lane;
@@ -451,30 +523,48 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // This rank's pool rows out (residual x_sorted, several ranks; FP8 with their scales, row-major
-  // [n_cap, H/128] as cuda_fp8.QuantizedRows): every source's copies into the pool landed before
-  // its results_ready release that phase 6 acquired (and the next call's sources write only
-  // after this rank's next counts). Rows past the last group stay unwritten, as the pool's own
-  // rows with one rank alone (no GEMM of the backward reads them).
-  if (A.pool_rows_out != nullptr) {
-    const int rows = min(S.totals.total_rows, n_cap);
-    const size_t vecs = static_cast<size_t>(rows) * (H * Eng::kElemBytes / 16);
-    const uint4* __restrict__ src = reinterpret_cast<const uint4*>(A.pool[me]);
-    uint4* __restrict__ dst = reinterpret_cast<uint4*>(A.pool_rows_out);
+  // Rows that peers wrote out to XLA buffers, by all the rank's warps in one loop (NaN when the
+  // rank failed; two loops spilled more):
+  // - this rank's pool rows (residual x_sorted, several ranks; FP8 with their scales, row-major
+  //   [n_cap, H/128] as cuda_fp8.QuantizedRows): every source's copies into the pool landed
+  //   before its results_ready release that phase 6 acquired (and the next call's sources write
+  //   only after this rank's next counts). Rows past the last group stay unwritten, as the
+  //   pool's own rows with one rank alone (no GEMM of the backward reads them);
+  // - then its comb rows (residual y_comb, several ranks: the backward's d topk_weights read
+  //   them at the source), rows [0, the rank's slots); a dropped slot's row is never read.
+  const int pool_rows = min(S.totals.total_rows, n_cap);
+  const size_t pool_vecs = A.pool_rows_out != nullptr
+                               ? static_cast<size_t>(pool_rows) * (H * Eng::kElemBytes / 16) : 0;
+  const size_t out_vecs =
+      pool_vecs + (A.comb_rows_out != nullptr
+                       ? static_cast<size_t>(S.totals.copy_rows) * row_vecs_bf16 : 0);
+  {
+    const uint4* __restrict__ pool_src = reinterpret_cast<const uint4*>(A.pool[me]);
+    const uint4* __restrict__ comb_src = reinterpret_cast<const uint4*>(A.comb);
+    uint4* __restrict__ pool_dst = reinterpret_cast<uint4*>(A.pool_rows_out);
+    uint4* __restrict__ comb_dst = reinterpret_cast<uint4*>(A.comb_rows_out);
     const uint4 nan = ep::NanVec16(static_cast<const __nv_bfloat16*>(nullptr));
     constexpr int kVecs = 4;  // 16-byte vectors per lane in flight; a warp's are contiguous
-    for (size_t i0 = static_cast<size_t>(gwarp) * 32 * kVecs + lane; i0 < vecs;
+    for (size_t i0 = static_cast<size_t>(gwarp) * 32 * kVecs + lane; i0 < out_vecs;
          i0 += static_cast<size_t>(nwarps) * 32 * kVecs) {
       uint4 q[kVecs];
 #pragma unroll
       for (int u = 0; u < kVecs; ++u) {
-        if (i0 + u * 32 < vecs) q[u] = failed ? nan : ep::LoadPeerWritten(src + i0 + u * 32);
+        const size_t i = i0 + u * 32;
+        if (i < out_vecs)
+          q[u] = failed ? nan
+                        : ep::LoadPeerWritten(i < pool_vecs ? pool_src + i
+                                                            : comb_src + (i - pool_vecs));
       }
 #pragma unroll
       for (int u = 0; u < kVecs; ++u) {
-        if (i0 + u * 32 < vecs) dst[i0 + u * 32] = q[u];
+        const size_t i = i0 + u * 32;
+        if (i < out_vecs) *(i < pool_vecs ? pool_dst + i : comb_dst + (i - pool_vecs)) = q[u];
       }
     }
+  }
+  if (A.pool_rows_out != nullptr) {
+    const int rows = pool_rows;
     if constexpr (Eng::kFp8) {  // the pool's scales are K-block-major: [H/128, pitch]
       const int nblk = H / 128;
       const float* scales = reinterpret_cast<const float*>(A.pool[me] + P.pool_scale_offset);
@@ -542,15 +632,16 @@ std::string FusedForwardUnsupported(const FusedForwardProblem& p, const ep::Work
 namespace {
 
 // The launch of one engine's kernel: cooperative (every CTA co-resident before any waits).
-template <class Eng>
+template <class Eng, bool kBwd>
 std::string LaunchKernel(const KernelParams& params, int grid, cudaStream_t stream) {
+  const char* what = kBwd ? "fused backward" : "fused forward";
   const size_t smem = sizeof(FusedSmem<Eng>);
   // Per device (a function attribute of the current device's context); cheap to repeat.
-  if (cudaError_t e = cudaFuncSetAttribute(FusedMoeForwardKernel<Eng>,
+  if (cudaError_t e = cudaFuncSetAttribute(FusedMoeKernel<Eng, kBwd>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem));
       e != cudaSuccess) {
-    return std::string("fused forward: shared memory attribute: ") + cudaGetErrorString(e);
+    return std::string(what) + ": shared memory attribute: " + cudaGetErrorString(e);
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
@@ -562,19 +653,17 @@ std::string LaunchKernel(const KernelParams& params, int grid, cudaStream_t stre
   attr[0].val.cooperative = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  if (cudaError_t e = cudaLaunchKernelEx(&config, FusedMoeForwardKernel<Eng>, params);
+  if (cudaError_t e = cudaLaunchKernelEx(&config, FusedMoeKernel<Eng, kBwd>, params);
       e != cudaSuccess) {
-    return std::string("fused forward launch: ") + cudaGetErrorString(e);
+    return std::string(what) + " launch: " + cudaGetErrorString(e);
   }
   return "";
 }
 
-}  // namespace
-
-std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int absent,
-                               const FusedForwardProblem& p, cudaStream_t stream) {
+// The parameters every launch shares; CTAs per rank from the problem's budget. "" or why not.
+std::string CommonParams(const FusedForwardProblem& p, int count, int absent,
+                         KernelParams& params) {
   if (count < 1 || count > kMaxRanks) return "bad number of local ranks " + std::to_string(count);
-  const ep::WorkspaceLayout& L = ranks[0].view->layout;
   int device = 0;
   cudaGetDevice(&device);
   const int sms = CurrentDeviceSmCount(), major = CurrentDeviceComputeMajor();
@@ -588,10 +677,6 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   if (per_rank < 1)
     return "max_ctas " + std::to_string(budget) + " leaves no CTA for each of the " +
            std::to_string(count) + " local ranks";
-
-  // ~10 KB (tensor maps): on the heap, copied into the launch by cudaLaunchKernelEx.
-  auto owned = std::make_unique<KernelParams>();
-  KernelParams& params = *owned;
   params.num_local = count;
   params.absent = absent;
   params.ctas_per_rank = per_rank;
@@ -602,9 +687,29 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   params.num_experts = p.num_experts;
   params.n_cap = p.n_cap;
   params.debug = p.debug;
+  return heuristics::FusedCopyHeadPercent(&params.copy_head_percent);
+}
+
+// Debug knob kFusedDebugSync: name a fault of this kernel here instead of at some later XLA
+// operation.
+std::string DebugSync(const FusedForwardProblem& p, const char* what, cudaStream_t stream) {
+  if (!(p.debug & kFusedDebugSync)) return "";
+  if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess)
+    return std::string(what) + " kernel failed (debug sync): " + cudaGetErrorString(e);
+  return "";
+}
+
+}  // namespace
+
+std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int absent,
+                               const FusedForwardProblem& p, cudaStream_t stream) {
+  // ~10 KB (tensor maps): on the heap, copied into the launch by cudaLaunchKernelEx.
+  auto owned = std::make_unique<KernelParams>();
+  KernelParams& params = *owned;
+  if (std::string err = CommonParams(p, count, absent, params); !err.empty()) return err;
+  const ep::WorkspaceLayout& L = ranks[0].view->layout;
+  const int per_rank = params.ctas_per_rank;
   params.l1_n_major = heuristics::FusedL1NMajor(p.hidden, p.ffn, p.fp8 != 0) ? 1 : 0;
-  if (std::string err = heuristics::FusedCopyHeadPercent(&params.copy_head_percent); !err.empty())
-    return err;
   const int R = ranks[0].view->num_ranks;
   const int64_t El = p.num_experts / R, H = p.hidden, F = p.ffn;
   const bool fp8 = p.fp8 != 0;
@@ -633,6 +738,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     rp.pool_rows_out = pool_is_x_sorted ? nullptr : o.x_sorted;
     rp.pool_scales_out = fp8 && o.x_sorted != nullptr ? o.x_sorted_scale : nullptr;
     const bool comb_is_y_sorted = o.y_sorted != nullptr && R == 1 && count == 1;
+    rp.comb_rows_out = R == 1 && count == 1 ? nullptr : o.y_comb;
     for (int q = 0; q < R; ++q) rp.pool[q] = o.view->base[q] + L.fpool;
     if (pool_is_x_sorted) rp.pool[0] = static_cast<char*>(o.x_sorted);
     rp.comb = comb_is_y_sorted ? static_cast<const __nv_bfloat16*>(o.y_sorted)
@@ -711,15 +817,91 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     if (cudaError_t e = cudaMemsetAsync(o.stats, 0, 4 * sizeof(int32_t), stream); e != cudaSuccess)
       return std::string("fused forward: stats memset: ") + cudaGetErrorString(e);
   }
-  std::string err = fp8 ? LaunchKernel<Fp8Engine>(params, per_rank * count, stream)
-                         : LaunchKernel<Engine>(params, per_rank * count, stream);
-  if (err.empty() && (p.debug & kFusedDebugSync)) {
-    // Debug knob: name a fault of this kernel here instead of at some later XLA operation.
-    if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
-      return std::string(fp8 ? "FP8" : "bf16") + " fused forward kernel failed (debug sync): " +
-             cudaGetErrorString(e);
+  std::string err = fp8 ? LaunchKernel<Fp8Engine, false>(params, per_rank * count, stream)
+                         : LaunchKernel<Engine, false>(params, per_rank * count, stream);
+  if (err.empty()) err = DebugSync(p, fp8 ? "FP8 fused forward" : "bf16 fused forward", stream);
+  return err;
+}
+
+std::string LaunchFusedBackward(const FusedBackwardRankOperands* ranks, int count, int absent,
+                                const FusedForwardProblem& p, cudaStream_t stream) {
+  if (p.fp8) return "the fused backward's pass is bf16 only";
+  if (p.hidden % DgradEngine::kBlockN != 0 || p.ffn % DgradEngine::kBlockN != 0)
+    return "the fused backward needs hidden and ffn multiples of 256 (the dgrad tiles); got " +
+           std::to_string(p.hidden) + " and " + std::to_string(p.ffn);
+  auto owned = std::make_unique<KernelParams>();
+  KernelParams& params = *owned;
+  if (std::string err = CommonParams(p, count, absent, params); !err.empty()) return err;
+  const ep::WorkspaceLayout& L = ranks[0].view->layout;
+  const int per_rank = params.ctas_per_rank;
+  params.l1_n_major = 0;
+  const int R = ranks[0].view->num_ranks;
+  const int64_t El = p.num_experts / R, H = p.hidden, F = p.ffn;
+  for (int r = 0; r < count; ++r) {
+    const FusedBackwardRankOperands& o = ranks[r];
+    RankParams& rp = params.rank[r];
+    rp.view = *o.view;
+    rp.x = static_cast<const __nv_bfloat16*>(o.dy);
+    rp.ids = o.ids;
+    rp.weights = o.weights;
+    rp.y = static_cast<__nv_bfloat16*>(o.dx);
+    rp.y_comb = static_cast<const __nv_bfloat16*>(o.y_comb);
+    rp.d_weights = o.d_weights;
+    rp.chunk_counts = o.scratch;
+    rp.copy_plan = reinterpret_cast<CopyRow*>(
+        o.scratch + CopyPlanOffsetInts(p.num_tokens, p.num_experts));
+    rp.slot_rows = o.slot_rows;
+    rp.slot_dest = o.slot_dest;
+    rp.group_sizes = o.group_sizes;
+    rp.stats = o.stats;
+    rp.phases = o.phases;
+    // One rank alone: the pool is dy_sorted; otherwise phase 7 copies the pool out to it. The
+    // dx rows go to the workspace's comb region in every case (nothing keeps them).
+    const bool pool_is_dy_sorted = R == 1 && count == 1;
+    for (int q = 0; q < R; ++q) rp.pool[q] = o.view->base[q] + L.fpool;
+    if (pool_is_dy_sorted) rp.pool[0] = static_cast<char*>(o.dy_sorted);
+    rp.pool_rows_out = pool_is_dy_sorted ? nullptr : o.dy_sorted;
+    rp.comb = reinterpret_cast<const __nv_bfloat16*>(o.view->base[o.view->rank] + L.fcomb);
+    EngineParams& ep_ = rp.engine;
+    sm90::GemmOperands& dh = ep_.op[sm90::kDgradDh];
+    sm90::GemmOperands& dx = ep_.op[sm90::kDgradDx];
+    char* my_pool = rp.pool[o.view->rank];
+    // A: rows in pool order, box {64 K, 128 rows}; B: the weights as stored, read as [E * N, K]
+    // (w_down [E, F, H]: N = F, K = H; w_gate_up [E, H, 2F]: N = H, K = 2F), box {64, 128}.
+    std::string err;
+    if (!(err = MakeRowMajorTensorMap(&dh.a_map, my_pool, pool_is_dy_sorted ? p.n_cap : L.fused_rows,
+                                      H, H, 64, 128))
+             .empty() ||
+        !(err = MakeRowMajorTensorMap(&dh.b_map, o.w_down, El * F, H, H, 64, 128)).empty() ||
+        !(err = MakeRowMajorTensorMap(&dx.a_map, o.dgate_up, p.n_cap, 2 * F, 2 * F, 64, 128))
+             .empty() ||
+        !(err = MakeRowMajorTensorMap(&dx.b_map, o.w_gate_up, El * H, 2 * F, 2 * F, 64, 128))
+             .empty()) {
+      return "fused backward: " + err;
     }
+    dh.n = static_cast<int32_t>(F);
+    dh.k = static_cast<int32_t>(H);
+    dh.a_load = static_cast<int32_t>(sm90::ALoad::kTmaBlock);
+    dx.n = static_cast<int32_t>(H);
+    dx.k = static_cast<int32_t>(2 * F);
+    dx.a_load = static_cast<int32_t>(sm90::ALoad::kTmaBlock);
+    ep_.f = static_cast<int32_t>(F);
+    ep_.fwd_gate_up = static_cast<const __nv_bfloat16*>(o.gate_up);
+    ep_.dgate_up = static_cast<__nv_bfloat16*>(o.dgate_up);
+    for (int q = 0; q < kMaxRanks; ++q) ep_.l2_dest.base[q] = o.view->base[q];
+    ep_.l2_dest.comb_offset = L.fcomb;
+    ep_.l2_dest.num_ranks = R;
+    ep_.l2_dest.hidden = static_cast<int32_t>(H);
+    if (cudaError_t e = cudaMemsetAsync(o.stats, 0, 4 * sizeof(int32_t), stream); e != cudaSuccess)
+      return std::string("fused backward: stats memset: ") + cudaGetErrorString(e);
+    // Slots that no plan row covers (masked, repeated, dropped) keep d topk_weights = 0.
+    if (cudaError_t e = cudaMemsetAsync(o.d_weights, 0,
+                                        sizeof(float) * p.num_tokens * p.top_k, stream);
+        e != cudaSuccess)
+      return std::string("fused backward: d_weights memset: ") + cudaGetErrorString(e);
   }
+  std::string err = LaunchKernel<DgradEngine, true>(params, per_rank * count, stream);
+  if (err.empty()) err = DebugSync(p, "bf16 fused backward", stream);
   return err;
 }
 

@@ -32,7 +32,8 @@ namespace megamoe::fused {
 constexpr int kRoutingChunk = 32;  // tokens of a routing chunk: one per lane
 
 // One row to copy: token row `token` of this rank goes to row `pool_row` of rank `rank`'s pool,
-// inside that pool's M-block `mblock`; token -1: the slot was dropped at capacity.
+// inside that pool's M-block `mblock`; token -1: the slot was dropped at capacity. A plan built
+// with kPlanSlots holds the slot t * k + j in `token` instead (the backward's copy needs j).
 struct alignas(16) CopyRow {
   int32_t token, pool_row, rank, mblock;
 };
@@ -132,8 +133,9 @@ __device__ __forceinline__ unsigned ChunkMasks(const int32_t* __restrict__ ids, 
 //   int32_t* stats          stats[3] += repeated expert ids of a token
 // rows_arrived and l1_done: the rank's per-M-block counters (the first GEMM's row arrivals and
 // its finished tiles), zeroed in phase 1. mark(p) is called by every thread at the end of phases
-// 1, 2 and 3 (the caller stamps times).
-template <int kBlockM, int kWarps, class Args, class Mark>
+// 1, 2 and 3 (the caller stamps times). kPlanSlots: the copy plan's rows name the slot t * k + j
+// instead of the token t.
+template <int kBlockM, int kWarps, bool kPlanSlots = false, class Args, class Mark>
 __device__ __forceinline__ RoutingResult RouteAndPlan(
     const Args& A, RoutingShape shape, const ep::PeerView& v,
     unsigned long long* rows_arrived, unsigned long long* l1_done,
@@ -324,7 +326,8 @@ __device__ __forceinline__ RoutingResult RouteAndPlan(
             if (p < n_cap) {  // else dropped: the expert rank reports its overflow (stats)
               dest = p;
               comb = RS.my_prefix[e] + within;
-              row = CopyRow{t, p, e / El, RS.owner_mblock[e] + (p - RS.owner_offset[e]) / kBlockM};
+              row = CopyRow{kPlanSlots ? static_cast<int32_t>(sj) : t, p, e / El,
+                            RS.owner_mblock[e] + (p - RS.owner_offset[e]) / kBlockM};
             }
             A.copy_plan[RS.copy_prefix[e] + within] = row;
           }
