@@ -18,6 +18,10 @@ namespace megamoe::ep {
 // in flight per lane, 64 registers of buffer.
 inline constexpr int kSlotSumSlots = 8;
 inline constexpr int kSlotSumVecs = 2;
+// The combine backward's dot products <dy, y> (d topk_weights): 16-byte vectors per lane in a
+// chunk, each chunk's per-lane fma chain reduced over the warp, chunks summed in order. Backend
+// cuda's CombineBwdRecvKernel and the fused backward's copy both use it, so their bits agree.
+inline constexpr int kSlotDotVecs = 4;
 
 // acc[u] += sum over the slots j set in `valid` (ascending) of w_j * row_j[c0 + u * 32 + lane],
 // where lane j holds row_j (any value the load understands) and w_j; load(row, c) returns the

@@ -9,7 +9,10 @@
 // [n_cap, 2F], and the weights w_gate_up [E/R, H, 2F], w_down [E/R, F, H] (bf16, as stored).
 // Out: dx [T, H] bf16, d topk_weights [T, k] f32, dy_sorted [n_cap, H] and dgate_up [n_cap, 2F]
 // (pool order, the wgrads' operands), and the forward's scratch, slot tables, group sizes,
-// stats and phases (the routing runs again).
+// stats and phases (the routing runs again). Rows of dy_sorted and dgate_up past the last group
+// are not written (the wgrads stop at each group's end), as the forward's x_sorted. A rank that
+// timed out gives NaN dx and d topk_weights; its dy_sorted and dgate_up are not poisoned yet
+// (backend cuda's are: FUSED_BACKWARD_PLAN.md, "Branch fused-bwd").
 #include <cuda_bf16.h>
 
 #include <cstdlib>

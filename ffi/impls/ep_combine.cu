@@ -18,7 +18,7 @@ namespace megamoe::ep {
 namespace {
 
 constexpr int kCombineThreads = 512;
-constexpr int kCombineUnroll = 4;
+constexpr int kCombineUnroll = kSlotDotVecs;  // slot_sum.cuh: the fused backward too
 
 template <typename T, bool kWeighted, bool kWithMeta>
 __global__ void __launch_bounds__(kCombineThreads)

@@ -109,6 +109,9 @@ using RankRoutingScratch = RoutingScratch<kWarps>;
 static_assert(sizeof(RankRoutingScratch) <= sizeof(Engine::SharedStorage::a) +
                                             sizeof(Engine::SharedStorage::b),
               "the routing scratch must fit in the stage ring");
+static_assert(sizeof(RankRoutingScratch) <= sizeof(DgradEngine::SharedStorage::a) +
+                                            sizeof(DgradEngine::SharedStorage::b),
+              "the routing scratch must fit in the backward's stage ring too");
 static_assert(sizeof(RankTables) % 1024 == 0, "the engine's storage follows the tables");
 // 227 KB of dynamic shared memory per block on sm_90, less the 1 KB ptxas reports as static.
 static_assert(sizeof(FusedSmem<Engine>) <= 232448 - 1024 &&
@@ -261,10 +264,10 @@ __device__ __forceinline__ void CopyWeightedRow(const KernelParams& P, const Ran
   const uint4* src = reinterpret_cast<const uint4*>(A.x) + static_cast<size_t>(t) * nvec;
   const uint4* yrow = reinterpret_cast<const uint4*>(A.y_comb) + static_cast<size_t>(comb_row) * nvec;
   float total = 0.f;
-  for (int c0 = 0; c0 < nvec; c0 += 32 * kCopyUnroll) {
-    uint4 gv[kCopyUnroll], yv[kCopyUnroll];
+  for (int c0 = 0; c0 < nvec; c0 += 32 * ep::kSlotDotVecs) {
+    uint4 gv[ep::kSlotDotVecs], yv[ep::kSlotDotVecs];
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
+    for (int u = 0; u < ep::kSlotDotVecs; ++u) {
       const int c = c0 + u * 32 + lane;
       if (c < nvec) {
         gv[u] = __ldg(src + c);
@@ -273,7 +276,7 @@ __device__ __forceinline__ void CopyWeightedRow(const KernelParams& P, const Ran
     }
     float dot = 0.f;
 #pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) {
+    for (int u = 0; u < ep::kSlotDotVecs; ++u) {
       const int c = c0 + u * 32 + lane;
       if (c < nvec) {
         float gf[8], yf[8], df[8];
@@ -304,8 +307,8 @@ __device__ __forceinline__ void CopyWeightedRow(const KernelParams& P, const Ran
 // kBwd: the plan rows name slots (t * k + j); the row copied is w[t, j] * dy[t] (bf16, as
 // backend cuda's combine backward rounds it), and the same pass computes d topk_weights[t, j] =
 // <dy[t], the slot's forward y row> in the order of cuda's CombineBwdRecvKernel (per chunk of
-// 32 x kCopyUnroll vectors: each lane's fma chain, a butterfly sum, chunks in order), so both
-// backends give the same bits.
+// 32 x ep::kSlotDotVecs vectors: each lane's fma chain, a butterfly sum, chunks in order), so
+// both backends give the same bits.
 template <class Eng, int kChunkRows, bool kBwd = false>
 __device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const RankParams& A,
                                                 int begin, int end, int first, int stride) {
