@@ -11,8 +11,7 @@
 // (pool order, the wgrads' operands), and the forward's scratch, slot tables, group sizes,
 // stats and phases (the routing runs again). Rows of dy_sorted and dgate_up past the last group
 // are not written (the wgrads stop at each group's end), as the forward's x_sorted. A rank that
-// timed out gives NaN dx and d topk_weights; its dy_sorted and dgate_up are not poisoned yet
-// (backend cuda's are: FUSED_BACKWARD_PLAN.md, "Branch fused-bwd").
+// timed out gives NaN in all four outputs.
 #include <cuda_bf16.h>
 
 #include <cstdlib>

@@ -566,6 +566,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  // The backward's wgrad operands of a failed rank: NaN, whole (cuda poisons its dy_sorted too),
+  // so that no finite weight gradient comes out of a call that timed out.
+  if (kBwd && failed) {
+    const uint4 nan = ep::NanVec16(static_cast<const __nv_bfloat16*>(nullptr));
+    uint4* dys = reinterpret_cast<uint4*>(A.pool_rows_out != nullptr ? A.pool_rows_out : A.pool[me]);
+    uint4* dgu = reinterpret_cast<uint4*>(A.engine.dgate_up);
+    const size_t dys_vecs = static_cast<size_t>(n_cap) * row_vecs_bf16;
+    const size_t dgu_vecs = static_cast<size_t>(n_cap) * (2 * F) * 2 / 16;
+    for (size_t i = gthread; i < dys_vecs + dgu_vecs; i += nthreads) {
+      if (i < dys_vecs) dys[i] = nan; else dgu[i - dys_vecs] = nan;
+    }
+  }
   if (A.pool_rows_out != nullptr) {
     const int rows = pool_rows;
     if constexpr (Eng::kFp8) {  // the pool's scales are K-block-major: [H/128, pitch]
