@@ -4,7 +4,8 @@
 // launch: > 0 at most that many, <= 0 every SM but -max_ctas), pow2 (FP8 h scales). On a
 // virtual-rank workspace every operand carries a leading axis of one entry per rank. Residual
 // outputs, each [0] when not kept: gate_up ([n_cap, 2F] per rank), y_sorted ([n_cap, H] per
-// rank) and x_sorted ([n_cap, H] per rank: the pool's rows; bf16 with one rank alone it replaces
+// rank), y_comb ([T * k, H] per rank, several ranks only: the comb rows, for the fused backward)
+// and x_sorted ([n_cap, H] per rank: the pool's rows; bf16 with one rank alone it replaces
 // the pool region, otherwise the kernel copies the pool out; FP8: e4m3 rows, with their scales
 // in x_sorted_scale [n_cap, H/128] float32, [0] for bf16).
 //
@@ -66,7 +67,7 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                        ffi::Result<ffi::Buffer<ffi::S32>> stats,
                        ffi::Result<ffi::Buffer<ffi::S32>> phases,
                        ffi::Result<ffi::AnyBuffer> x_sorted, ffi::Result<ffi::AnyBuffer> gate_up,
-                       ffi::Result<ffi::AnyBuffer> y_sorted,
+                       ffi::Result<ffi::AnyBuffer> y_sorted, ffi::Result<ffi::AnyBuffer> y_comb,
                        ffi::Result<ffi::Buffer<ffi::F32>> h_scale,
                        ffi::Result<ffi::Buffer<ffi::F32>> x_sorted_scale, int64_t workspace_id,
                        int64_t num_experts, int64_t n_cap, int64_t max_ctas, int64_t pow2) {
@@ -82,7 +83,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   }
   for (auto [dtype, name] : {std::pair{y->element_type(), "y"},
                              {gate_up->element_type(), "gate_up"},
-                             {y_sorted->element_type(), "y_sorted"}}) {
+                             {y_sorted->element_type(), "y_sorted"},
+                             {y_comb->element_type(), "y_comb"}}) {
     if (auto e = RequireBf16(dtype, name); e.failure()) return e;
   }
   if (!fp8 && (x_scale.element_count() != 0 || w_gate_up_scale.element_count() != 0 ||
@@ -180,6 +182,17 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
     if (oyrows.dims[0] != n_cap || oyrows.dims[1] != H)
       return Fail("y_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) + "] per rank");
   }
+  // y_comb: several ranks only (one rank alone, y_sorted is the comb buffer).
+  RankOperand oycomb;
+  const bool keep_y_comb = y_comb->element_count() > 0;
+  if (keep_y_comb) {
+    if (v0.num_ranks == 1 && ranks.count == 1)
+      return Fail("y_comb is kept with several ranks only (one rank alone, y_sorted is the comb "
+                  "buffer): pass [0]");
+    if (auto e = SplitRanks(*y_comb, ranks, 2, "y_comb", &oycomb); e.failure()) return e;
+    if (oycomb.dims[0] != T * K || oycomb.dims[1] != H)
+      return Fail("y_comb must be [T * k=" + n(T * K) + ", H=" + n(H) + "] per rank");
+  }
   const bool keep_x_rows = x_sorted->element_count() > 0;
   if (keep_x_rows) {
     if (auto e = RequireType(x_sorted->element_type(), elem, "x_sorted", elem_name); e.failure())
@@ -206,7 +219,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                    keep_x_rows ? oxrows.at(r) : nullptr,
                    fp8 && keep_x_rows ? oxscale.at<float>(r) : nullptr,
                    keep_gate_up ? ogate.at(r) : nullptr,
-                   keep_y_rows ? oyrows.at(r) : nullptr, /*y_comb=*/nullptr, ost.at<int32_t>(r),
+                   keep_y_rows ? oyrows.at(r) : nullptr,
+                   keep_y_comb ? oycomb.at(r) : nullptr, ost.at<int32_t>(r),
                    oph.at<int32_t>(r)});
   }
   if (std::string err = LaunchFusedForward(ops.data(), static_cast<int>(ops.size()),
@@ -244,6 +258,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MegamoeFusedMoeFwd, megamoe::fused::FusedMoeFwd,
                                       .Ret<ffi::AnyBuffer>()  // x_sorted (residual or [0])
                                       .Ret<ffi::AnyBuffer>()  // gate_up (residual or [0])
                                       .Ret<ffi::AnyBuffer>()  // y_sorted (residual or [0])
+                                      .Ret<ffi::AnyBuffer>()  // y_comb (residual or [0])
                                       .Ret<ffi::Buffer<ffi::F32>>()  // h_scale (FP8, or [0])
                                       .Ret<ffi::Buffer<ffi::F32>>())  // x_sorted_scale (or [0])
                                   .Attr<int64_t>("n_cap")

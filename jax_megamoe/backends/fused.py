@@ -30,6 +30,12 @@ Backward (until the fused backward exists) runs backend "cuda"'s kernels, from r
   expert axis of 3 x T x k x 4 bytes per rank; a virtual group has them stacked). The backward
   is then cuda's EP backward, with no dispatch and no GEMM recomputed.
   (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: what the fused backward will keep.)
+- MEGAMOE_FUSED_BACKWARD=1 (bf16, F a multiple of 256; off by default until it has run and
+  measured on a GPU): the backward is instead the fused kernel's backward pass, one launch per
+  GPU (route again, w * dy to the pools, both dgrads with the SwiGLU backward, dx summed at the
+  sources, d topk_weights from the forward's comb rows), then the two wgrads per rank. With
+  several ranks the forward then keeps its comb rows (y_comb, [T * k, H] at the source) instead
+  of y_sorted.
 
 Recipes "fp8" / "fp8_pow2" (jax_megamoe.fp8 defines them; the same function as backend "cuda"'s
 FP8 path): the token rows are quantised before they travel (1 x 128 blocks, cuda_fp8.quantize_rows)
@@ -77,6 +83,7 @@ from jax_megamoe.validation import LayerShape
 
 NAME = "fused"
 TARGET = "megamoe_fused_moe_fwd"
+BWD_TARGET = "megamoe_fused_moe_bwd"
 MAX_EXPERTS = symmetric.FUSED_MAX_EXPERTS
 CHUNK = 32  # tokens of a routing chunk (the layout of the kernel's scratch)
 FP8_RECIPES = cuda_fp8.RECIPES
@@ -161,6 +168,16 @@ def max_ctas(spans_gpus: bool) -> int:
   return -SMS_LEFT_FOR_COLLECTIVES if spans_gpus else 0
 
 
+def kernel_backward_requested() -> bool:
+  """Whether MEGAMOE_FUSED_BACKWARD=1 asks for the fused backward's kernel pass (bf16; see
+  _kernel_backward). Off by default until it has run and measured faster on a GPU
+  (benchmarks/kernels/FUSED_BACKWARD_PLAN.md); read when a FusedConfig is made."""
+  value = os.environ.get("MEGAMOE_FUSED_BACKWARD", "0")
+  if value not in ("0", "1"):
+    raise ValueError(f"MEGAMOE_FUSED_BACKWARD must be 0 or 1, got {value!r}")
+  return value == "1"
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedConfig:
   """Static configuration of one fused call (a nondiff argument of the custom_vjp)."""
@@ -169,6 +186,12 @@ class FusedConfig:
   plan: cuda_ep.LayerPlan  # n_cap, check_capacity (the backward's cuda path uses it too)
   max_ctas: int
   recipe: str | None = None  # None (bf16) or one of FP8_RECIPES
+  kernel_backward: bool = dataclasses.field(default_factory=kernel_backward_requested)
+
+  def fused_backward(self, ffn: int) -> bool:
+    """Whether the backward runs the fused kernel's backward pass (requested, bf16, and F a
+    multiple of 256: its dh tiles) instead of backend cuda's kernels."""
+    return self.kernel_backward and self.recipe is None and ffn % 256 == 0
 
   @property
   def stacked(self) -> bool:
@@ -202,10 +225,11 @@ class FusedResiduals(NamedTuple):
   scatters x's bf16 rows)."""
   gate_up: jax.Array      # [.., n_cap, 2F] L1's output before SwiGLU
   h: jax.Array | None     # [.., n_cap, F] SwiGLU's output, L2's input
-  y_sorted: jax.Array     # [.., n_cap, H] L2's output rows
+  y_sorted: jax.Array | None  # [.., n_cap, H] L2's output rows (None: y_comb instead)
   group_sizes: jax.Array  # [.., E/R] int32 pool rows per local expert
   x_sorted: jax.Array | cuda_fp8.QuantizedRows | None = None  # [n_cap, H] the pool's rows
   slot_dest: jax.Array | None = None  # [T, k] int32
+  y_comb: jax.Array | None = None  # [.., T * k, H] the comb rows (fused backward, several ranks)
 
 
 def cuda_mlp(recipe: str | None):
@@ -244,6 +268,8 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
   # The pool's rows: bf16 always; FP8 (e4m3 + scales) with several ranks only, since one rank's
   # backward reads x's bf16 rows (_pool_rows).
   rows = residuals and (not fp8 or not cfg.one_rank)
+  # The fused backward with several ranks reads y at the source (y_comb), not at the expert rank.
+  comb = residuals and not cfg.one_rank and cfg.fused_backward(ffn)
   none = jnp.zeros((0,), jnp.float32)
   scales = fp8_scales if fp8 else (none, none, none)
   out_types = (
@@ -256,12 +282,13 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
       jax.ShapeDtypeStruct((*lead, 4), jnp.int32),
       jax.ShapeDtypeStruct((*lead, len(PHASES)), jnp.int32),
       kept(rows, n_cap, hidden, dtype=x.dtype), kept(residuals, n_cap, 2 * ffn),
-      kept(residuals, n_cap, hidden),
+      kept(residuals and not comb, n_cap, hidden),  # y_sorted
+      kept(comb, tokens * top_k, hidden),  # y_comb
       jax.ShapeDtypeStruct((*lead, ffn // cuda_fp8.BLOCK, scale_pitch(n_cap)) if fp8 else (0,),
                            jnp.float32),  # h_scale (scratch)
       kept(rows and fp8, n_cap, hidden // cuda_fp8.BLOCK, dtype=jnp.float32),  # x_sorted_scale
   )
-  (y, h, _, _, slot_dest, group_sizes, stats, phases, x_sorted, gate_up, y_sorted, _,
+  (y, h, _, _, slot_dest, group_sizes, stats, phases, x_sorted, gate_up, y_sorted, y_comb, _,
    x_sorted_scale) = (
       jax.ffi.ffi_call(TARGET, out_types)(
           x, ids, w, w_gate_up, w_down, *scales, workspace_id=np.int64(cfg.workspace.id),
@@ -271,8 +298,9 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
   if residuals:
     if rows and fp8:
       x_sorted = cuda_fp8.QuantizedRows(x_sorted, x_sorted_scale)
-    kept_res = FusedResiduals(gate_up, None if fp8 else h, y_sorted, group_sizes,
-                              x_sorted if rows else None, slot_dest)
+    kept_res = FusedResiduals(gate_up, None if fp8 else h, None if comb else y_sorted,
+                              group_sizes, x_sorted if rows else None, slot_dest,
+                              y_comb if comb else None)
   return y, stats, phases, kept_res
 
 
@@ -334,7 +362,53 @@ def _residual_ep_backward(cfg, kept, ids, w, dy, mlp_backward, *mlp_args):
   return dx, dw, dwgu, dwd
 
 
+def _fused_bwd_call(dy, ids, w, y_comb, gate_up, w_gate_up, w_down, cfg: FusedConfig):
+  """The fused backward's custom call (bf16): (dx, d topk_weights, dy_sorted, dgate_up). y_comb:
+  the forward's y rows in comb order (its y_sorted with one rank alone, its y_comb with several);
+  gate_up its residual; the weights as stored."""
+  lead = (cfg.workspace.num_ranks,) if cfg.stacked else ()
+  tokens, hidden = dy.shape[-2:]
+  top_k = ids.shape[-1]
+  ffn = w_down.shape[-2]
+  n_cap = cfg.plan.n_cap
+  out_types = (
+      jax.ShapeDtypeStruct((*lead, tokens, hidden), jnp.bfloat16),  # dx
+      jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.float32),  # d topk_weights
+      jax.ShapeDtypeStruct((*lead, n_cap, hidden), jnp.bfloat16),  # dy_sorted
+      jax.ShapeDtypeStruct((*lead, n_cap, 2 * ffn), jnp.bfloat16),  # dgate_up
+      jax.ShapeDtypeStruct((*lead, scratch_ints(tokens, cfg.num_experts, top_k)), jnp.int32),
+      jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),  # slot_rows (scratch)
+      jax.ShapeDtypeStruct((*lead, tokens, top_k), jnp.int32),  # slot_dest (scratch)
+      jax.ShapeDtypeStruct((*lead, w_gate_up.shape[-3]), jnp.int32),  # group_sizes
+      jax.ShapeDtypeStruct((*lead, 4), jnp.int32),  # stats
+      jax.ShapeDtypeStruct((*lead, len(PHASES)), jnp.int32),
+  )
+  dx, d_w, dy_sorted, dgate_up, *_ = jax.ffi.ffi_call(BWD_TARGET, out_types)(
+      dy, ids, w, y_comb, gate_up, w_gate_up, w_down, workspace_id=np.int64(cfg.workspace.id),
+      num_experts=np.int64(cfg.num_experts), n_cap=np.int64(n_cap),
+      max_ctas=np.int64(cfg.max_ctas))
+  return dx, d_w, dy_sorted, dgate_up
+
+
+def _kernel_backward(cfg, residuals, dy):
+  """The backward on the fused kernel's backward pass (MEGAMOE_FUSED_BACKWARD=1, bf16): one
+  launch routes again, sends w * dy to the pools, runs both dgrads with the SwiGLU backward and
+  sums each token's dx rows at its source, with d topk_weights from the forward's comb rows;
+  then the two wgrads (CUTLASS, per rank) on its dy_sorted and dgate_up."""
+  x, ids, w, w_gate_up, w_down, kept = residuals
+  y_comb = kept.y_sorted if cfg.one_rank else kept.y_comb
+  dx, d_w, dy_sorted, dgate_up = _fused_bwd_call(dy.astype(x.dtype), ids, w, y_comb,
+                                                 kept.gate_up, w_gate_up, w_down, cfg)
+  wgrad = lambda a, group_sizes, b: cuda_bf16.grouped_gemm(a, group_sizes, b, kind="wgrad")
+  ep = cfg.ep_config()
+  dwgu = ep.per_rank(wgrad, kept.x_sorted, kept.group_sizes, dgate_up)
+  dwd = ep.per_rank(wgrad, kept.h, kept.group_sizes, dy_sorted)
+  return dx, None, d_w, dwgu, dwd
+
+
 def _fused_layer_bwd(cfg, residuals, dy):
+  if cfg.fused_backward(residuals[4].shape[-2]):
+    return _kernel_backward(cfg, residuals, dy)
   x, ids, w, w_gate_up, w_down, kept = residuals
   dx, dw, dwgu, dwd = _residual_ep_backward(
       cfg, kept, ids, w, dy.astype(x.dtype), cuda_bf16.backward, kept.x_sorted,

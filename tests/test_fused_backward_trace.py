@@ -1,0 +1,234 @@
+"""Backend "fused", the fused backward's kernel pass (MEGAMOE_FUSED_BACKWARD=1), the Python side:
+traced and lowered on a CPU (the kernel itself runs on a GPU only).
+
+What is checked: it is off unless requested, and a bad value is refused; requested, the
+gradient program of a bf16 layer runs one fused backward call and the two wgrad GEMMs per rank,
+no EP combine or dispatch VJP and no MLP backward of backend cuda; the forward keeps y_sorted
+with one rank and y_comb (the comb rows) instead with several; F not a multiple of 256 and FP8
+recipes keep backend cuda's backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_megamoe.backends import cuda_ep, fused
+from jax_megamoe.validation import check_layer_args
+
+T, H, E, K = 64, 256, 8, 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TracedWorkspace:
+  """Stands in for a symmetric workspace: tracing needs its id and rank count only."""
+  num_ranks: int = 1
+  virtual: bool = False
+  id: int = 7
+  closed: bool = False
+
+  def fits(self, **_) -> bool:
+    return True
+
+
+def _inputs(ffn, lead=()):
+  ids = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], 1).astype(np.int32)
+  x = jnp.ones((*lead, T, H), jnp.bfloat16)
+  ids = jnp.broadcast_to(jnp.asarray(ids), (*lead, T, K))
+  w = jnp.ones((*lead, T, K), jnp.float32)
+  el = E // (lead[0] if lead else 1)
+  wgu = jnp.ones((*lead, el, H, 2 * ffn), jnp.bfloat16)
+  wd = jnp.ones((*lead, el, ffn, H), jnp.bfloat16)
+  return x, ids, w, wgu, wd
+
+
+def _config(ffn, num_ranks=1, recipe=None):
+  x, ids, w, wgu, wd = _inputs(ffn)
+  shape = check_layer_args(x, ids, w, wgu.reshape(E, H, 2 * ffn), wd.reshape(E, ffn, H))
+  plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
+  ws = _TracedWorkspace(num_ranks=num_ranks, virtual=num_ranks > 1)
+  return fused.FusedConfig(ws, E, plan, 0, recipe=recipe)
+
+
+def _grad_text(cfg, ffn, lead=()):
+  x, ids, w, wgu, wd = _inputs(ffn, lead)
+
+  def loss(x, w, a, b):
+    return jnp.sum(fused.fused_layer(x, ids, w, a, b, cfg).astype(jnp.float32) ** 2)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
+
+
+def _results(text: str, target: str) -> list[str]:
+  """Result types of the one custom call to `target` in the lowered StableHLO."""
+  (call,) = [line for line in text.splitlines() if f"@{target}(" in line]
+  return re.findall(r"tensor<[^>]*>", call.rsplit(") -> ", 1)[1])
+
+
+def test_off_unless_requested_and_a_bad_value_is_refused(monkeypatch):
+  monkeypatch.delenv("MEGAMOE_FUSED_BACKWARD", raising=False)
+  assert not _config(256).kernel_backward
+  monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", "yes")
+  with pytest.raises(ValueError, match="MEGAMOE_FUSED_BACKWARD must be 0 or 1, got 'yes'"):
+    _config(256)
+
+
+def test_one_rank_gradient_runs_the_fused_backward(monkeypatch):
+  monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", "1")
+  ffn = 256
+  cfg = _config(ffn)
+  assert cfg.one_rank and cfg.fused_backward(ffn)
+  text = _grad_text(cfg, ffn)
+  n_cap = cfg.plan.n_cap
+  outs = _results(text, fused.TARGET)
+  # Residuals: x_sorted, gate_up, y_sorted (the comb buffer, one rank alone); no y_comb.
+  assert outs[8:12] == [f"tensor<{n_cap}x{H}xbf16>", f"tensor<{n_cap}x{2 * ffn}xbf16>",
+                        f"tensor<{n_cap}x{H}xbf16>", "tensor<0xbf16>"], outs
+  bwd = _results(text, fused.BWD_TARGET)
+  assert bwd[:4] == [f"tensor<{T}x{H}xbf16>", f"tensor<{T}x{K}xf32>",
+                     f"tensor<{n_cap}x{H}xbf16>", f"tensor<{n_cap}x{2 * ffn}xbf16>"], bwd
+  assert text.count("@megamoe_grouped_gemm(") == 2  # the wgrads
+  for cuda_kernel in ("ep_combine_bwd", "ep_dispatch_bwd", "grouped_mlp_bwd", "ep_dispatch_fwd"):
+    assert f"@megamoe_{cuda_kernel}(" not in text, cuda_kernel
+
+
+def test_several_ranks_keep_the_comb_rows_instead_of_y_sorted(monkeypatch):
+  monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", "1")
+  ffn, ranks = 256, 2
+  cfg = _config(ffn, ranks)
+  text = _grad_text(cfg, ffn, (ranks,))
+  n_cap = cfg.plan.n_cap
+  outs = _results(text, fused.TARGET)
+  assert outs[10:12] == ["tensor<0xbf16>", f"tensor<{ranks}x{T * K}x{H}xbf16>"], outs
+  bwd = _results(text, fused.BWD_TARGET)
+  assert bwd[2] == f"tensor<{ranks}x{n_cap}x{H}xbf16>", bwd  # dy_sorted, per rank
+  assert text.count("@megamoe_grouped_gemm(") == 2 * ranks
+  assert "@megamoe_ep_combine_bwd(" not in text and "@megamoe_ep_dispatch_bwd(" not in text
+
+
+@pytest.mark.parametrize("ffn, recipe", [(128, None), (256, "fp8")])
+def test_backend_cuda_backward_where_the_kernel_pass_does_not_apply(monkeypatch, ffn, recipe):
+  monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", "1")
+  cfg = _config(ffn, recipe=recipe)
+  assert cfg.kernel_backward and not cfg.fused_backward(ffn)
+  text = _grad_text(cfg, ffn)
+  assert f"@{fused.BWD_TARGET}(" not in text
+  assert "@megamoe_ep_combine_bwd(" in text and "@megamoe_ep_dispatch_bwd(" in text
+
+
+# --- the one-rank wiring, run on the CPU with stand-ins -----------------------------------------
+# The forward kernel and the backward's kernel pass (CUDA only) are replaced by pure-JAX functions
+# with their contracts (pool rows in expert then token order; the backward pass's dx, d topk
+# weights, dy_sorted = w * dy and dgate_up in pool order), and so is the grouped wgrad GEMM (no
+# CPU handler). Checks that the Python side pairs each wgrad with the right residuals.
+
+
+def _pool_layout(ids, num_experts):
+  from jax_megamoe import token_layout
+  tokens, top_k = ids.shape
+  slots = token_layout.sort_by_expert(ids.reshape(-1), num_experts)
+  total = jnp.sum(slots.group_sizes)
+  slot_dest = jnp.where(slots.inverse < total, slots.inverse, -1).reshape(tokens, top_k)
+  return slots, slot_dest
+
+
+def _ragged(a, b, group_sizes):
+  return jax.lax.ragged_dot(a.astype(jnp.float32), b.astype(jnp.float32), group_sizes,
+                            precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+
+
+def _forward_stand_in(x, ids, w, wgu, wd, cfg, *, residuals=False, fp8_scales=None):
+  from jax_megamoe import token_layout
+  assert fp8_scales is None
+  tokens, top_k = ids.shape
+  n_cap = cfg.plan.n_cap
+  slots, slot_dest = _pool_layout(ids, cfg.num_experts)
+  rows = jnp.zeros((n_cap, x.shape[1]), x.dtype).at[:tokens * top_k].set(
+      x[slots.order // top_k])
+  gate_up = _ragged(rows, wgu, slots.group_sizes).astype(jnp.bfloat16)
+  g = gate_up.astype(jnp.float32)
+  ffn = g.shape[1] // 2
+  h = (jax.nn.silu(g[:, :ffn]) * g[:, ffn:]).astype(jnp.bfloat16)
+  y_sorted = _ragged(h, wd, slots.group_sizes).astype(jnp.bfloat16)
+  weights = token_layout.masked_weights(ids, w, cfg.num_experts)
+  y = token_layout.combine_slots(y_sorted[jnp.maximum(slot_dest, 0)], weights, jnp.bfloat16)
+  kept = (fused.FusedResiduals(gate_up, h, y_sorted, slots.group_sizes, rows, slot_dest)
+          if residuals else None)
+  return y, jnp.zeros((4,), jnp.int32), None, kept
+
+
+def _grouped_gemm_stand_in(a, group_sizes, b, *, kind):
+  """cuda_bf16.grouped_gemm's wgrad: [E, M, P], a_g^T b_g over group g's rows."""
+  assert kind == "wgrad"
+  ends = jnp.cumsum(group_sizes)
+  row = jnp.arange(a.shape[0])[:, None]
+  member = ((row >= ends - group_sizes) & (row < ends)).astype(jnp.float32)  # [N, E]
+  return jnp.einsum("ng,nm,np->gmp", member, a.astype(jnp.float32),
+                    b.astype(jnp.float32)).astype(a.dtype)
+
+
+def _backward_pass_stand_in(dy, ids, w, y_comb, gate_up, wgu, wd, cfg):
+  n_cap = cfg.plan.n_cap
+  slots, slot_dest = _pool_layout(ids, cfg.num_experts)
+  valid = slot_dest >= 0
+  d32 = dy.astype(jnp.float32)
+  dy_sorted = jnp.zeros((n_cap, dy.shape[1]), jnp.float32).at[
+      jnp.where(valid, slot_dest, n_cap)].set(w[:, :, None] * d32[:, None, :], mode="drop")
+  dy_sorted = dy_sorted.astype(jnp.bfloat16)
+  d_w = jnp.where(valid, jnp.einsum(
+      "th,tjh->tj", d32, y_comb[jnp.maximum(slot_dest, 0)].astype(jnp.float32)), 0.0)
+  dh = _ragged(dy_sorted, jnp.swapaxes(wd, 1, 2), slots.group_sizes).astype(jnp.bfloat16)
+  dh = dh.astype(jnp.float32)
+  g = gate_up.astype(jnp.float32)
+  ffn = g.shape[1] // 2
+  gate, up = g[:, :ffn], g[:, ffn:]
+  s = jax.nn.sigmoid(gate)
+  dgate_up = jnp.concatenate([dh * up * s * (1 + gate * (1 - s)), dh * gate * s], axis=1)
+  dgate_up = dgate_up.astype(jnp.bfloat16)
+  dx_sorted = _ragged(dgate_up, jnp.swapaxes(wgu, 1, 2), slots.group_sizes)
+  parts = jnp.where(valid[:, :, None], dx_sorted.astype(jnp.bfloat16)[
+      jnp.maximum(slot_dest, 0)].astype(jnp.float32), 0.0)
+  return parts.sum(axis=1).astype(jnp.bfloat16), d_w, dy_sorted, dgate_up
+
+
+def test_one_rank_wiring_matches_the_reference(monkeypatch):
+  import jax_megamoe as jm
+  from moe_oracles import assert_errors_below
+  monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", "1")
+  monkeypatch.setattr(fused, "_fused_call", _forward_stand_in)
+  monkeypatch.setattr(fused, "_fused_bwd_call", _backward_pass_stand_in)
+  monkeypatch.setattr(fused.cuda_bf16, "grouped_gemm", _grouped_gemm_stand_in)
+  monkeypatch.setattr(cuda_ep, "combine_backward", None)  # must not run
+  monkeypatch.setattr(cuda_ep, "dispatch_backward", None)
+  rng = np.random.default_rng(11)
+  tokens, experts, top_k, hidden, ffn = 96, 8, 2, 256, 256
+  ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
+  ids[rng.random(ids.shape) < 0.2] = -1  # masked slots
+  ids = jnp.asarray(ids)
+  x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+  w = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
+  wgu = jnp.asarray(rng.standard_normal((experts, hidden, 2 * ffn)) / 16, jnp.bfloat16)
+  wd = jnp.asarray(rng.standard_normal((experts, ffn, hidden)) / 16, jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
+  shape = check_layer_args(x, ids, w, wgu, wd)
+  plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(None))
+  cfg = fused.FusedConfig(_TracedWorkspace(), experts, plan, 0)
+  assert cfg.fused_backward(ffn)
+
+  def grads(layer):
+    def loss(x, w, a, b):
+      y = layer(x, ids, w, a, b)
+      return jnp.sum(y.astype(jnp.float32) * dy), y
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w, wgu, wd)
+  (_, y), g = grads(lambda *a: fused.fused_layer(*a, cfg))
+  (_, y_ref), g_ref = grads(lambda *a: jm.moe(*a, backend="reference"))
+  rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
+                           / max(np.linalg.norm(np.asarray(b, np.float32)), 1e-30))
+  errs = {n: rel(a, b) for n, a, b in zip(("y", "dx", "dw", "dwgu", "dwd"), (y, *g),
+                                          (y_ref, *g_ref))}
+  assert_errors_below(errs, 2e-2)
