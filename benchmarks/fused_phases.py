@@ -3,7 +3,14 @@ phases (backends.fused.PHASES); this prints the median duration of each phase ov
 calls of the layer benchmark's problem (EP=1, one GPU), beside the whole call's time.
 
   python3 benchmarks/fused_phases.py [--shapes 30b,235b] [--tokens 16384] [--reps 20]
-      [--recipe bf16|fp8|fp8_pow2] [--out F]
+      [--recipe bf16|fp8|fp8_pow2] [--kernel-pass fwd|bwd] [--copy-heads 100,12,0]
+      [--debug-bits 0,2] [--out F]
+
+--kernel-pass bwd prints the same phases for the fused backward's kernel pass (bf16), called
+alone on the residuals of one forward: routing again, the w * dy rows' copy (head, then beside
+the tiles), "GEMM tiles done" for the dh and dx tiles, then the unweighted slot sum into dx.
+--debug-bits 0,2 compares MEGAMOE_FUSED_DEBUG values (2: no GEMM tile, the routing, copies and
+combine alone; 1: the first GEMM's tiles only), interleaved as --copy-heads.
 
 The phases are seen from CTA 0 (the other CTAs' work overlaps the boundaries: "head copied" is
 CTA 0's share of the copy plan's head, before the GEMMs; "rows copied" ends when CTA 0's first
@@ -127,21 +134,21 @@ def call_overhead(fn, args, reps: int) -> dict:
 
 
 @contextlib.contextmanager
-def _copy_head(percent: str | None):
-  """MEGAMOE_FUSED_COPY_HEAD set to `percent` (None: as it was) for the calls inside; the
-  handler reads it at every call."""
-  if percent is None:
+def _env(name: str, value: str | None):
+  """Environment variable `name` set to `value` (None: as it was) for the calls inside; the
+  handlers read MEGAMOE_FUSED_COPY_HEAD and MEGAMOE_FUSED_DEBUG at every call."""
+  if value is None:
     yield
     return
-  before = os.environ.get("MEGAMOE_FUSED_COPY_HEAD")
-  os.environ["MEGAMOE_FUSED_COPY_HEAD"] = percent
+  before = os.environ.get(name)
+  os.environ[name] = value
   try:
     yield
   finally:
     if before is None:
-      del os.environ["MEGAMOE_FUSED_COPY_HEAD"]
+      del os.environ[name]
     else:
-      os.environ["MEGAMOE_FUSED_COPY_HEAD"] = before
+      os.environ[name] = before
 
 
 def one_gpu_mesh():
@@ -182,6 +189,12 @@ def main(argv=None) -> dict:
   ap.add_argument("--copy-heads", default="",
                   help="comma-separated MEGAMOE_FUSED_COPY_HEAD percents to compare (interleaved "
                        "call by call); empty: the kernel's default only")
+  ap.add_argument("--debug-bits", default="",
+                  help="comma-separated MEGAMOE_FUSED_DEBUG values to compare (fused_moe.h: "
+                       "2 no GEMM tile, 1 no second GEMM), interleaved as --copy-heads")
+  ap.add_argument("--kernel-pass", default="fwd", choices=("fwd", "bwd"),
+                  help="whose phases: the forward's, or the fused backward's kernel pass alone "
+                       "(bf16; on residuals of one forward)")
   ap.add_argument("--overhead", action="store_true",
                   help="also measure host/launch overhead of fused and cuda (see the doc)")
   ap.add_argument("--overhead-pass", default="fwd", choices=("fwd", "grad"),
@@ -199,35 +212,44 @@ def main(argv=None) -> dict:
     wgu = (jax.random.normal(ks[1], (args.experts, hidden, 2 * ffn)) * 0.02).astype(jnp.bfloat16)
     wd = (jax.random.normal(ks[2], (args.experts, ffn, hidden)) * 0.02).astype(jnp.bfloat16)
     ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
-    fn = jax.jit(functools.partial(fused.forward_with_phases,
-                                   recipe=None if args.recipe == "bf16" else args.recipe))
-    heads = [h.strip() for h in args.copy_heads.split(",") if h.strip()] or [None]
-    walls = {h: [] for h in heads}
-    phases = {h: [] for h in heads}
+    dy = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16)
+    if args.kernel_pass == "bwd":
+      if args.recipe != "bf16":
+        raise SystemExit("--kernel-pass bwd: the fused backward's kernel pass is bf16 only")
+      bwd = fused.backward_with_phases(x, ids, w, wgu, wd)
+      fn = lambda *_: bwd(dy)
+    else:
+      fn = jax.jit(functools.partial(fused.forward_with_phases,
+                                     recipe=None if args.recipe == "bf16" else args.recipe))
+    split = lambda text: [v.strip() for v in text.split(",") if v.strip()] or [None]
+    variants = [(h, d) for h in split(args.copy_heads) for d in split(args.debug_bits)]
+    walls = {v: [] for v in variants}
+    phases = {v: [] for v in variants}
     for rep in range(args.reps + 1):  # the first round warms up
-      for head in heads:
-        with _copy_head(head):
+      for head, debug in variants:
+        with _env("MEGAMOE_FUSED_COPY_HEAD", head), _env("MEGAMOE_FUSED_DEBUG", debug):
           t = time.perf_counter()
           _, ph = jax.block_until_ready(fn(x, ids, w, wgu, wd))
           if rep:
-            walls[head].append((time.perf_counter() - t) * 1e3)
-            phases[head].append(np.asarray(ph, np.int64))
-    for head in heads:
-      clock = np.stack(phases[head])  # [reps, len(PHASES)] ns from the start
+            walls[head, debug].append((time.perf_counter() - t) * 1e3)
+            phases[head, debug].append(np.asarray(ph, np.int64))
+    for head, debug in variants:
+      clock = np.stack(phases[head, debug])  # [reps, len(PHASES)] ns from the start
       steps = np.diff(clock, axis=1)
       row = {"shape": shape, "recipe": args.recipe, "tokens": args.tokens,
-             "copy_head_percent": head, "wall_ms": statistics.median(walls[head]),
+             "kernel_pass": args.kernel_pass, "copy_head_percent": head, "debug_bits": debug,
+             "wall_ms": statistics.median(walls[head, debug]),
              "kernel_ms": float(np.median(clock[:, -1])) * 1e-6,
              "phases_ms": {name: float(np.median(steps[:, i])) * 1e-6
                            for i, name in enumerate(fused.PHASES[1:])}}
       results.append(row)
-      label = "" if head is None else f" [MEGAMOE_FUSED_COPY_HEAD={head}]"
-      print(f"{shape}{label}: kernel {row['kernel_ms']:.3f} ms (call {row['wall_ms']:.3f} ms "
-            f"host-timed)")
+      label = "".join(f" [{n}={v}]" for n, v in (("MEGAMOE_FUSED_COPY_HEAD", head),
+                                                  ("MEGAMOE_FUSED_DEBUG", debug)) if v)
+      print(f"{shape} {args.kernel_pass}{label}: kernel {row['kernel_ms']:.3f} ms (call "
+            f"{row['wall_ms']:.3f} ms host-timed)")
       for name, ms in row["phases_ms"].items():
         print(f"    {name:18s} {ms:7.3f} ms")
     if args.overhead:
-      dy = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16)
       for backend in ("fused", "cuda"):
         layer = layer_call(backend, None if args.recipe == "bf16" else args.recipe,
                            args.overhead_pass, dy, None if args.no_mesh else one_gpu_mesh())

@@ -1,7 +1,8 @@
-"""Backend "fused", the fused backward's kernel pass (MEGAMOE_FUSED_BACKWARD=1), the Python side:
+"""Backend "fused", the fused backward's kernel pass (MEGAMOE_FUSED_BACKWARD), the Python side:
 traced and lowered on a CPU (the kernel itself runs on a GPU only).
 
-What is checked: it is off unless requested, and a bad value is refused; requested, the
+What is checked: by default it runs with several ranks and not at one, "0" / "1" force it, and a
+bad value is refused; requested, the
 gradient program of a bf16 layer runs one fused backward call and the two wgrad GEMMs per rank,
 no EP combine or dispatch VJP and no MLP backward of backend cuda; the forward keeps y_sorted
 with one rank and y_comb (the comb rows) instead with several; F not a multiple of 256 and FP8
@@ -10,7 +11,6 @@ recipes keep backend cuda's backward.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -18,41 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fused_trace_helpers import E, H, K, T, TracedWorkspace, traced_config
+from fused_trace_helpers import layer_inputs as _inputs
 from jax_megamoe.backends import cuda_ep, fused
 from jax_megamoe.validation import check_layer_args
 
-T, H, E, K = 64, 256, 8, 2
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _TracedWorkspace:
-  """Stands in for a symmetric workspace: tracing needs its id and rank count only."""
-  num_ranks: int = 1
-  virtual: bool = False
-  id: int = 7
-  closed: bool = False
-
-  def fits(self, **_) -> bool:
-    return True
-
-
-def _inputs(ffn, lead=()):
-  ids = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], 1).astype(np.int32)
-  x = jnp.ones((*lead, T, H), jnp.bfloat16)
-  ids = jnp.broadcast_to(jnp.asarray(ids), (*lead, T, K))
-  w = jnp.ones((*lead, T, K), jnp.float32)
-  el = E // (lead[0] if lead else 1)
-  wgu = jnp.ones((*lead, el, H, 2 * ffn), jnp.bfloat16)
-  wd = jnp.ones((*lead, el, ffn, H), jnp.bfloat16)
-  return x, ids, w, wgu, wd
-
 
 def _config(ffn, num_ranks=1, recipe=None):
-  x, ids, w, wgu, wd = _inputs(ffn)
-  shape = check_layer_args(x, ids, w, wgu.reshape(E, H, 2 * ffn), wd.reshape(E, ffn, H))
-  plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
-  ws = _TracedWorkspace(num_ranks=num_ranks, virtual=num_ranks > 1)
-  return fused.FusedConfig(ws, E, plan, 0, recipe=recipe)
+  return traced_config(ffn, recipe=recipe, num_ranks=num_ranks)
 
 
 def _grad_text(cfg, ffn, lead=()):
@@ -69,11 +42,24 @@ def _results(text: str, target: str) -> list[str]:
   return re.findall(r"tensor<[^>]*>", call.rsplit(") -> ", 1)[1])
 
 
-def test_off_unless_requested_and_a_bad_value_is_refused(monkeypatch):
-  monkeypatch.delenv("MEGAMOE_FUSED_BACKWARD", raising=False)
-  assert not _config(256).kernel_backward
+@pytest.mark.parametrize("value, one_rank, several", [
+    (None, False, True), ("auto", False, True), ("0", False, False), ("1", True, True)])
+def test_on_with_several_ranks_by_default(monkeypatch, value, one_rank, several):
+  """Unset or "auto": the kernel pass with several ranks (measured faster there), not at one;
+  "0" / "1" force it off / on (where it applies: bf16, F % 256 == 0)."""
+  if value is None:
+    monkeypatch.delenv("MEGAMOE_FUSED_BACKWARD", raising=False)
+  else:
+    monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", value)
+  assert _config(256).fused_backward(256) is one_rank
+  assert _config(256, num_ranks=2).fused_backward(256) is several
+  assert not _config(128, num_ranks=2).fused_backward(128)
+  assert not _config(256, num_ranks=2, recipe="fp8").fused_backward(256)
+
+
+def test_a_bad_value_is_refused(monkeypatch):
   monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", "yes")
-  with pytest.raises(ValueError, match="MEGAMOE_FUSED_BACKWARD must be 0 or 1, got 'yes'"):
+  with pytest.raises(ValueError, match="MEGAMOE_FUSED_BACKWARD must be 0, 1 or auto, got 'yes'"):
     _config(256)
 
 
@@ -193,7 +179,8 @@ def _backward_pass_stand_in(dy, ids, w, y_comb, gate_up, wgu, wd, cfg):
   dx_sorted = _ragged(dgate_up, jnp.swapaxes(wgu, 1, 2), slots.group_sizes)
   parts = jnp.where(valid[:, :, None], dx_sorted.astype(jnp.bfloat16)[
       jnp.maximum(slot_dest, 0)].astype(jnp.float32), 0.0)
-  return parts.sum(axis=1).astype(jnp.bfloat16), d_w, dy_sorted, dgate_up
+  phases = jnp.zeros((len(fused.PHASES),), jnp.int32)
+  return parts.sum(axis=1).astype(jnp.bfloat16), d_w, dy_sorted, dgate_up, phases
 
 
 def test_one_rank_wiring_matches_the_reference(monkeypatch):
@@ -217,7 +204,7 @@ def test_one_rank_wiring_matches_the_reference(monkeypatch):
   dy = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
   shape = check_layer_args(x, ids, w, wgu, wd)
   plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(None))
-  cfg = fused.FusedConfig(_TracedWorkspace(), experts, plan, 0)
+  cfg = fused.FusedConfig(TracedWorkspace(), experts, plan, 0)
   assert cfg.fused_backward(ffn)
 
   def grads(layer):

@@ -13,7 +13,6 @@ the backend admits.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -21,42 +20,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fused_trace_helpers import E, H, K, T, TracedWorkspace, layer_inputs, traced_config
 from jax_megamoe.backends import cuda_ep, fused
 from jax_megamoe.validation import check_layer_args
 from moe_oracles import assert_errors_below
 
-T, H, F, E, K = 64, 256, 128, 8, 2
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _TracedWorkspace:
-  """Stands in for a symmetric workspace: tracing needs its id and rank count only."""
-  num_ranks: int = 1
-  virtual: bool = False
-  id: int = 7
-  closed: bool = False
-
-  def fits(self, **_) -> bool:
-    return True
+F = 128
 
 
 def _inputs(lead=()):
-  ids = np.stack([np.arange(T) % E, (np.arange(T) + 1) % E], 1).astype(np.int32)
-  x = jnp.ones((*lead, T, H), jnp.bfloat16)
-  ids = jnp.broadcast_to(jnp.asarray(ids), (*lead, T, K))
-  w = jnp.ones((*lead, T, K), jnp.float32)
-  el = E // (lead[0] if lead else 1)
-  wgu = jnp.ones((*lead, el, H, 2 * F), jnp.bfloat16)
-  wd = jnp.ones((*lead, el, F, H), jnp.bfloat16)
-  return x, ids, w, wgu, wd
+  return layer_inputs(F, lead)
 
 
 def _config(recipe, num_ranks=1):
-  x, ids, w, wgu, wd = _inputs()
-  shape = check_layer_args(x, ids, w, wgu.reshape(E, H, 2 * F), wd.reshape(E, F, H))
-  plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
-  ws = _TracedWorkspace(num_ranks=num_ranks, virtual=num_ranks > 1)
-  return fused.FusedConfig(ws, E, plan, 0, recipe=recipe)
+  return traced_config(F, recipe=recipe, num_ranks=num_ranks)
 
 
 def _fused_calls(text: str) -> list[str]:
@@ -278,7 +255,7 @@ def test_one_rank_residual_backward_matches_emulation(recipe, monkeypatch):
   dy = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
   shape = check_layer_args(x, ids, w, wgu, wd)
   plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
-  cfg = fused.FusedConfig(_TracedWorkspace(), experts, plan, 0, recipe=recipe)
+  cfg = fused.FusedConfig(TracedWorkspace(), experts, plan, 0, recipe=recipe)
 
   def grads(layer):
     def loss(x, w, a, b):
@@ -426,7 +403,7 @@ def test_several_rank_residual_backward_matches_emulation(recipe, num_ranks, mon
   ids = jnp.asarray(ids)
   shape = check_layer_args(x, ids, w, wgu, wd)
   plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
-  ws = _TracedWorkspace(num_ranks=num_ranks, virtual=True)
+  ws = TracedWorkspace(num_ranks=num_ranks, virtual=True)
   cfg = fused.FusedConfig(ws, experts, plan, 0, recipe=recipe)
   stack = lambda a: a.reshape(num_ranks, -1, *a.shape[1:])
 

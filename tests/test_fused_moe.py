@@ -233,12 +233,14 @@ def test_published_hidden_sizes():
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
-def test_virtual_ranks_backward_on_the_dgrad_core(num_ranks):
-  """bf16 at H=512, F=256, where backend cuda's MLP backward (which the fused backward runs per
-  rank) takes the tile engine's dgrad core (ffi/heuristics/moe_dgrad_core.h): every rank's
-  backward ran on it (its launch count), the gradients match the reference and are bitwise run
-  to run. Sizes: 200 tokens per rank over 16 experts, top 4, masked slots."""
+def test_virtual_ranks_backward_on_the_dgrad_core(monkeypatch, num_ranks):
+  """bf16 at H=512, F=256 with MEGAMOE_FUSED_BACKWARD=0 (backend cuda's kernels on the
+  residuals), where cuda's MLP backward (which the fused backward then runs per rank) takes the
+  tile engine's dgrad core (ffi/heuristics/moe_dgrad_core.h): every rank's backward ran on it
+  (its launch count), the gradients match the reference and are bitwise run to run. Sizes: 200
+  tokens per rank over 16 experts, top 4, masked slots."""
   from jax_megamoe import _ffi
+  monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", "0")
   tokens, experts, top_k, hidden, ffn = 200, 16, 4, 512, 256
   args = _inputs(31 + num_ranks, num_ranks * tokens, experts, top_k, "masked", hidden=hidden,
                  ffn=ffn)

@@ -23,13 +23,23 @@ namespace megamoe::heuristics {
 // fp8 6.414 / 6.244 / 6.249 / 6.233. 12 is within 0.03 ms of the best everywhere; a first wave
 // of L1 tiles needs ~2% of the rows at 30B, the rest of the head is the copy warps' lead.
 // Not measured where rows cross NVLink (EP over GPUs): the default applies there too, and
-// MEGAMOE_FUSED_COPY_HEAD=100 copies everything before the GEMMs.
+// MEGAMOE_FUSED_COPY_HEAD=100 copies everything before the GEMMs. The variable sets the
+// forward's and the backward's pass alike.
 inline constexpr int kFusedCopyHeadPercent = 12;
 
-// Read at every call (a process may A/B several values): *percent for this launch, or an error
-// naming a value that is not an integer in [0, 100].
-inline std::string FusedCopyHeadPercent(int32_t* percent) {
-  *percent = kFusedCopyHeadPercent;
+// The backward's pass copies w * dy rows and computes d topk_weights in the same walk (a dot
+// product with the forward's y row per slot): the two copy warps per CTA, at the producer
+// warpgroup's register budget, copy that 3.5x slower than the forward's rows and starve the
+// tiles. Measured (RESULTS.md, session 20 call 3; fused_phases.py --kernel-pass bwd, one H200,
+// EP = 1, 16,384 tokens, bf16, kernel ms at head 12 / 100 / 0): 30B 4.70 / 2.85 / 5.01; 235B
+// 13.40 / 11.34 / 13.79. So every warp copies first (the whole copy, 0.42 ms at 30B).
+inline constexpr int kFusedBackwardCopyHeadPercent = 100;
+
+// Read at every call (a process may A/B several values): *percent for this launch (the default
+// given: kFusedCopyHeadPercent for the forward, kFusedBackwardCopyHeadPercent for the backward's
+// pass), or an error naming a value that is not an integer in [0, 100].
+inline std::string FusedCopyHeadPercent(int32_t* percent, int default_percent) {
+  *percent = default_percent;
   const char* env = std::getenv("MEGAMOE_FUSED_COPY_HEAD");
   if (env == nullptr || env[0] == '\0') return "";
   char* end = nullptr;

@@ -675,8 +675,9 @@ std::string LaunchKernel(const KernelParams& params, int grid, cudaStream_t stre
   return "";
 }
 
-// The parameters every launch shares; CTAs per rank from the problem's budget. "" or why not.
-std::string CommonParams(const FusedForwardProblem& p, int count, int absent,
+// The parameters every launch shares; CTAs per rank from the problem's budget; backward: the
+// backward's pass (its copy-head default). "" or why not.
+std::string CommonParams(const FusedForwardProblem& p, int count, int absent, bool backward,
                          KernelParams& params) {
   if (count < 1 || count > kMaxRanks) return "bad number of local ranks " + std::to_string(count);
   int device = 0;
@@ -702,7 +703,9 @@ std::string CommonParams(const FusedForwardProblem& p, int count, int absent,
   params.num_experts = p.num_experts;
   params.n_cap = p.n_cap;
   params.debug = p.debug;
-  return heuristics::FusedCopyHeadPercent(&params.copy_head_percent);
+  return heuristics::FusedCopyHeadPercent(&params.copy_head_percent,
+                                          backward ? heuristics::kFusedBackwardCopyHeadPercent
+                                                   : heuristics::kFusedCopyHeadPercent);
 }
 
 // Debug knob kFusedDebugSync: name a fault of this kernel here instead of at some later XLA
@@ -721,7 +724,9 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   // ~10 KB (tensor maps): on the heap, copied into the launch by cudaLaunchKernelEx.
   auto owned = std::make_unique<KernelParams>();
   KernelParams& params = *owned;
-  if (std::string err = CommonParams(p, count, absent, params); !err.empty()) return err;
+  if (std::string err = CommonParams(p, count, absent, /*backward=*/false, params);
+      !err.empty())
+    return err;
   const ep::WorkspaceLayout& L = ranks[0].view->layout;
   const int per_rank = params.ctas_per_rank;
   params.l1_n_major = heuristics::FusedL1NMajor(p.hidden, p.ffn, p.fp8 != 0) ? 1 : 0;
@@ -846,7 +851,9 @@ std::string LaunchFusedBackward(const FusedBackwardRankOperands* ranks, int coun
            std::to_string(p.hidden) + " and " + std::to_string(p.ffn);
   auto owned = std::make_unique<KernelParams>();
   KernelParams& params = *owned;
-  if (std::string err = CommonParams(p, count, absent, params); !err.empty()) return err;
+  if (std::string err = CommonParams(p, count, absent, /*backward=*/true, params);
+      !err.empty())
+    return err;
   const ep::WorkspaceLayout& L = ranks[0].view->layout;
   const int per_rank = params.ctas_per_rank;
   params.l1_n_major = 0;

@@ -168,14 +168,18 @@ def max_ctas(spans_gpus: bool) -> int:
   return -SMS_LEFT_FOR_COLLECTIVES if spans_gpus else 0
 
 
-def kernel_backward_requested() -> bool:
-  """Whether MEGAMOE_FUSED_BACKWARD=1 asks for the fused backward's kernel pass (bf16; see
-  _kernel_backward). Off by default until it has run and measured faster on a GPU
-  (benchmarks/kernels/FUSED_BACKWARD_PLAN.md); read when a FusedConfig is made."""
-  value = os.environ.get("MEGAMOE_FUSED_BACKWARD", "0")
-  if value not in ("0", "1"):
-    raise ValueError(f"MEGAMOE_FUSED_BACKWARD must be 0 or 1, got {value!r}")
-  return value == "1"
+def kernel_backward_requested() -> bool | None:
+  """MEGAMOE_FUSED_BACKWARD, read when a FusedConfig is made: "1" the fused backward's kernel
+  pass wherever it applies (bf16, F % 256 == 0; see _kernel_backward), "0" never (backend cuda's
+  kernels on the forward's residuals), unset or "auto" (None): with several ranks only.
+  Measured on one H200 (benchmarks/RESULTS.md, session 20), 30B bf16 gradient pass: two virtual
+  ranks of 4,096 tokens 6.24 ms with it against 6.68 without; one rank of 16,384 tokens 8.22
+  against 7.96 (its w * dy copy and d topk_weights, 0.42 ms, run before the tiles, and its
+  kernel is 0.3 ms longer than cuda's dgrad core with the combine backward's kernels)."""
+  value = os.environ.get("MEGAMOE_FUSED_BACKWARD", "auto")
+  if value not in ("0", "1", "auto"):
+    raise ValueError(f"MEGAMOE_FUSED_BACKWARD must be 0, 1 or auto, got {value!r}")
+  return None if value == "auto" else value == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +190,15 @@ class FusedConfig:
   plan: cuda_ep.LayerPlan  # n_cap, check_capacity (the backward's cuda path uses it too)
   max_ctas: int
   recipe: str | None = None  # None (bf16) or one of FP8_RECIPES
-  kernel_backward: bool = dataclasses.field(default_factory=kernel_backward_requested)
+  # True / False: MEGAMOE_FUSED_BACKWARD 1 / 0; None: auto (kernel_backward_requested).
+  kernel_backward: bool | None = dataclasses.field(default_factory=kernel_backward_requested)
 
   def fused_backward(self, ffn: int) -> bool:
-    """Whether the backward runs the fused kernel's backward pass (requested, bf16, and F a
-    multiple of 256: its dh tiles) instead of backend cuda's kernels."""
-    return self.kernel_backward and self.recipe is None and ffn % 256 == 0
+    """Whether the backward runs the fused kernel's backward pass (requested, or by default with
+    several ranks; bf16, and F a multiple of 256: its dh tiles) instead of backend cuda's
+    kernels."""
+    wanted = not self.one_rank if self.kernel_backward is None else self.kernel_backward
+    return wanted and self.recipe is None and ffn % 256 == 0
 
   @property
   def stacked(self) -> bool:
@@ -363,9 +370,9 @@ def _residual_ep_backward(cfg, kept, ids, w, dy, mlp_backward, *mlp_args):
 
 
 def _fused_bwd_call(dy, ids, w, y_comb, gate_up, w_gate_up, w_down, cfg: FusedConfig):
-  """The fused backward's custom call (bf16): (dx, d topk_weights, dy_sorted, dgate_up). y_comb:
-  the forward's y rows in comb order (its y_sorted with one rank alone, its y_comb with several);
-  gate_up its residual; the weights as stored."""
+  """The fused backward's custom call (bf16): (dx, d topk_weights, dy_sorted, dgate_up, phase
+  clock [.., len(PHASES)]). y_comb: the forward's y rows in comb order (its y_sorted with one
+  rank alone, its y_comb with several); gate_up its residual; the weights as stored."""
   lead = (cfg.workspace.num_ranks,) if cfg.stacked else ()
   tokens, hidden = dy.shape[-2:]
   top_k = ids.shape[-1]
@@ -383,11 +390,11 @@ def _fused_bwd_call(dy, ids, w, y_comb, gate_up, w_gate_up, w_down, cfg: FusedCo
       jax.ShapeDtypeStruct((*lead, 4), jnp.int32),  # stats
       jax.ShapeDtypeStruct((*lead, len(PHASES)), jnp.int32),
   )
-  dx, d_w, dy_sorted, dgate_up, *_ = jax.ffi.ffi_call(BWD_TARGET, out_types)(
+  dx, d_w, dy_sorted, dgate_up, *_, phases = jax.ffi.ffi_call(BWD_TARGET, out_types)(
       dy, ids, w, y_comb, gate_up, w_gate_up, w_down, workspace_id=np.int64(cfg.workspace.id),
       num_experts=np.int64(cfg.num_experts), n_cap=np.int64(n_cap),
       max_ctas=np.int64(cfg.max_ctas))
-  return dx, d_w, dy_sorted, dgate_up
+  return dx, d_w, dy_sorted, dgate_up, phases
 
 
 def _kernel_backward(cfg, residuals, dy):
@@ -397,8 +404,8 @@ def _kernel_backward(cfg, residuals, dy):
   then the two wgrads (CUTLASS, per rank) on its dy_sorted and dgate_up."""
   x, ids, w, w_gate_up, w_down, kept = residuals
   y_comb = kept.y_sorted if cfg.one_rank else kept.y_comb
-  dx, d_w, dy_sorted, dgate_up = _fused_bwd_call(dy.astype(x.dtype), ids, w, y_comb,
-                                                 kept.gate_up, w_gate_up, w_down, cfg)
+  dx, d_w, dy_sorted, dgate_up, _ = _fused_bwd_call(dy.astype(x.dtype), ids, w, y_comb,
+                                                    kept.gate_up, w_gate_up, w_down, cfg)
   wgrad = lambda a, group_sizes, b: cuda_bf16.grouped_gemm(a, group_sizes, b, kind="wgrad")
   ep = cfg.ep_config()
   dwgu = ep.per_rank(wgrad, kept.x_sorted, kept.group_sizes, dgate_up)
@@ -543,6 +550,35 @@ def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=Non
       rows.q, ids, w, blocks.w_gate_up.q, blocks.w_down.q, cfg,
       fp8_scales=(rows.scale, blocks.w_gate_up.scale, blocks.w_down.scale))
   return y, phases
+
+
+def backward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
+  """One device, no mesh (for the breakdown benchmark): runs the forward once in residual mode
+  and returns bwd(dy) -> (dx, phase clock [len(PHASES)] int32), the fused backward's kernel pass
+  alone on those residuals (bf16, F % 256 == 0; the wgrads after it are not run). Its phases:
+  routing again, the head of the w * dy copy, the rest beside the dh and dx tiles, the results,
+  then the unweighted slot sum into dx."""
+  from jax_megamoe.validation import check_layer_args
+  shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down)
+  reason = layer_unavailable_reason(shape)
+  if reason is None and shape.ffn % 256 != 0:
+    reason = f"the backward's dh tiles need ffn a multiple of 256, got {shape.ffn}"
+  if reason is not None:
+    raise ValueError(f"the fused backward kernel cannot take this layer: {reason}")
+  plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(None))
+  cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
+                    max_ctas(False), kernel_backward=True)
+  ids, w = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
+  forward = jax.jit(lambda *a: _fused_call(*a, cfg, residuals=True)[3])
+  kept = forward(x, ids, w, w_gate_up, w_down)
+  # One rank alone the forward's y_sorted is the comb buffer the backward reads.
+
+  @jax.jit
+  def call(dy, ids, w, y_comb, gate_up, wgu, wd):
+    dx, _, _, _, phases = _fused_bwd_call(dy, ids, w, y_comb, gate_up, wgu, wd, cfg)
+    return dx, phases
+  return lambda dy: call(dy.astype(jnp.bfloat16), ids, w, kept.y_sorted, kept.gate_up,
+                         w_gate_up, w_down)
 
 
 def _local_workspace(shape: LayerShape, n_cap: int) -> symmetric.SymmetricWorkspace:
