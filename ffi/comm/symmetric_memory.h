@@ -12,7 +12,7 @@
 //   pool_c    elem  [R][max_tokens][hidden]  combine-shaped rows, slot (expert rank, token)
 // Source rank s writes its token t into slot (s, t) of the receiver, so the pools can never
 // overflow: each token travels at most once per destination rank.
-// With fused_rows > 0, the regions of the fused kernel (ffi/impls/sm90_fused_moe_fwd.cu) follow:
+// With fused_rows > 0, the regions of the fused kernel (ffi/impls/sm90_fused_moe.cu) follow:
 //   fsig      FusedSignals: its epoch, flags, the rank group's grid barrier
 //   fcounts   int32 [2][kMaxRanks][kFusedMaxExperts]   routing counts of every source (parity)
 //   ftiles    uint64 [FusedMBlocks]    rows arrived per M-block of the pool (added by sources)

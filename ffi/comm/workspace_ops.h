@@ -18,7 +18,7 @@ MEGAMOE_HOST_DEVICE inline constexpr int Stage(int op, int wait_kind) {
   return op * 2 + wait_kind;
 }
 
-// The waits of the fused kernel (ffi/impls/sm90_fused_moe_fwd.cu), numbered after the separate
+// The waits of the fused kernel (ffi/impls/sm90_fused_moe.cu), numbered after the separate
 // kernels' stages.
 enum FusedStage : int {
   kStageFusedCounts = 16,   // every source's routing counts of this call

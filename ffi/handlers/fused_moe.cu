@@ -1,5 +1,5 @@
 // XLA FFI handler of the fused MoE forward (backend "fused"): binding and validation only; the
-// kernel is ffi/impls/sm90_fused_moe_fwd.cu. Attributes: workspace_id (int64, a workspace with
+// kernel is ffi/impls/sm90_fused_moe.cu. Attributes: workspace_id (int64, a workspace with
 // fused regions), num_experts (global E), n_cap (pool rows per rank), max_ctas (CTAs of the
 // launch: > 0 at most that many, <= 0 every SM but -max_ctas), pow2 (FP8 h scales). On a
 // virtual-rank workspace every operand carries a leading axis of one entry per rank. Residual

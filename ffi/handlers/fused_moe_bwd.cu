@@ -1,5 +1,5 @@
 // XLA FFI handler of the fused MoE backward's pass (backend "fused", bf16): binding and
-// validation only; the kernel is ffi/impls/sm90_fused_moe_fwd.cu's, run with the dgrad engine
+// validation only; the kernel is ffi/impls/sm90_fused_moe.cu's, run with the dgrad engine
 // (LaunchFusedBackward; benchmarks/kernels/FUSED_BACKWARD_PLAN.md, step 3). Attributes as the
 // forward's: workspace_id, num_experts, n_cap (the forward's), max_ctas. On a virtual-rank
 // workspace every operand carries a leading axis of one entry per rank.

@@ -6,7 +6,7 @@
 //                             copied beside the tiles by the producer warpgroup's two free
 //                             warps. 100: the whole copy first (nothing overlapped). Unset or
 //                             empty: the default below; anything else refuses the call.
-// The plan is in pool order (ffi/impls/sm90_fused_moe_fwd.cu, phase 4), so the head holds the
+// The plan is in pool order (ffi/impls/sm90_fused_moe.cu, phase 4), so the head holds the
 // first tiles' rows and gives the two copy warps per CTA a lead over the tiles, which consume
 // the pool in the same order.
 #pragma once

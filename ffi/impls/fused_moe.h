@@ -1,6 +1,7 @@
-// Host interface of the fused MoE forward (ffi/impls/sm90_fused_moe_fwd.cu): one persistent
-// sm_90a kernel per call that routes, dispatches token rows over NVLink into the expert ranks'
-// pools, runs L1 + SwiGLU and L2 on the tile engine and combines the results at the sources.
+// Host interface of the fused MoE kernel (ffi/impls/sm90_fused_moe.cu): one persistent sm_90a
+// kernel per call that routes, dispatches token rows over NVLink into the expert ranks' pools,
+// runs L1 + SwiGLU and L2 on the tile engine and combines the results at the sources; its
+// backward pass (LaunchFusedBackward) does the same with w * dy rows and the dgrad GEMMs.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,5 +1,5 @@
-// The routing phases of the fused MoE kernels (sm90_fused_moe_fwd.cu; the fused backward will
-// run them again, see benchmarks/kernels/FUSED_BACKWARD_PLAN.md): from one rank's top-k expert
+// The routing phases of the fused MoE kernel (sm90_fused_moe.cu; its forward and backward
+// passes both run them, see benchmarks/kernels/FUSED_BACKWARD_PLAN.md): from one rank's top-k expert
 // ids and every rank's counts, where each slot's row goes and in which order the rows are
 // copied. They are a deterministic function of the ids of all ranks, so a second run gives the
 // forward's pool rows, comb rows and copy plan again.

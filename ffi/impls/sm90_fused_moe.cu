@@ -1,8 +1,9 @@
-// The fused MoE forward on sm_90a: one persistent, cooperative kernel per call that routes the
-// tokens of every local rank, dispatches their rows over NVLink straight into the expert ranks'
-// pools, runs L1 (+ SwiGLU) and L2 on the tile engine (ffi/gemm/sm90_moe_tile_engine.cuh), with
-// the L2 epilogue storing each result row into its source rank's comb buffer, and reduces every
-// token's slots at its source in slot order (bitwise reproducible).
+// The fused MoE kernel on sm_90a, its forward and (kBwd) its backward pass: one persistent,
+// cooperative kernel per call that routes the tokens of every local rank, dispatches their rows
+// over NVLink straight into the expert ranks' pools, runs L1 (+ SwiGLU) and L2 on the tile
+// engine (ffi/gemm/sm90_moe_tile_engine.cuh), with the L2 epilogue storing each result row into
+// its source rank's comb buffer, and reduces every token's slots at its source in slot order
+// (bitwise reproducible).
 //
 // A launch covers `count` local ranks: one (a GPU of a real EP group) or the R ranks of a
 // virtual group on one GPU (tests at any R); the CTAs are split into one group per rank, and
