@@ -1,6 +1,7 @@
-"""Backend "fused": the layer's forward as one persistent sm_90a kernel per GPU.
+"""Backend "fused": the layer's forward, and with several ranks its bf16 backward's exchange and
+dgrads, as one persistent sm_90a kernel per GPU.
 
-The kernel (ffi/impls/sm90_fused_moe_fwd.cu) routes on the device, sends each token's row over
+The kernel (ffi/impls/sm90_fused_moe.cu) routes on the device, sends each token's row over
 NVLink straight into the pool of every rank that holds one of its experts (rows in expert
 order), runs L1 with SwiGLU in its epilogue and L2 on its tile engine as soon as a tile's rows
 have arrived (per-block arrival counters, acquire/release), stores every L2 row into its source
@@ -13,7 +14,8 @@ of E x ceil(T / 32) + 4 x T x k ints per rank (2.25 MiB at 16,384 tokens, 128 ex
 the routing's chunk counts and the copy plan (each slot's token row, pool row and M-block, in
 pool order: the rows are copied beside the GEMMs, in the order the tiles consume them).
 
-Backward (until the fused backward exists) runs backend "cuda"'s kernels, from residuals:
+Backward: the fused kernel's backward pass where MEGAMOE_FUSED_BACKWARD (below) picks it,
+otherwise backend "cuda"'s kernels, from residuals:
 - one rank (no mesh, or an expert axis of size 1): the kernel keeps what cuda's backward reads
   (FusedResiduals; per layer at 16,384 tokens, k = 8, n_cap = T * k = 131,072 rows, 30B shape
   H = 2048, F = 768: x_sorted n_cap x H x 2 B = 512 MiB, gate_up n_cap x 2F x 2 B = 384 MiB,
@@ -30,12 +32,12 @@ Backward (until the fused backward exists) runs backend "cuda"'s kernels, from r
   expert axis of 3 x T x k x 4 bytes per rank; a virtual group has them stacked). The backward
   is then cuda's EP backward, with no dispatch and no GEMM recomputed.
   (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: what the fused backward will keep.)
-- MEGAMOE_FUSED_BACKWARD=1 (bf16, F a multiple of 256; off by default until it has run and
-  measured on a GPU): the backward is instead the fused kernel's backward pass, one launch per
-  GPU (route again, w * dy to the pools, both dgrads with the SwiGLU backward, dx summed at the
-  sources, d topk_weights from the forward's comb rows), then the two wgrads per rank. With
-  several ranks the forward then keeps its comb rows (y_comb, [T * k, H] at the source) instead
-  of y_sorted.
+- MEGAMOE_FUSED_BACKWARD=auto (the default: several ranks only, where it measured faster;
+  1: also at one rank; 0: never), bf16 with F a multiple of 256: the backward is instead the
+  fused kernel's backward pass, one launch per GPU (route again, w * dy to the pools, both
+  dgrads with the SwiGLU backward, dx summed at the sources, d topk_weights from the forward's
+  comb rows), then the two wgrads per rank. With several ranks the forward then keeps its comb
+  rows (y_comb, [T * k, H] at the source) instead of y_sorted.
 
 Recipes "fp8" / "fp8_pow2" (jax_megamoe.fp8 defines them; the same function as backend "cuda"'s
 FP8 path): the token rows are quantised before they travel (1 x 128 blocks, cuda_fp8.quantize_rows)
