@@ -26,7 +26,7 @@ from jax_megamoe.backends import cuda_ep, cuda_fp8, fused  # noqa: E402
 from jax_megamoe.backends.local import local_moe  # noqa: E402
 from jax_megamoe.validation import check_layer_args  # noqa: E402
 # The stand-in one-rank workspace the CPU trace tests use (tracing needs its id and rank count).
-from test_fused_fp8_trace import _TracedWorkspace  # noqa: E402
+from fused_trace_helpers import TracedWorkspace  # noqa: E402
 
 H, F, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b's MoE layer
 CALLS = ("pjit", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call", "remat",
@@ -69,7 +69,7 @@ def main(argv=None) -> dict[str, list]:
   shape = check_layer_args(zeros(operands[0]), ids, zeros(operands[1]), zeros(operands[2]),
                            zeros(operands[3]))
   plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp("fp8"))
-  cfg = fused.FusedConfig(_TracedWorkspace(), E, plan, 0, recipe="fp8")
+  cfg = fused.FusedConfig(TracedWorkspace(), E, plan, 0, recipe="fp8")
   layers = {
       "fused (one rank)": lambda x, w, a, b: fused.fused_layer(x, ids, w, a, b, cfg),
       "cuda (no mesh)": lambda x, w, a, b: local_moe(x, ids, w, a, b,
