@@ -3,10 +3,11 @@
   python -m fused_multigpu_worker all_gather
       one process, two GPUs: the fused layer and an all_gather of an unrelated array in one jit
       program (XLA may run the collective on another stream while the persistent kernel holds
-      its SMs: it must leave room, issue 14 item 3), 20 calls, every result checked
+      its SMs: it must leave room, issue 14 item 3), 20 calls, every result checked; the test
+      runs it with MEGAMOE_FUSED_BACKWARD=0 (backend cuda's backward on the residuals)
   python -m fused_multigpu_worker two_process <process_id> <port>
       one of two processes (jax.distributed on localhost), one GPU each: forward and gradients
-      against the oracle, 20 repeated forwards bitwise equal
+      (the backward's kernel pass) against the oracle, 20 repeated forwards bitwise equal
   python -m fused_multigpu_worker fp8 <recipe>
       one process, two GPUs, recipe "fp8" / "fp8_pow2": forward and gradients against the FP8
       emulation (backend reference on the CPU; dW_gate_up from x as the sender quantises it,
@@ -16,7 +17,9 @@ Prints "FUSED-WORKER-OK <id>" when every check passed, else exits non-zero sayin
 
 import sys
 
-TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 2 * 160, 256, 128, 8, 2
+# F = 256: the backward's kernel pass applies (bf16, F % 256 == 0; MEGAMOE_FUSED_BACKWARD picks
+# it by default with several ranks, 0 keeps backend cuda's kernels on the residuals).
+TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 2 * 160, 256, 256, 8, 2
 TOL = 1e-2  # bf16 against the float32 oracle (DESIGN.md)
 FP8_TOL = 2e-2  # FP8 against its emulation (as backend cuda's FP8 MLP)
 
@@ -90,6 +93,18 @@ def oracle(x, ids, w, wgu, wd, probe, recipe=None):
   return y, value, grads
 
 
+def check_backward_lowering(text: str, recipe) -> None:
+  """The gradient program runs the fused backward's kernel pass exactly where it should: bf16
+  (F = 256) unless MEGAMOE_FUSED_BACKWARD=0; FP8 never."""
+  import os
+
+  from jax_megamoe.backends import fused
+  want = recipe is None and os.environ.get("MEGAMOE_FUSED_BACKWARD", "auto") != "0"
+  if (fused.BWD_TARGET in text) != want:
+    raise SystemExit(f"FUSED-WORKER-FAIL: the gradient program {'lacks' if want else 'has'} "
+                     f"{fused.BWD_TARGET} (recipe {recipe})")
+
+
 def check_layer(layer, mesh, arrays, process_id: int, recipe=None) -> None:
   """Forward and gradients of `layer` on the global arrays (x, ids, w, w_gate_up, w_down, probe,
   rows over "expert") against the oracle on this process's shards, and 20 repeated forwards
@@ -107,8 +122,9 @@ def check_layer(layer, mesh, arrays, process_id: int, recipe=None) -> None:
     return jnp.sum(layer(x, ids, w, wgu, wd).astype(jnp.float32) * probe)
 
   y = jax.jit(layer)(gx, gids, gw, gwgu, gwd)
-  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(gx, gw, gwgu, gwd,
-                                                                         gids, gprobe)
+  grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+  check_backward_lowering(grad_fn.lower(gx, gw, gwgu, gwd, gids, gprobe).as_text(), recipe)
+  value, grads = grad_fn(gx, gw, gwgu, gwd, gids, gprobe)
   for call in range(20):  # consecutive calls: no stale signal, bitwise the same
     again = jax.jit(layer)(gx, gids, gw, gwgu, gwd)
     for a, b in zip(again.addressable_shards, y.addressable_shards):

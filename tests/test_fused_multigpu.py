@@ -1,7 +1,8 @@
 """Backend "fused" with its EP group across two GPUs (EP = 2), in both process models: one
 process driving both GPUs (forward and gradients against the oracle, bitwise run to run; and
-beside an all_gather that XLA may run on another stream at the same time), and one process per
-GPU (jax.distributed on localhost); and recipes fp8 / fp8_pow2 from one process. The workers run
+beside an all_gather that XLA may run on another stream at the same time; the backward on
+backend cuda's kernels), and one process per GPU (jax.distributed on localhost; the backward's
+kernel pass); and recipes fp8 / fp8_pow2 from one process. The workers run
 as subprocesses with a time limit, so a hang fails the test instead of stalling the suite. Two
 GPUs; skipped (reported as not run) with fewer."""
 
@@ -23,8 +24,10 @@ def _report(procs, outs) -> str:
 
 def test_one_process_two_gpus_beside_an_all_gather():
   """The fused layer and an all_gather in one jit program, 20 calls: neither hangs nor gives a
-  wrong answer (the kernel leaves SMs to other kernels when EP spans GPUs: fused.max_ctas)."""
-  env = gpu_worker_env(MEGAMOE_EP_TIMEOUT_S=str(EP_TIMEOUT_S),
+  wrong answer (the kernel leaves SMs to other kernels when EP spans GPUs: fused.max_ctas).
+  Its gradients take backend cuda's kernels on the residuals (MEGAMOE_FUSED_BACKWARD=0); the
+  two-process test takes the backward's kernel pass."""
+  env = gpu_worker_env(MEGAMOE_EP_TIMEOUT_S=str(EP_TIMEOUT_S), MEGAMOE_FUSED_BACKWARD="0",
                        XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true")
   procs, outs = run_all([[sys.executable, "-m", "fused_multigpu_worker", "all_gather"]], [env],
                         timeout=300, cwd=str(TESTS.parent))
