@@ -31,7 +31,7 @@ otherwise backend "cuda"'s kernels, from residuals:
   this rank's pool) come from every source's slot_dest, ids and weights (an all_gather over the
   expert axis of 3 x T x k x 4 bytes per rank; a virtual group has them stacked). The backward
   is then cuda's EP backward, with no dispatch and no GEMM recomputed.
-  (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: what the fused backward will keep.)
+  (benchmarks/kernels/FUSED_BACKWARD_PLAN.md: the fused backward's design and measurements.)
 - MEGAMOE_FUSED_BACKWARD=auto (the default: several ranks only, where it measured faster;
   1: also at one rank; 0: never), bf16 with F a multiple of 256: the backward is instead the
   fused kernel's backward pass, one launch per GPU (route again, w * dy to the pools, both
@@ -400,8 +400,8 @@ def _fused_bwd_call(dy, ids, w, y_comb, gate_up, w_gate_up, w_down, cfg: FusedCo
 
 
 def _kernel_backward(cfg, residuals, dy):
-  """The backward on the fused kernel's backward pass (MEGAMOE_FUSED_BACKWARD=1, bf16): one
-  launch routes again, sends w * dy to the pools, runs both dgrads with the SwiGLU backward and
+  """The backward on the fused kernel's backward pass (where FusedConfig.fused_backward picks
+  it: bf16, F % 256 == 0, MEGAMOE_FUSED_BACKWARD): one launch routes again, sends w * dy to the pools, runs both dgrads with the SwiGLU backward and
   sums each token's dx rows at its source, with d topk_weights from the forward's comb rows;
   then the two wgrads (CUTLASS, per rank) on its dy_sorted and dgate_up."""
   x, ids, w, w_gate_up, w_down, kept = residuals
