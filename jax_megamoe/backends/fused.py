@@ -37,7 +37,8 @@ otherwise backend "cuda"'s kernels, from residuals:
   fused kernel's backward pass, one launch per GPU (route again, w * dy to the pools, both
   dgrads with the SwiGLU backward, dx summed at the sources, d topk_weights from the forward's
   comb rows), then the two wgrads per rank. With several ranks the forward then keeps its comb
-  rows (y_comb, [T * k, H] at the source) instead of y_sorted.
+  rows (y_comb, [T * k, H] at the source: 512 MiB per layer at the 30B shape and 16,384 tokens,
+  what y_sorted took) instead of y_sorted.
 
 Recipes "fp8" / "fp8_pow2" (jax_megamoe.fp8 defines them; the same function as backend "cuda"'s
 FP8 path): the token rows are quantised before they travel (1 x 128 blocks, cuda_fp8.quantize_rows)
