@@ -155,8 +155,8 @@ def auto_reason(shape: LayerShape | None, mesh, expert_axis: str) -> str | None:
       return ("the fused kernel has not been run across GPUs yet (EP > 1); backend 'cuda' "
               "serves it")
   if not AUTO_PICKS_FUSED:
-    return ("a training step with 'fused' has not measured faster than with 'cuda' (the fused "
-            "backward does not exist yet); backend 'cuda' serves it")
+    return ("a training step with 'fused' has not measured faster than with 'cuda' (at one "
+            "rank its backward runs cuda's kernels); backend 'cuda' serves it")
   return None
 
 
