@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fused_trace_helpers import E, H, K, T, TracedWorkspace, traced_config
+from fused_trace_helpers import (E, H, K, T, config_for, errors_against, random_problem,
+                                 traced_config)
 from fused_trace_helpers import layer_inputs as _inputs
 from jax_megamoe.backends import cuda_ep, fused
-from jax_megamoe.validation import check_layer_args
 
 
 def _config(ffn, num_ranks=1, recipe=None):
@@ -192,30 +192,10 @@ def test_one_rank_wiring_matches_the_reference(monkeypatch):
   monkeypatch.setattr(fused.cuda_bf16, "grouped_gemm", _grouped_gemm_stand_in)
   monkeypatch.setattr(cuda_ep, "combine_backward", None)  # must not run
   monkeypatch.setattr(cuda_ep, "dispatch_backward", None)
-  rng = np.random.default_rng(11)
-  tokens, experts, top_k, hidden, ffn = 96, 8, 2, 256, 256
-  ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
-  ids[rng.random(ids.shape) < 0.2] = -1  # masked slots
-  ids = jnp.asarray(ids)
-  x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
-  w = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
-  wgu = jnp.asarray(rng.standard_normal((experts, hidden, 2 * ffn)) / 16, jnp.bfloat16)
-  wd = jnp.asarray(rng.standard_normal((experts, ffn, hidden)) / 16, jnp.bfloat16)
-  dy = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
-  shape = check_layer_args(x, ids, w, wgu, wd)
-  plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(None))
-  cfg = fused.FusedConfig(TracedWorkspace(), experts, plan, 0)
+  ffn = 256
+  x, ids, w, wgu, wd, dy = random_problem(11, ffn, 16)
+  cfg = config_for(x, ids, w, wgu, wd)
   assert cfg.fused_backward(ffn)
-
-  def grads(layer):
-    def loss(x, w, a, b):
-      y = layer(x, ids, w, a, b)
-      return jnp.sum(y.astype(jnp.float32) * dy), y
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w, wgu, wd)
-  (_, y), g = grads(lambda *a: fused.fused_layer(*a, cfg))
-  (_, y_ref), g_ref = grads(lambda *a: jm.moe(*a, backend="reference"))
-  rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
-                           / max(np.linalg.norm(np.asarray(b, np.float32)), 1e-30))
-  errs = {n: rel(a, b) for n, a, b in zip(("y", "dx", "dw", "dwgu", "dwd"), (y, *g),
-                                          (y_ref, *g_ref))}
+  errs = errors_against(lambda *a: fused.fused_layer(*a, cfg),
+                        lambda *a: jm.moe(*a, backend="reference"), x, ids, w, wgu, wd, dy)
   assert_errors_below(errs, 2e-2)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fused_trace_helpers import E, H, K, T, TracedWorkspace, layer_inputs, traced_config
+from fused_trace_helpers import (E, H, K, T, TracedWorkspace, config_for, errors_against,
+                                 layer_inputs, random_problem, traced_config)
 from jax_megamoe.backends import cuda_ep, fused
 from jax_megamoe.validation import check_layer_args
 from moe_oracles import assert_errors_below
@@ -243,31 +244,12 @@ def test_one_rank_residual_backward_matches_emulation(recipe, monkeypatch):
   monkeypatch.setattr(fused, "_fused_call", _kernel_stand_in)
   monkeypatch.setattr(cuda_ep, "combine_backward", _combine_backward_stand_in)
   monkeypatch.setattr(cuda_ep, "dispatch_backward", _dispatch_backward_stand_in)
-  rng = np.random.default_rng(5)
-  tokens, experts, top_k, hidden, ffn = 96, 8, 2, 256, 128
-  ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
-  ids[rng.random(ids.shape) < 0.2] = -1  # masked slots
-  ids = jnp.asarray(ids)
-  x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
-  w = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
-  wgu = jnp.asarray(rng.standard_normal((experts, hidden, 2 * ffn)) / 16, jnp.bfloat16)
-  wd = jnp.asarray(rng.standard_normal((experts, ffn, hidden)) / 11, jnp.bfloat16)
-  dy = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.float32)
-  shape = check_layer_args(x, ids, w, wgu, wd)
-  plan = cuda_ep.LayerPlan.of(shape, fused.cuda_mlp(recipe))
-  cfg = fused.FusedConfig(TracedWorkspace(), experts, plan, 0, recipe=recipe)
-
-  def grads(layer):
-    def loss(x, w, a, b):
-      y = layer(x, ids, w, a, b)
-      return jnp.sum(y.astype(jnp.float32) * dy), y
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w, wgu, wd)
-  (_, y), g = grads(lambda *a: fused.fused_layer(*a, cfg))
-  (_, y_ref), g_ref = grads(lambda *a: jm.moe(*a, backend="reference", recipe=recipe))
-  rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
-                           / max(np.linalg.norm(np.asarray(b, np.float32)), 1e-30))
-  errs = {n: rel(a, b) for n, a, b in zip(("y", "dx", "dw", "dwgu", "dwd"), (y, *g),
-                                          (y_ref, *g_ref))}
+  ffn = 128
+  x, ids, w, wgu, wd, dy = random_problem(5, ffn, 11)
+  cfg = config_for(x, ids, w, wgu, wd, recipe=recipe)
+  errs = errors_against(lambda *a: fused.fused_layer(*a, cfg),
+                        lambda *a: jm.moe(*a, backend="reference", recipe=recipe),
+                        x, ids, w, wgu, wd, dy)
   print(recipe, errs)
   assert_errors_below(errs, 2e-2)
 
