@@ -7,8 +7,10 @@ calls of the layer benchmark's problem (EP=1, one GPU), beside the whole call's 
       [--debug-bits 0,2] [--out F]
 
 --kernel-pass bwd prints the same phases for the fused backward's kernel pass (bf16), called
-alone on the residuals of one forward: routing again, the w * dy rows' copy (head, then beside
-the tiles), "GEMM tiles done" for the dh and dx tiles, then the unweighted slot sum into dx.
+alone on the residuals of one forward: routing again, the w * dy rows' copy with d topk_weights
+("head copied": all of it, in token order, and the arrivals released after the rank's barrier;
+the backward ignores MEGAMOE_FUSED_COPY_HEAD), "GEMM tiles done" for the dh and dx tiles, then
+the unweighted slot sum into dx.
 --debug-bits 0,2 compares MEGAMOE_FUSED_DEBUG values (2: no GEMM tile, the routing, copies and
 combine alone; 1: the first GEMM's tiles only), interleaved as --copy-heads.
 

@@ -359,6 +359,21 @@ def test_virtual_ranks_match_reference(num_ranks, kind):
   ws.close()
 
 
+def _fused_layer_of(num_ranks, tokens, top_k, hidden=HIDDEN):
+  """(layer, workspace or None): backend fused at one rank, or a virtual group of num_ranks
+  ranks of `tokens` tokens each, on token-major [num_ranks * tokens, ..] arguments."""
+  if num_ranks == 1:
+    return (lambda *a: jm.moe(*a, backend="fused")), None
+  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=hidden, top_k=top_k,
+                                      dtype=jnp.bfloat16, fused_rows=num_ranks * tokens * top_k)
+
+  def layer(x, ids, w, wgu, wd):
+    stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+    y = virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws)
+    return y.reshape(num_ranks * tokens, -1)
+  return layer, ws
+
+
 @pytest.mark.parametrize("num_ranks, tokens, experts, top_k, kind", [
     (1, 1000, 8, 2, "uniform"),   # two M-tiles per expert, the last partial
     (1, 300, 24, 4, "masked"),
@@ -374,18 +389,7 @@ def test_kernel_backward_matches_reference(monkeypatch, num_ranks, tokens, exper
   monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", "1")
   ffn = 256
   args = _inputs(num_ranks * 31 + tokens, num_ranks * tokens, experts, top_k, kind, ffn=ffn)
-  ws = None
-  if num_ranks == 1:
-    layer = lambda *a: jm.moe(*a, backend="fused")
-  else:
-    ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=HIDDEN,
-                                        top_k=top_k, dtype=jnp.bfloat16,
-                                        fused_rows=num_ranks * tokens * top_k)
-
-    def layer(x, ids, w, wgu, wd):
-      stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
-      y = virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws)
-      return y.reshape(num_ranks * tokens, -1)
+  layer, ws = _fused_layer_of(num_ranks, tokens, top_k)
   x, ids, w, wgu, wd, dy = args
 
   def loss(x, w, wgu, wd):
@@ -398,6 +402,30 @@ def test_kernel_backward_matches_reference(monkeypatch, num_ranks, tokens, exper
   _poison()
   second = _value_and_grads(layer, *args)
   _assert_bitwise(first, second)
+  if ws is not None:
+    ws.close()
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3])
+def test_kernel_backward_topk_weight_grads_equal_cuda_bitwise(monkeypatch, num_ranks):
+  """d topk_weights from the kernel's backward pass (MEGAMOE_FUSED_BACKWARD=1) equal those of
+  backend cuda's combine backward on the residuals (=0) bit for bit: both take the same dot
+  products in the same order (ep::kSlotDotVecs chunks; H = 2048 makes two chunks of four
+  vectors per lane). Masked slots, 96 tokens per rank."""
+  tokens, top_k, hidden = 96, 4, 2048
+  args = _inputs(7 + num_ranks, num_ranks * tokens, 24, top_k, "masked", hidden=hidden, ffn=256)
+  x, ids, w, wgu, wd, dy = args
+  layer, ws = _fused_layer_of(num_ranks, tokens, top_k, hidden)
+  d_w = {}
+  for value in ("0", "1"):
+    monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", value)  # read when the layer is traced
+    hlo = jax.jit(jax.grad(lambda w: jnp.sum(layer(x, ids, w, wgu, wd).astype(jnp.float32) * dy))
+                  ).lower(w).as_text()
+    assert hlo.count(fused.BWD_TARGET) == (1 if value == "1" else 0), value
+    _poison()
+    _, (_, d_w[value], _, _) = _value_and_grads(layer, *args)  # traced anew: a new loss
+  assert np.all(np.isfinite(np.asarray(d_w["1"])))
+  np.testing.assert_array_equal(np.asarray(d_w["1"]), np.asarray(d_w["0"]))
   if ws is not None:
     ws.close()
 

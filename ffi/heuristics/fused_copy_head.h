@@ -1,4 +1,4 @@
-// How much of the fused kernel's row copy (its dispatch at EP = 1, its NVLink traffic at EP > 1)
+// How much of the fused forward's row copy (its dispatch at EP = 1, its NVLink traffic at EP > 1)
 // runs before the GEMMs start, decided here for every launch, with an environment override for
 // benchmarking:
 //   MEGAMOE_FUSED_COPY_HEAD   an integer percent 0..100 of this rank's rows in plan order that
@@ -23,23 +23,17 @@ namespace megamoe::heuristics {
 // fp8 6.414 / 6.244 / 6.249 / 6.233. 12 is within 0.03 ms of the best everywhere; a first wave
 // of L1 tiles needs ~2% of the rows at 30B, the rest of the head is the copy warps' lead.
 // Not measured where rows cross NVLink (EP over GPUs): the default applies there too, and
-// MEGAMOE_FUSED_COPY_HEAD=100 copies everything before the GEMMs. The variable sets the
-// forward's and the backward's pass alike.
+// MEGAMOE_FUSED_COPY_HEAD=100 copies everything before the GEMMs.
+// The forward only: the backward's pass copies every w * dy row first, in token order (its
+// copy computes d topk_weights too; on the two copy warps beside the tiles it starved them:
+// session 20, 30B bwd kernel 4.70 ms at head 12 against 2.85 at 100), and ignores the variable.
 inline constexpr int kFusedCopyHeadPercent = 12;
 
-// The backward's pass copies w * dy rows and computes d topk_weights in the same walk (a dot
-// product with the forward's y row per slot): the two copy warps per CTA, at the producer
-// warpgroup's register budget, copy that 3.5x slower than the forward's rows and starve the
-// tiles. Measured (RESULTS.md, session 20 call 3; fused_phases.py --kernel-pass bwd, one H200,
-// EP = 1, 16,384 tokens, bf16, kernel ms at head 12 / 100 / 0): 30B 4.70 / 2.85 / 5.01; 235B
-// 13.40 / 11.34 / 13.79. So every warp copies first (the whole copy, 0.42 ms at 30B).
-inline constexpr int kFusedBackwardCopyHeadPercent = 100;
-
-// Read at every call (a process may A/B several values): *percent for this launch (the default
-// given: kFusedCopyHeadPercent for the forward, kFusedBackwardCopyHeadPercent for the backward's
-// pass), or an error naming a value that is not an integer in [0, 100].
-inline std::string FusedCopyHeadPercent(int32_t* percent, int default_percent) {
-  *percent = default_percent;
+// Read at every call (a process may A/B several values): *percent for this launch
+// (kFusedCopyHeadPercent unless overridden), or an error naming a value that is not an integer
+// in [0, 100].
+inline std::string FusedCopyHeadPercent(int32_t* percent) {
+  *percent = kFusedCopyHeadPercent;
   const char* env = std::getenv("MEGAMOE_FUSED_COPY_HEAD");
   if (env == nullptr || env[0] == '\0') return "";
   char* end = nullptr;

@@ -254,48 +254,120 @@ struct TileHooks {
 
 // ------------------------------------------------------------------------ helpers
 
-// The backward's copy of one slot's row (CopyPlannedRows, kBwd): dst = w[slot] * dy[t] (bf16),
-// and d_weights[slot] = <dy[t], y_comb[slot_rows[slot]]> (fp32).
-__device__ __forceinline__ void CopyWeightedRow(const KernelParams& P, const RankParams& A,
-                                                int slot, int nvec, uint4* dst) {
-  const int lane = threadIdx.x & 31;
-  const int t = slot / P.top_k;
-  const float w = __ldg(A.weights + slot);
-  const int comb_row = __ldcg(A.slot_rows + slot);  // phase 4's, behind the plan's barrier
-  const uint4* src = reinterpret_cast<const uint4*>(A.x) + static_cast<size_t>(t) * nvec;
-  const uint4* yrow = reinterpret_cast<const uint4*>(A.y_comb) + static_cast<size_t>(comb_row) * nvec;
-  float total = 0.f;
-  for (int c0 = 0; c0 < nvec; c0 += 32 * ep::kSlotDotVecs) {
-    uint4 gv[ep::kSlotDotVecs], yv[ep::kSlotDotVecs];
+// The backward's copy, in token order, by every warp before the tiles (tokens first, first +
+// stride, ...: phase 7 gives each token's d topk_weights to the same warp, so its NaN after a
+// timeout comes after this warp's values): token t's dy chunk is loaded once for all its slots,
+// as backend cuda's CombineBwdRecvKernel does; for each slot j with a pool row, w[t, j] * dy[t]
+// (bf16, as cuda rounds it) goes to that row at the expert's rank, and d topk_weights[t, j] =
+// <dy[t], y_comb[slot_rows[t, j]]> in CombineBwdRecvKernel's order (per chunk of 32 x
+// ep::kSlotDotVecs vectors: each lane's fma chain, a butterfly sum, the chunks added in order),
+// so both backends give the same bits. Two slots' y vectors are in flight at once. Slots without
+// a pool row (masked, repeated, dropped) keep the launcher's 0. In pool order (CopyPlannedRows)
+// every slot would read its dy row again, from DRAM once dy outgrows the L2 cache (30B shape:
+// 8 x 64 MiB); the arrivals are counted after the rank's barrier (ReleaseCopiedArrivals).
+__device__ __forceinline__ void CopyTokenSlots(const KernelParams& P, const RankParams& A,
+                                               int first, int stride) {
+  constexpr int kV = ep::kSlotDotVecs;
+  const int lane = threadIdx.x & 31, K = P.top_k;
+  const int El = P.num_experts / A.view.num_ranks;
+  const int nvec = P.hidden * static_cast<int>(sizeof(__nv_bfloat16)) / 16;
+  const uint4* y = reinterpret_cast<const uint4*>(A.y_comb);
+  for (int t = first; t < P.num_tokens; t += stride) {
+    const size_t s0 = static_cast<size_t>(t) * K;
+    const int dest_j = lane < K ? __ldcg(A.slot_dest + s0 + lane) : -1;  // phase 4's
+    const unsigned valid = __ballot_sync(0xffffffffu, dest_j >= 0);
+    if (valid == 0u) continue;
+    const int row_j = dest_j >= 0 ? __ldcg(A.slot_rows + s0 + lane) : 0;
+    const int rank_j = dest_j >= 0 ? __ldg(A.ids + s0 + lane) / El : 0;
+    const float w_j = dest_j >= 0 ? __ldg(A.weights + s0 + lane) : 0.f;
+    const uint4* g = reinterpret_cast<const uint4*>(A.x) + static_cast<size_t>(t) * nvec;
+    float total = 0.f;  // lane j: slot j's
+    for (int c0 = 0; c0 < nvec; c0 += 32 * kV) {
+      uint4 gv[kV];
 #pragma unroll
-    for (int u = 0; u < ep::kSlotDotVecs; ++u) {
-      const int c = c0 + u * 32 + lane;
-      if (c < nvec) {
-        gv[u] = __ldg(src + c);
-        yv[u] = __ldg(yrow + c);
+      for (int u = 0; u < kV; ++u) {
+        const int c = c0 + u * 32 + lane;
+        if (c < nvec) gv[u] = __ldg(g + c);
       }
-    }
-    float dot = 0.f;
+      // One slot: its y vectors (loaded by the caller) dotted with g, w * g stored.
+      const auto slot = [&](int j, const uint4 (&yv)[kV]) {
+        const float w = __shfl_sync(0xffffffffu, w_j, j);
+        uint4* drow = reinterpret_cast<uint4*>(A.pool[__shfl_sync(0xffffffffu, rank_j, j)]) +
+                      static_cast<size_t>(__shfl_sync(0xffffffffu, dest_j, j)) * nvec;
+        float dot = 0.f;
 #pragma unroll
-    for (int u = 0; u < ep::kSlotDotVecs; ++u) {
-      const int c = c0 + u * 32 + lane;
-      if (c < nvec) {
-        float gf[8], yf[8], df[8];
-        ep::Unpack(gv[u], gf, static_cast<const __nv_bfloat16*>(nullptr));
-        ep::Unpack(yv[u], yf, static_cast<const __nv_bfloat16*>(nullptr));
+        for (int u = 0; u < kV; ++u) {
+          const int c = c0 + u * 32 + lane;
+          if (c < nvec) {
+            float gf[8], yf[8], df[8];
+            ep::Unpack(gv[u], gf, static_cast<const __nv_bfloat16*>(nullptr));
+            ep::Unpack(yv[u], yf, static_cast<const __nv_bfloat16*>(nullptr));
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-          df[q] = w * gf[q];
-          dot = fmaf(gf[q], yf[q], dot);
+            for (int q = 0; q < 8; ++q) {
+              df[q] = w * gf[q];
+              dot = fmaf(gf[q], yf[q], dot);
+            }
+            drow[c] = ep::Pack(df, static_cast<const __nv_bfloat16*>(nullptr));
+          }
         }
-        dst[c] = ep::Pack(df, static_cast<const __nv_bfloat16*>(nullptr));
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        if (lane == j) total += dot;
+      };
+      const auto load_y = [&](int j, uint4 (&yv)[kV]) {
+        const uint4* yrow = y + static_cast<size_t>(__shfl_sync(0xffffffffu, row_j, j)) * nvec;
+#pragma unroll
+        for (int u = 0; u < kV; ++u) {
+          const int c = c0 + u * 32 + lane;
+          if (c < nvec) yv[u] = __ldg(yrow + c);
+        }
+      };
+      for (unsigned bits = valid; bits != 0u;) {
+        const int ja = __ffs(bits) - 1;
+        bits &= bits - 1u;
+        const int jb = bits != 0u ? __ffs(bits) - 1 : -1;
+        if (jb >= 0) bits &= bits - 1u;
+        uint4 ya[kV], yb[kV];
+        load_y(ja, ya);
+        if (jb >= 0) load_y(jb, yb);
+        slot(ja, ya);
+        if (jb >= 0) slot(jb, yb);
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    total += dot;
+    if (dest_j >= 0) A.d_weights[s0 + lane] = total;
   }
-  if (lane == 0) A.d_weights[slot] = total;
+  // The expert ranks' TMA (async proxy) reads these rows once the arrivals are released.
+  sm90::detail::fence_proxy_async_global();
+}
+
+// After the rank's barrier that follows CopyTokenSlots (every CTA's rows written): the arrivals
+// of the rank's copied rows, counted on the expert ranks' per-M-block counters. The plan is in
+// pool order, so the rows one rank sends to an M-block are consecutive plan rows: per chunk of
+// 32 plan rows (chunks first, first + stride, ...), the first lane of each run of one (rank,
+// M-block) adds the run's length (release; the barrier ordered every CTA's stores before it).
+__device__ __forceinline__ void ReleaseCopiedArrivals(const RankParams& A, int rows, int first,
+                                                      int stride) {
+  const int lane = threadIdx.x & 31;
+  const PeerView& v = A.view;
+  for (int c0 = first * 32; c0 < rows; c0 += stride * 32) {
+    int4 q = make_int4(-1, -1, -1, -1);
+    if (c0 + lane < rows) q = __ldcg(reinterpret_cast<const int4*>(A.copy_plan + c0 + lane));
+    const bool live = q.x >= 0;  // not dropped at capacity
+    const int prev_rank = __shfl_up_sync(0xffffffffu, q.z, 1);
+    const int prev_mblock = __shfl_up_sync(0xffffffffu, q.w, 1);
+    const bool prev_live = __shfl_up_sync(0xffffffffu, live ? 1 : 0, 1) != 0;
+    const bool starts =
+        live && (lane == 0 || !prev_live || prev_rank != q.z || prev_mblock != q.w);
+    const unsigned start_bits = __ballot_sync(0xffffffffu, starts);
+    const unsigned live_bits = __ballot_sync(0xffffffffu, live);
+    if (starts) {
+      // The run ends at the next start or the next row that is not live.
+      const unsigned after = (start_bits | ~live_bits) & ~((2u << lane) - 1u);
+      const int end = after != 0u ? __ffs(after) - 1 : 32;
+      ep::AddReleaseSys(reinterpret_cast<unsigned long long*>(v.base[q.z] + v.layout.ftiles) + q.w,
+                        static_cast<unsigned long long>(end - lane));
+    }
+  }
 }
 
 // The calling warp's share of the plan rows [begin, end), in chunks of kChunkRows rows: chunks
@@ -305,12 +377,8 @@ __device__ __forceinline__ void CopyWeightedRow(const KernelParams& P, const Ran
 // proxy fence (the expert rank's TMA reads the rows). One release per run, not per row: a
 // release waits for the warp's stores to land, so per row it bounded the copy by the store
 // latency (session 13: 1.4 ms for the 30B shape's rows on two warps per SM, as long as L1).
-// kBwd: the plan rows name slots (t * k + j); the row copied is w[t, j] * dy[t] (bf16, as
-// backend cuda's combine backward rounds it), and the same pass computes d topk_weights[t, j] =
-// <dy[t], the slot's forward y row> in the order of cuda's CombineBwdRecvKernel (per chunk of
-// 32 x ep::kSlotDotVecs vectors: each lane's fma chain, a butterfly sum, chunks in order), so
-// both backends give the same bits.
-template <class Eng, int kChunkRows, bool kBwd = false>
+// The forward's copy (the backward's is CopyTokenSlots).
+template <class Eng, int kChunkRows>
 __device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const RankParams& A,
                                                 int begin, int end, int first, int stride) {
   static_assert(kChunkRows >= 1 && kChunkRows <= 32, "a chunk's plan rows are one per lane");
@@ -353,14 +421,10 @@ __device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const Ran
         run_rows = 0;
       }
       uint4* dst = reinterpret_cast<uint4*>(A.pool[rank]) + static_cast<size_t>(pool_row) * nvec;
-      if constexpr (kBwd) {
-        CopyWeightedRow(P, A, token, nvec, dst);
-      } else {
-        const uint4* src = reinterpret_cast<const uint4*>(
-            reinterpret_cast<const char*>(A.x) + static_cast<size_t>(token) * H * Eng::kElemBytes);
-        ep::WarpCopyRow<kCopyUnroll>(
-            nvec, [&](int c) { return __ldg(src + c); }, [&](auto&& store) { store(dst); });
-      }
+      const uint4* src = reinterpret_cast<const uint4*>(
+          reinterpret_cast<const char*>(A.x) + static_cast<size_t>(token) * H * Eng::kElemBytes);
+      ep::WarpCopyRow<kCopyUnroll>(
+          nvec, [&](int c) { return __ldg(src + c); }, [&](auto&& store) { store(dst); });
       if constexpr (Eng::kFp8) {  // the row's H/128 scales, K-block-major in the pool
         const int nblk = H / 128;
         float* scales = reinterpret_cast<float*>(A.pool[rank] + P.pool_scale_offset);
@@ -421,10 +485,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool routed = rr.routed, copying = rr.copying;
   mark(3);
 
-  // The plan's head, copied by every warp before the tiles start: the first tiles' rows, and a
-  // lead for the copy warps, which copy the rest beside the tiles (phase 5).
-  const int head = static_cast<int>(static_cast<int64_t>(S.totals.copy_rows) * P.copy_head_percent / 100);
-  if (copying) CopyPlannedRows<Eng, kHeadChunkRows, kBwd>(P, A, 0, head, gwarp, nwarps);
+  // Forward: the plan's head, copied by every warp before the tiles start: the first tiles'
+  // rows, and a lead for the copy warps, which copy the rest beside the tiles (phase 5).
+  // Backward: the whole copy, in token order, then the arrivals after the rank's barrier (every
+  // CTA calls it, copying or not; measured: RESULTS.md session 21).
+  const int head = kBwd ? S.totals.copy_rows
+                        : static_cast<int>(static_cast<int64_t>(S.totals.copy_rows) *
+                                           P.copy_head_percent / 100);
+  if constexpr (kBwd) {
+    if (copying) CopyTokenSlots(P, A, gwarp, nwarps);
+    if (ep::RankBarrier(v, G) && copying) ReleaseCopiedArrivals(A, head, gwarp, nwarps);
+  } else {
+    if (copying) CopyPlannedRows<Eng, kHeadChunkRows>(P, A, 0, head, gwarp, nwarps);
+  }
   mark(4);
 
   // The stage ring is the engine's from here: its generic (routing) accesses are ordered before
@@ -461,9 +534,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       Eng::signaller(S.engine, A.engine, hooks);
     } else {  // the copy warps
       const int w = warp - kFirstCopyWarp;
-      if (copying) {
-        CopyPlannedRows<Eng, kCopyChunkRows, kBwd>(P, A, head, S.totals.copy_rows, cta * kCopyWarps + w,
-                                             G * kCopyWarps);
+      if constexpr (!kBwd) {
+        if (copying) {
+          CopyPlannedRows<Eng, kCopyChunkRows>(P, A, head, S.totals.copy_rows,
+                                               cta * kCopyWarps + w, G * kCopyWarps);
+        }
       }
       if (cta == 0 && w == 0 && lane == 0) stamp(5);
     }
@@ -676,9 +751,8 @@ std::string LaunchKernel(const KernelParams& params, int grid, cudaStream_t stre
   return "";
 }
 
-// The parameters every launch shares; CTAs per rank from the problem's budget; backward: the
-// backward's pass (its copy-head default). "" or why not.
-std::string CommonParams(const FusedForwardProblem& p, int count, int absent, bool backward,
+// The parameters every launch shares; CTAs per rank from the problem's budget. "" or why not.
+std::string CommonParams(const FusedForwardProblem& p, int count, int absent,
                          KernelParams& params) {
   if (count < 1 || count > kMaxRanks) return "bad number of local ranks " + std::to_string(count);
   int device = 0;
@@ -704,9 +778,8 @@ std::string CommonParams(const FusedForwardProblem& p, int count, int absent, bo
   params.num_experts = p.num_experts;
   params.n_cap = p.n_cap;
   params.debug = p.debug;
-  return heuristics::FusedCopyHeadPercent(&params.copy_head_percent,
-                                          backward ? heuristics::kFusedBackwardCopyHeadPercent
-                                                   : heuristics::kFusedCopyHeadPercent);
+  // The forward's copy head (the backward's pass copies everything first, in token order).
+  return heuristics::FusedCopyHeadPercent(&params.copy_head_percent);
 }
 
 // Debug knob kFusedDebugSync: name a fault of this kernel here instead of at some later XLA
@@ -725,7 +798,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   // ~10 KB (tensor maps): on the heap, copied into the launch by cudaLaunchKernelEx.
   auto owned = std::make_unique<KernelParams>();
   KernelParams& params = *owned;
-  if (std::string err = CommonParams(p, count, absent, /*backward=*/false, params);
+  if (std::string err = CommonParams(p, count, absent, params);
       !err.empty())
     return err;
   const ep::WorkspaceLayout& L = ranks[0].view->layout;
@@ -852,7 +925,7 @@ std::string LaunchFusedBackward(const FusedBackwardRankOperands* ranks, int coun
            std::to_string(p.hidden) + " and " + std::to_string(p.ffn);
   auto owned = std::make_unique<KernelParams>();
   KernelParams& params = *owned;
-  if (std::string err = CommonParams(p, count, absent, /*backward=*/true, params);
+  if (std::string err = CommonParams(p, count, absent, params);
       !err.empty())
     return err;
   const ep::WorkspaceLayout& L = ranks[0].view->layout;

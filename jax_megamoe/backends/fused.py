@@ -256,6 +256,7 @@ def scratch_ints(tokens: int, experts: int, top_k: int) -> int:
 
 # fused_moe.h: kFusedPhases. "head copied": the copy plan's first rows, before the GEMMs;
 # "rows copied": the rest, by CTA 0's first copy warp beside the tiles (MEGAMOE_FUSED_COPY_HEAD).
+# The backward's pass copies all its rows before the GEMMs ("head copied").
 PHASES = ("start", "route", "counts exchanged", "slot positions", "head copied", "rows copied",
           "GEMM tiles done", "results here", "combine done")
 
@@ -540,9 +541,7 @@ def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=Non
   reason = layer_unavailable_reason(shape) or unavailable_reason(recipe)
   if reason is not None:
     raise ValueError(f"the fused kernel cannot take this layer: {reason}")
-  plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(recipe))
-  cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
-                    max_ctas(False), recipe=recipe)
+  cfg = _one_device_config(shape, recipe)
   ids, w = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
   if recipe is None:
     y, _, phases, _ = _fused_call(x, ids, w, w_gate_up, w_down, cfg)
@@ -568,9 +567,7 @@ def backward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
     reason = f"the backward's dh tiles need ffn a multiple of 256, got {shape.ffn}"
   if reason is not None:
     raise ValueError(f"the fused backward kernel cannot take this layer: {reason}")
-  plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(None))
-  cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
-                    max_ctas(False), kernel_backward=True)
+  cfg = dataclasses.replace(_one_device_config(shape, None), kernel_backward=True)
   ids, w = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
   forward = jax.jit(lambda *a: _fused_call(*a, cfg, residuals=True)[3])
   kept = forward(x, ids, w, w_gate_up, w_down)
@@ -582,6 +579,13 @@ def backward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
     return dx, phases
   return lambda dy: call(dy.astype(jnp.bfloat16), ids, w, kept.y_sorted, kept.gate_up,
                          w_gate_up, w_down)
+
+
+def _one_device_config(shape: LayerShape, recipe: str | None) -> FusedConfig:
+  """The breakdown benchmark's config: one rank on a local workspace, no mesh."""
+  plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(recipe))
+  return FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
+                     max_ctas(False), recipe=recipe)
 
 
 def _local_workspace(shape: LayerShape, n_cap: int) -> symmetric.SymmetricWorkspace:
