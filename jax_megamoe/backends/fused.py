@@ -175,10 +175,11 @@ def kernel_backward_requested() -> bool | None:
   """MEGAMOE_FUSED_BACKWARD, read when a FusedConfig is made: "1" the fused backward's kernel
   pass wherever it applies (bf16, F % 256 == 0; see _kernel_backward), "0" never (backend cuda's
   kernels on the forward's residuals), unset or "auto" (None): with several ranks only.
-  Measured on one H200 (benchmarks/RESULTS.md, session 20), 30B bf16 gradient pass: two virtual
-  ranks of 4,096 tokens 6.24 ms with it against 6.68 without; one rank of 16,384 tokens 8.22
-  against 7.96 (its w * dy copy and d topk_weights, 0.42 ms, run before the tiles, and its
-  kernel is 0.3 ms longer than cuda's dgrad core with the combine backward's kernels)."""
+  Measured on one H200 (benchmarks/RESULTS.md, session 21), bf16 gradient pass, 4,096 tokens
+  per virtual rank: 30B at R = 2 6.20 ms with it against 6.71 without, at R = 4 9.61 against
+  11.12; 235B at R = 2 21.75 against 21.95. At one rank of 16,384 tokens (30B) they tie (7.86
+  against 7.90 ms alone, 8.19 against 8.17 queued), and backend cuda's layer took 7.62 (session
+  20): so one rank keeps cuda's kernels."""
   value = os.environ.get("MEGAMOE_FUSED_BACKWARD", "auto")
   if value not in ("0", "1", "auto"):
     raise ValueError(f"MEGAMOE_FUSED_BACKWARD must be 0, 1 or auto, got {value!r}")
