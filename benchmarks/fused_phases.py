@@ -3,7 +3,7 @@ phases (backends.fused.PHASES); this prints the median duration of each phase ov
 calls of the layer benchmark's problem (EP=1, one GPU), beside the whole call's time.
 
   python3 benchmarks/fused_phases.py [--shapes 30b,235b] [--tokens 16384] [--reps 20]
-      [--recipe bf16|fp8|fp8_pow2] [--kernel-pass fwd|bwd] [--copy-heads 100,12,0]
+      [--recipe bf16|fp8|fp8_pow2] [--kernel-pass fwd|fwd-residuals|bwd] [--copy-heads 100,12,0]
       [--debug-bits 0,2] [--out F]
 
 --kernel-pass bwd prints the same phases for the fused backward's kernel pass (bf16), called
@@ -11,8 +11,12 @@ alone on the residuals of one forward: routing again, the w * dy rows' copy with
 ("head copied": all of it, in token order, and the arrivals released after the rank's barrier;
 the backward ignores MEGAMOE_FUSED_COPY_HEAD), "GEMM tiles done" for the dh and dx tiles, then
 the unweighted slot sum into dx.
+--kernel-pass fwd-residuals: the forward keeping the backward's residuals, as a training step's
+forward runs it (with one rank: gate_up stored by L1's epilogue, the pool and comb rows in XLA
+buffers).
 --debug-bits 0,2 compares MEGAMOE_FUSED_DEBUG values (2: no GEMM tile, the routing, copies and
-combine alone; 1: the first GEMM's tiles only), interleaved as --copy-heads.
+combine alone; 1: the first GEMM's tiles only; 4: no gate_up stored, with fwd-residuals: what
+that residual costs), interleaved as --copy-heads.
 
 The phases are seen from CTA 0 (the other CTAs' work overlaps the boundaries: "head copied" is
 CTA 0's share of the copy plan's head, before the GEMMs; "rows copied" ends when CTA 0's first
@@ -194,9 +198,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--debug-bits", default="",
                   help="comma-separated MEGAMOE_FUSED_DEBUG values to compare (fused_moe.h: "
                        "2 no GEMM tile, 1 no second GEMM), interleaved as --copy-heads")
-  ap.add_argument("--kernel-pass", default="fwd", choices=("fwd", "bwd"),
-                  help="whose phases: the forward's, or the fused backward's kernel pass alone "
-                       "(bf16; on residuals of one forward)")
+  ap.add_argument("--kernel-pass", default="fwd", choices=("fwd", "fwd-residuals", "bwd"),
+                  help="whose phases: the forward's, the forward keeping its residuals (a "
+                       "training step's), or the fused backward's kernel pass alone (bf16; on "
+                       "residuals of one forward)")
   ap.add_argument("--overhead", action="store_true",
                   help="also measure host/launch overhead of fused and cuda (see the doc)")
   ap.add_argument("--overhead-pass", default="fwd", choices=("fwd", "grad"),
@@ -222,7 +227,8 @@ def main(argv=None) -> dict:
       fn = lambda *_: bwd(dy)
     else:
       fn = jax.jit(functools.partial(fused.forward_with_phases,
-                                     recipe=None if args.recipe == "bf16" else args.recipe))
+                                     recipe=None if args.recipe == "bf16" else args.recipe,
+                                     residuals=args.kernel_pass == "fwd-residuals"))
     split = lambda text: [v.strip() for v in text.split(",") if v.strip()] or [None]
     variants = [(h, d) for h in split(args.copy_heads) for d in split(args.debug_bits)]
     walls = {v: [] for v in variants}

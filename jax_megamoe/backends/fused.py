@@ -533,10 +533,13 @@ def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig,
   return _fused_fp8_layer(x, ids, w, w_gate_up, w_down, blocks, cfg)
 
 
-def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=None):
+def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=None,
+                        residuals: bool = False):
   """One device, no mesh (for the breakdown benchmark): (y, phase clock [len(PHASES)] int32: ns
   from the kernel's start to the end of each of PHASES, on its CTA 0). Forward only; FP8
-  recipes: the kernel alone (rows and weights quantised before it, outside the clock)."""
+  recipes: the kernel alone (rows and weights quantised before it, outside the clock).
+  residuals: the kernel keeps the backward's residuals, as a training step's forward does (they
+  are written, then dropped)."""
   from jax_megamoe.validation import check_layer_args
   shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down)
   reason = layer_unavailable_reason(shape) or unavailable_reason(recipe)
@@ -545,12 +548,12 @@ def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=Non
   cfg = _one_device_config(shape, recipe)
   ids, w = topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32)
   if recipe is None:
-    y, _, phases, _ = _fused_call(x, ids, w, w_gate_up, w_down, cfg)
+    y, _, phases, _ = _fused_call(x, ids, w, w_gate_up, w_down, cfg, residuals=residuals)
     return y, phases
   rows = cuda_fp8.quantize_rows(x, pow2=cfg.pow2)
   blocks = quantized_weights(w_gate_up, w_down, cfg)
   y, _, phases, _ = _fused_call(
-      rows.q, ids, w, blocks.w_gate_up.q, blocks.w_down.q, cfg,
+      rows.q, ids, w, blocks.w_gate_up.q, blocks.w_down.q, cfg, residuals=residuals,
       fp8_scales=(rows.scale, blocks.w_gate_up.scale, blocks.w_down.scale))
   return y, phases
 
@@ -559,8 +562,8 @@ def backward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
   """One device, no mesh (for the breakdown benchmark): runs the forward once in residual mode
   and returns bwd(dy) -> (dx, phase clock [len(PHASES)] int32), the fused backward's kernel pass
   alone on those residuals (bf16, F % 256 == 0; the wgrads after it are not run). Its phases:
-  routing again, the head of the w * dy copy, the rest beside the dh and dx tiles, the results,
-  then the unweighted slot sum into dx."""
+  routing again, the w * dy copy (all of it before the tiles, in token order: "head copied"),
+  the dh and dx tiles, the results, then the unweighted slot sum into dx."""
   from jax_megamoe.validation import check_layer_args
   shape = check_layer_args(x, topk_ids, topk_weights, w_gate_up, w_down)
   reason = layer_unavailable_reason(shape)
