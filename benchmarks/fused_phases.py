@@ -197,7 +197,8 @@ def main(argv=None) -> dict:
                        "call by call); empty: the kernel's default only")
   ap.add_argument("--debug-bits", default="",
                   help="comma-separated MEGAMOE_FUSED_DEBUG values to compare (fused_moe.h: "
-                       "2 no GEMM tile, 1 no second GEMM), interleaved as --copy-heads")
+                       "2 no GEMM tile, 1 no second GEMM, 4 no gate_up residual), interleaved "
+                       "as --copy-heads")
   ap.add_argument("--kernel-pass", default="fwd", choices=("fwd", "fwd-residuals", "bwd"),
                   help="whose phases: the forward's, the forward keeping its residuals (a "
                        "training step's), or the fused backward's kernel pass alone (bf16; on "
