@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import AxisType
 
 import jax_megamoe as jm
-from jax_megamoe import virtual_ranks
+from jax_megamoe import fp8, virtual_ranks
 from jax_megamoe.backends import fused
 from jax_megamoe.validation import check_layer_args
 import ep_helpers
@@ -169,7 +169,9 @@ def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor
   same packed e4m3 rows) lays out, which the backward ran before them: masked slots, a token's
   repeated expert (dropped as a repeat) and, with capacity_factor, rows dropped at capacity
   (SLOT_DROPPED where the expert is the rank's, SLOT_NOT_ROUTED where not). 300 tokens per rank
-  over 24 experts: several M-tiles per expert, a chunk count not a multiple of 32."""
+  over 24 experts: several M-tiles per expert, a chunk count not a multiple of 32. The kept
+  gate_up is those rows times the rank's weights (FP8: their dequantised values) within bf16
+  rounding: L1 stores it by TMA where a warpgroup's 64 rows are full, row by row where not."""
   from jax_megamoe.backends import cuda_ep, cuda_fp8
   tokens, experts, top_k = 300, 24, 4
   x, distinct, w, wgu, wd, _ = _inputs(41 + num_ranks, num_ranks * tokens, experts, top_k,
@@ -191,6 +193,7 @@ def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor
       _, _, _, kept = fused._fused_call(x, ids, w, w_gu, w_dn, cfg, residuals=True)
       d = cuda_ep.dispatch_rows(x, ids, w, ep, plan.n_cap)
       want_rows = d.x_sorted
+      w_l1 = w_gu.astype(jnp.float32)
     else:  # as _fp8_call, and as the backward's FP8 dispatch did before
       quantize = lambda a: cuda_fp8.quantize_rows(a, pow2=cfg.pow2)
       rows, blocks = ep.per_rank(quantize, x), fused.quantized_weights(w_gu, w_dn, cfg)
@@ -200,11 +203,12 @@ def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor
       d = cuda_ep.dispatch_rows(ep.per_rank(lambda a: cuda_fp8.pack_rows(quantize(a)), x), ids,
                                 w, ep, plan.n_cap)
       want_rows = ep.per_rank(lambda p: cuda_fp8.unpack_rows(p, HIDDEN), d.x_sorted)
+      w_l1 = jax.vmap(lambda q: fp8.dequantize_weight_blocks(q.q, q.scale))(blocks.w_gate_up)
     slot_pos, recv_w = fused.expert_rank_tables(kept.slot_dest, ids, w, cfg)
-    return kept.x_sorted, kept.group_sizes, slot_pos, recv_w, d, want_rows
+    return kept.x_sorted, kept.group_sizes, slot_pos, recv_w, d, want_rows, kept.gate_up, w_l1
 
   _poison()
-  rows, sizes, slot_pos, recv_w, d, want_rows = jax.jit(both)(
+  rows, sizes, slot_pos, recv_w, d, want_rows, gate_up, w_l1 = jax.jit(both)(
       stack(x), stack(ids).astype(jnp.int32), stack(w).astype(jnp.float32), w_gu, w_dn)
   np.testing.assert_array_equal(np.asarray(sizes), np.asarray(d.group_sizes))
   want_pos = np.asarray(d.slot_pos)
@@ -224,6 +228,15 @@ def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor
                                     f"rank {r}")
       np.testing.assert_array_equal(np.asarray(rows.scale[r, :n]),
                                     np.asarray(want_rows.scale[r, :n]), f"rank {r}")
+    a = np.asarray(rows[r, :n] if recipe is None else cuda_fp8.dequantize_rows(
+        cuda_fp8.QuantizedRows(rows.q[r, :n], rows.scale[r, :n]), jnp.float32), np.float64)
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(sizes[r]))])
+    want = np.concatenate([a[offsets[e]:offsets[e + 1]] @ np.asarray(w_l1[r, e], np.float64)
+                           for e in range(len(offsets) - 1)])
+    got = np.asarray(gate_up[r, :n], np.float64)
+    assert np.isfinite(got).all(), f"rank {r}: gate_up rows left unwritten"
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max(),
+                               err_msg=f"rank {r} gate_up")
   ws.close()
 
 

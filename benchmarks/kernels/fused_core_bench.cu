@@ -216,6 +216,7 @@ static Params MakeParams(DeviceProblem& d, const Variant& v, int xi, bool b_kmaj
   l2.a_load = int32_t(ALoad::kTmaBlock);
   prm.h = d.h;
   prm.gate_up = v.gate_up ? d.gu : nullptr;
+  if (v.gate_up) CheckStr(MakeRowMajorTensorMap(&prm.gate_up_map, d.gu, R, 2 * F, 2 * F, 64, 64));
   prm.f = int(F);
   prm.l1_raw_gate = v.raw_gate ? 1 : 0;
   prm.bench_skip_epilogue = v.skip_epi;

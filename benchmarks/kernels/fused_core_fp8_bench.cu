@@ -256,6 +256,8 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
   prm.pow2 = pow2 ? 1 : 0;
   prm.l2_dest = IndexedRowDest{d_y, d_dest, H};
   prm.gate_up = d_gu;
+  if (d_gu != nullptr)
+    CheckStr(MakeRowMajorTensorMap(&prm.gate_up_map, d_gu, pool_rows, 2 * F, 2 * F, 64, 64));
 
   const size_t smem = sizeof(KernelStorage);
   CK(cudaFuncSetAttribute(Fp8CoreKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -45,7 +45,7 @@
 //   warps 4..11   two consumer warpgroups: wgmma mainloop, fp32 accumulators (128 regs), then
 //                 the epilogue: SwiGLU or plain cast into staging smem, and each warpgroup
 //                 writes its 64 rows with 16-byte generic stores (whole 16-byte vectors, any
-//                 address, a peer's over NVLink too).
+//                 address, a peer's over NVLink too); L1's residual gate_up by TMA stores.
 //
 // Epilogue staging lives inside the stage ring: the consumers keep the stages of a tile's last
 // two K-blocks (warpgroup 0 the last, warpgroup 1 the one before: 48 KB each), stage their bf16
@@ -54,7 +54,9 @@
 // slot is 64 rows x 128 columns bf16, 256 B per row, 16-byte chunks XOR-swizzled by row % 8
 // (conflict-free for the fragment writes and the row reads): slots 0, 1 = the B region of the
 // warpgroup's stage, slot 2 = its A region. L1: h -> 0, gate -> 1, up -> 2; L2: columns
-// 0..127 -> 0, 128..255 -> 1.
+// 0..127 -> 0, 128..255 -> 1. Gate and up are laid out for TMA instead (kTmaHalfBytes): two
+// 64-column halves of 64 rows x 128 B each, the same XOR swizzle. One thread stores them with
+// four {64, 64} boxes, and the stage goes back once TMA has read them, not written them.
 //
 // Synchronisation (mbarriers + two named barriers):
 //   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps)
@@ -103,9 +105,9 @@
 // scale = Fp8BlockScale (ffi/layout/fp8_blocks.h), e4m3 = satfinite(h / scale), the rule of
 // ffi/impls/fp8_quantize.cu bit for bit; h stored as e4m3 rows [rows, F] and its scales into
 // h_scale [F/128, pitch] (L2's A and A scales), and, when gate_up is given (residuals), the
-// bf16 gate_up rows as bf16's epilogue stores them. A tile whose K is one stage (K = 128) still
-// takes two stages of the ring (the second carries no data) so that the epilogue has its two
-// staging stages.
+// bf16 gate_up rows as bf16's epilogue stores them (store_gate_up). A tile whose K is one stage
+// (K = 128) still takes two stages of the ring (the second carries no data) so that the
+// epilogue has its two staging stages.
 //
 // Backward (engine kDgrad, bf16, B K-major): the two dgrad GEMMs of the MLP, which read the
 // forward's stored weights K-major (no transposed copy: FUSED_BACKWARD_PLAN.md):
@@ -204,6 +206,9 @@ struct NoHooks {
 template <class RowDest>
 struct alignas(128) EngineParams {
   GemmOperands op[2];     // [kL1GateUp], [kL2Down]
+  // With gate_up: its TMA map, [rows, 2f] bf16, box {64, 64}, 128B swizzle
+  // (MakeRowMajorTensorMap(map, gate_up, rows, 2f, 2f, 64, 64)): L1 stores it by TMA.
+  CUtensorMap gate_up_map;
   __nv_bfloat16* h;       // L1 output [rows, f]
   __nv_bfloat16* gate_up; // optional L1 output [rows, 2f] (nullptr: not stored)
   int32_t f;              // F (L1 gate/up split, h width), a multiple of 128
@@ -280,6 +285,12 @@ __device__ __forceinline__ void wgmma_call(uint64_t da, uint64_t db, float (&d)[
 
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// The thread's TMA stores (bulk groups) complete, their global writes included
+// (cute::tma_store_wait waits for their shared-memory reads only).
+__device__ __forceinline__ void bulk_store_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 __device__ __forceinline__ void st_shared_b16(uint32_t addr, uint16_t v) {
@@ -471,6 +482,10 @@ struct Sm90MoeTileEngine {
   static_assert(kABytes == 16384 && kBBytes == 32768, "both element types share the stage sizes");
   static constexpr int kSlotRowBytes = 256;              // 128 bf16 columns per staging slot
   static constexpr int kSlotBytes = 64 * kSlotRowBytes;  // 16 KB
+  // L1's gate and up slots (residuals) are stored by TMA: each holds two 64-column halves of
+  // 64 rows x 128 B, 16-byte chunks XOR-swizzled by row % 8, which is what a {64, 64} box with
+  // 128B swizzle reads (every slot starts 1024-aligned).
+  static constexpr int kTmaHalfBytes = 64 * 128;  // 8 KB
 
   struct alignas(1024) SharedStorage {
     alignas(1024) uint8_t a[kStages][kABytes];
@@ -814,17 +829,62 @@ struct Sm90MoeTileEngine {
     }
   }
 
+  // L1's residual gate_up of one consumer warpgroup, staged in slots 1 (gate) and 2 (up) in the
+  // TMA layout (kTmaHalfBytes) and made visible to the async proxy before the warpgroup's
+  // barrier. A warpgroup whose 64 rows all lie in the tile hands them to TMA: thread 0 issues
+  // four {64, 64} boxes and returns true; it must wait for their shared-memory reads
+  // (cute::tma_store_wait<0>) before the stage goes back. The stores themselves then drain
+  // while the next tile runs: stored from registers, the proxy fence before the release waited
+  // for them (+0.94 ms of the 235B one-rank forward, RESULTS session 21). A part-filled
+  // warpgroup (an expert's last tile) stores its rows with 16-byte stores, rows t / 16 + 8 k,
+  // chunk t % 16, as the staged slots are read elsewhere; the rows past the tile belong to the
+  // next expert, so no box may write them.
+  template <class Params>
+  __device__ static bool store_gate_up(SharedStorage& ss, const Params& p, const ExpertTile& job,
+                                       const uint32_t (&slot_base)[3], int s_w, int wg, int t) {
+    const int row0 = 64 * wg;
+    if (p.bench_skip_epilogue == 2) return false;
+    if (job.rows >= row0 + 64) {
+      if (t != 0) return false;
+      uint8_t* const slot_ptr[2] = {ss.b[s_w] + kSlotBytes, ss.a[s_w]};
+#pragma unroll
+      for (int sl = 0; sl < 2; ++sl)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          cute::SM90_TMA_STORE_2D::copy(&p.gate_up_map, slot_ptr[sl] + half * kTmaHalfBytes,
+                                        (sl == 1 ? p.f : 0) + job.n_block * 128 + half * 64,
+                                        job.row_begin + row0);
+      cute::tma_store_arrive();
+      return true;
+    }
+    const int r0 = t >> 4, chunk = t & 15;
+#pragma unroll
+    for (int sl = 1; sl < 3; ++sl) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const int r = r0 + 8 * k;
+        if (row0 + r >= job.rows) continue;
+        const uint4 val = detail::ld_shared_v4(
+            slot_base[sl] + uint32_t(chunk >> 3) * kTmaHalfBytes + uint32_t(r) * 128 +
+            ((uint32_t(chunk & 7) ^ uint32_t(r & 7)) << 4));
+        detail::st_global_v4(p.gate_up + int64_t(job.row_begin + row0 + r) * 2 * p.f +
+                                 (sl == 2 ? p.f : 0) + job.n_block * 128 + chunk * 8,
+                             val);
+      }
+    }
+    return false;
+  }
+
   // FP8 L1 epilogue of one consumer warpgroup: h (hv: this thread's bf16 pairs, as the bf16
   // epilogue stages them) quantised in 1 x 128 blocks (the tile's 128 h columns of a row sit in
   // one quad of lanes), e4m3 staged in slot 0 (64 rows x 128 B at a 256 B pitch, 16-byte chunks
   // XOR-swizzled by row % 8), the scales stored; with p.gate_up (residuals) the bf16 gate and up
-  // staged by the caller in slots 1 and 2 are stored first (slot by slot, as bf16's three-slot
-  // epilogue); then the stage s_w is handed back and the h rows stored.
+  // staged by the caller in slots 1 and 2 go out first (store_gate_up); then the stage s_w is
+  // handed back and the h rows stored.
   template <class Params>
   __device__ static void epilogue_h_fp8(SharedStorage& ss, const Params& p, const ExpertTile& job,
                                         const uint32_t (&hv)[32], const uint32_t (&slot_base)[3],
-                                        int s_w, int wg, int warp_in_wg, int lane, int t,
-                                        int rd_row0, int rd_chunk, uint32_t rd_off) {
+                                        int s_w, int wg, int warp_in_wg, int lane, int t) {
     const uint32_t slot = slot_base[0];
     float scale[2];
     bool fast_div = true;  // "fp8": every block of this thread has a scale where DivByScale holds
@@ -870,21 +930,11 @@ struct Sm90MoeTileEngine {
       if ((lane & 3) == 0 && r < job.rows && p.bench_skip_epilogue != 2)
         p.h_scale[int64_t(job.n_block) * p.h_scale_pitch + job.row_begin + r] = scale[hh];
     }
+    // gate_up's slots (written by the caller) are read by TMA: generic writes -> async proxy.
+    if (p.gate_up != nullptr) cutlass::arch::fence_view_async_shared();
     detail::named_barrier_sync(kFirstWgBarrier + wg, 128);
-    if (p.gate_up != nullptr) {
-      // gate_up row r: gate at n_block * 128, up at F + n_block * 128 (bf16 staging layout).
-      for (int sl = 1; sl < 3; ++sl) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const uint4 val = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
-          const int r = 64 * wg + rd_row0 + 8 * k;
-          if (r < job.rows && p.bench_skip_epilogue != 2)
-            detail::st_global_v4(p.gate_up + int64_t(job.row_begin + r) * 2 * p.f +
-                                     (sl == 2 ? p.f : 0) + job.n_block * 128 + rd_chunk * 8,
-                                 val);
-        }
-      }
-    }
+    const bool gate_up_tma =
+        p.gate_up != nullptr && store_gate_up(ss, p, job, slot_base, s_w, wg, t);
     // 8 lanes per 128-byte row (chunk t % 8), rows t / 8 + 16 k.
     const int chunk = t & 7, row0 = t >> 3;
     uint4 v[4];
@@ -893,6 +943,7 @@ struct Sm90MoeTileEngine {
       v[k] = detail::ld_shared_v4(slot + uint32_t(row0 + 16 * k) * kSlotRowBytes +
                                   ((uint32_t(chunk) ^ uint32_t(row0 & 7)) << 4));
     cutlass::arch::fence_view_async_shared();
+    if (gate_up_tma) cute::tma_store_wait<0>();  // TMA has read gate_up's slots
     __syncwarp();
     if (lane == 0) detail::mbar_arrive_cnt(&ss.empty[s_w], 2);  // 4 warps x 2 = 8
 #pragma unroll
@@ -960,6 +1011,9 @@ struct Sm90MoeTileEngine {
     const uint32_t frag_off = uint32_t(warp_in_wg * 16 + (lane >> 2)) * kSlotRowBytes +
                               uint32_t(lane & 3) * 4;
     const uint32_t frag_sw = uint32_t(lane >> 2);
+    const uint32_t frag_off_tma = uint32_t(warp_in_wg * 16 + (lane >> 2)) * 128 +
+                                  uint32_t(lane & 3) * 4;
+    if (p.gate_up != nullptr && t == 0) cute::prefetch_tma_descriptor(&p.gate_up_map);
     // Row reads: rows (t / 16) + 8 k (k = 0..7), chunk t % 16; row % 8 = (t / 16) % 8.
     const int rd_row0 = t >> 4;
     const int rd_chunk = t & 15;
@@ -1076,6 +1130,19 @@ struct Sm90MoeTileEngine {
                                   v(ii, hh));
         }
       };
+      // The same fragments into a TMA-layout slot (L1's gate and up: kTmaHalfBytes): columns
+      // 8 ii .. in half ii / 8, chunk (ii % 8) ^ (row % 8) of the row's 128 bytes.
+      auto put_tma = [&](int sl, auto&& v) {
+        const uint32_t base = slot_base[sl] + frag_off_tma;
+#pragma unroll
+        for (int ii = 0; ii < 16; ++ii) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            detail::st_shared_b32(base + uint32_t(ii >> 3) * kTmaHalfBytes + hh * 8 * 128 +
+                                      ((uint32_t(ii & 7) ^ frag_sw) << 4),
+                                  v(ii, hh));
+        }
+      };
       auto acc_pair = [&](int col8, int hh) {  // accumulator columns 8 col8 + 2 (lane % 4) + {0, 1}
         return detail::pack_bf16x2(acc[4 * col8 + 2 * hh], acc[4 * col8 + 2 * hh + 1]);
       };
@@ -1127,19 +1194,19 @@ struct Sm90MoeTileEngine {
             }
             if constexpr (kFp8) {
               if (p.gate_up != nullptr) {  // residual gate_up, staged beside h (slots 1, 2)
-                put(1, [&](int ii, int hh) { return acc_pair(ii, hh); });
-                put(2, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
+                put_tma(1, [&](int ii, int hh) { return acc_pair(ii, hh); });
+                put_tma(2, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
               }
-              epilogue_h_fp8(ss, p, job, hv, slot_base, s_w, wg, warp_in_wg, lane, t, rd_row0,
-                             rd_chunk, rd_off);
+              epilogue_h_fp8(ss, p, job, hv, slot_base, s_w, wg, warp_in_wg, lane, t);
               Barrier::arrive(&ss.stored[slot]);
               continue;
             }
             put(0, [&](int ii, int hh) { return hv[2 * ii + hh]; });
           }
-          if (nslots == 3) {
-            put(1, [&](int ii, int hh) { return acc_pair(ii, hh); });
-            put(2, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
+          if (nslots == 3) {  // gate_up's slots are read by TMA: generic writes -> async proxy
+            put_tma(1, [&](int ii, int hh) { return acc_pair(ii, hh); });
+            put_tma(2, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
+            cutlass::arch::fence_view_async_shared();
           }
         } else {
           put(0, [&](int ii, int hh) { return acc_pair(ii, hh); });
@@ -1148,9 +1215,10 @@ struct Sm90MoeTileEngine {
         detail::named_barrier_sync(kFirstWgBarrier + wg, 128);
       }
       // Each row of a slot is 256 contiguous bytes of the destination row: 16 lanes per row,
-      // 2 rows per warp instruction. Slot by slot (h; L2's two column halves; L1's gate and up
-      // with gate_up): a thread's 8 vectors of the slot read and stored, then the stage handed
-      // back to the producer (the proxy fence orders the generic reads before the TMA refill).
+      // 2 rows per warp instruction. Slot by slot (h; L2's two column halves): a thread's 8
+      // vectors of the slot read and stored, then the stage handed back to the producer (the
+      // proxy fence orders the generic reads before the TMA refill). L1's gate and up
+      // (residuals) go first, by TMA (store_gate_up).
       // Reading both of L2's slots into registers first, so that the fence had no stores to
       // wait for, spilled them to local memory (64 registers; 104 B of bf16 stack, 352 B of
       // FP8; the spills go to L2, the smem carve-out leaving little L1): slot by slot measured
@@ -1161,12 +1229,11 @@ struct Sm90MoeTileEngine {
         const int r = 64 * wg + rd_row0 + 8 * k;
         __nv_bfloat16* d = ss.row_dst[slot][r];
         if (d == nullptr) return nullptr;
-        if (l1 && sl > 0)  // gate_up row: gate at n_block * 128, up at F + n_block * 128
-          return p.gate_up + int64_t(job.row_begin + r) * 2 * p.f + (sl == 2 ? p.f : 0) +
-                 job.n_block * 128 + rd_chunk * 8;
         return d + (l1 ? 0 : sl * 128) + rd_chunk * 8;
       };
       const int read_slots = p.bench_skip_epilogue == 3 ? 0 : nslots;
+      const bool gate_up_tma =
+          l1 && read_slots == 3 && store_gate_up(ss, p, job, slot_base, s_w, wg, t);
       if (read_slots > 0 && !dh_tile) {
         // The rows' destinations (the signaller's); uses_row_dst must agree with this path.
         if (!uses_row_dst(p, job)) __trap();
@@ -1176,7 +1243,8 @@ struct Sm90MoeTileEngine {
         if (dh_tile)
           epilogue_swiglu_backward(p, job, slot_base, read_slots, wg, rd_row0, rd_chunk, rd_off);
       }
-      for (int sl = 0; sl < (dh_tile ? 0 : read_slots); ++sl) {  // (dh tiles: above)
+      const int generic_slots = dh_tile ? 0 : l1 ? (read_slots > 0 ? 1 : 0) : read_slots;
+      for (int sl = 0; sl < generic_slots; ++sl) {  // (dh tiles: above; gate_up: store_gate_up)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const uint4 val = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
@@ -1193,10 +1261,13 @@ struct Sm90MoeTileEngine {
         }
       }
       cutlass::arch::fence_view_async_shared();
+      if (gate_up_tma) cute::tma_store_wait<0>();  // TMA has read gate_up's slots
       __syncwarp();
       if (lane == 0) release_stage(ss, s_w, 2);  // 4 warps x 2 = 8
       Barrier::arrive(&ss.stored[slot]);
     }
+    // gate_up's TMA stores complete before the kernel's blocks may exit.
+    if (p.gate_up != nullptr && t == 0) detail::bulk_store_wait_all();
   }
 
   // A math warp hands stage s back (bf16 path): `count` arrivals on this CTA's empty[s] and,

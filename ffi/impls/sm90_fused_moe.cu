@@ -857,9 +857,6 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
         return "fused forward: " + err;
       }
       ep_.h = static_cast<__nv_bfloat16*>(o.h);
-      // nullptr: not stored (debug knob kFusedDebugNoGateUp: not stored even when kept).
-      ep_.gate_up = (p.debug & kFusedDebugNoGateUp) ? nullptr
-                                                    : static_cast<__nv_bfloat16*>(o.gate_up);
     } else {
       // e4m3, K-major: A rows [rows, K], B the quantised weights [E/R * N, K]; boxes of 128 K
       // bytes x 128 rows; the scales K-block-major, boxes of 128 rows.
@@ -884,13 +881,20 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
       l2.b_scale = o.w_down_scale;
       l2.n = static_cast<int32_t>(H);
       ep_.h = nullptr;
-      // nullptr: not stored (debug knob kFusedDebugNoGateUp: not stored even when kept).
-      ep_.gate_up = (p.debug & kFusedDebugNoGateUp) ? nullptr
-                                                    : static_cast<__nv_bfloat16*>(o.gate_up);
       ep_.h_q = static_cast<uint8_t*>(o.h);
       ep_.h_scale = o.h_scale;
       ep_.h_scale_pitch = h_scale_pitch;
       ep_.pow2 = p.pow2;
+    }
+    // nullptr: not stored (debug knob kFusedDebugNoGateUp: not stored even when kept). L1
+    // stores it by TMA, {64, 64} boxes (both recipes keep it in bf16).
+    ep_.gate_up = (p.debug & kFusedDebugNoGateUp) ? nullptr
+                                                  : static_cast<__nv_bfloat16*>(o.gate_up);
+    if (ep_.gate_up != nullptr &&
+        !(err = MakeRowMajorTensorMap(&ep_.gate_up_map, ep_.gate_up, p.n_cap, 2 * F, 2 * F, 64,
+                                      64))
+             .empty()) {
+      return "fused forward: " + err;
     }
     l1.k = static_cast<int32_t>(H);
     l1.a_load = static_cast<int32_t>(sm90::ALoad::kTmaBlock);
