@@ -72,4 +72,37 @@ __device__ __forceinline__ void WarpSlotSum(unsigned valid, int row_j, float w_j
   }
 }
 
+// One slot of one token in the combine backward, over one chunk (vectors c0 + u * 32 + lane):
+// w * g stored to drow (g: the token's dy vectors, loaded once for all its slots) and the warp's
+// sum of <g, y> over the chunk returned to every lane (y: the slot's forward output row). Per
+// lane an fma chain over the chunk, then a butterfly over the warp. Backend cuda's
+// CombineBwdRecvKernel and the fused backward's CopyTokenSlots both run it, so that their
+// d topk_weights agree bit for bit.
+template <typename T, int kVecs>
+__device__ __forceinline__ float WarpSlotScaleDot(const uint4 (&gv)[kVecs],
+                                                  const uint4 (&yv)[kVecs], float w,
+                                                  uint4* drow, int c0, int nvec) {
+  constexpr int N = Vec16<T>::kElems;
+  const int lane = threadIdx.x & 31;
+  float dot = 0.f;
+#pragma unroll
+  for (int u = 0; u < kVecs; ++u) {
+    const int c = c0 + u * 32 + lane;
+    if (c < nvec) {
+      float gf[N], yf[N], df[N];
+      Unpack(gv[u], gf, static_cast<const T*>(nullptr));
+      Unpack(yv[u], yf, static_cast<const T*>(nullptr));
+#pragma unroll
+      for (int q = 0; q < N; ++q) {
+        df[q] = w * gf[q];
+        dot = fmaf(gf[q], yf[q], dot);
+      }
+      drow[c] = Pack(df, static_cast<const T*>(nullptr));
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+  return dot;
+}
+
 }  // namespace megamoe::ep

@@ -145,7 +145,6 @@ __global__ void __launch_bounds__(kCombineThreads)
                          const int* __restrict__ group_sizes, int experts_per_rank,
                          T* __restrict__ dy, float* __restrict__ d_weights, int num_tokens,
                          int hidden, int top_k, int n_cap) {
-  constexpr int N = Vec16<T>::kElems;
   const int region = kRegionDispatch;
   const WorkspaceLayout& L = v.layout;
   const unsigned long long uses = LoadUses(v, region);
@@ -207,24 +206,7 @@ __global__ void __launch_bounds__(kCombineThreads)
           const int c = c0 + u * 32 + lane;
           if (c < nvec) yv[u] = __ldg(yrow + c);
         }
-        float dot = 0.f;
-#pragma unroll
-        for (int u = 0; u < kCombineUnroll; ++u) {
-          const int c = c0 + u * 32 + lane;
-          if (c < nvec) {
-            float gf[N], yf[N], df[N];
-            Unpack(gv[u], gf, static_cast<const T*>(nullptr));
-            Unpack(yv[u], yf, static_cast<const T*>(nullptr));
-#pragma unroll
-            for (int q = 0; q < N; ++q) {
-              df[q] = w * gf[q];
-              dot = fmaf(gf[q], yf[q], dot);
-            }
-            drow[c] = Pack(df, static_cast<const T*>(nullptr));
-          }
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        const float dot = WarpSlotScaleDot<T>(gv, yv, w, drow, c0, nvec);
         if (lane == j) dot_j += dot;
       }
     }

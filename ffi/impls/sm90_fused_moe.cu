@@ -294,24 +294,8 @@ __device__ __forceinline__ void CopyTokenSlots(const KernelParams& P, const Rank
         const float w = __shfl_sync(0xffffffffu, w_j, j);
         uint4* drow = reinterpret_cast<uint4*>(A.pool[__shfl_sync(0xffffffffu, rank_j, j)]) +
                       static_cast<size_t>(__shfl_sync(0xffffffffu, dest_j, j)) * nvec;
-        float dot = 0.f;
-#pragma unroll
-        for (int u = 0; u < kV; ++u) {
-          const int c = c0 + u * 32 + lane;
-          if (c < nvec) {
-            float gf[8], yf[8], df[8];
-            ep::Unpack(gv[u], gf, static_cast<const __nv_bfloat16*>(nullptr));
-            ep::Unpack(yv[u], yf, static_cast<const __nv_bfloat16*>(nullptr));
-#pragma unroll
-            for (int q = 0; q < 8; ++q) {
-              df[q] = w * gf[q];
-              dot = fmaf(gf[q], yf[q], dot);
-            }
-            drow[c] = ep::Pack(df, static_cast<const __nv_bfloat16*>(nullptr));
-          }
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        const float dot =
+            ep::WarpSlotScaleDot<__nv_bfloat16>(gv, yv, w, drow, c0, nvec);
         if (lane == j) total += dot;
       };
       const auto load_y = [&](int j, uint4 (&yv)[kV]) {
