@@ -473,14 +473,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   // rows, and a lead for the copy warps, which copy the rest beside the tiles (phase 5).
   // Backward: the whole copy, in token order, then the arrivals after the rank's barrier (every
   // CTA calls it, copying or not; measured: RESULTS.md session 21).
-  const int head = kBwd ? S.totals.copy_rows
-                        : static_cast<int>(static_cast<int64_t>(S.totals.copy_rows) *
-                                           P.copy_head_percent / 100);
+  const int copy_rows = S.totals.copy_rows;
+  const int copy_head = kBwd ? 0  // (the forward's only)
+                             : static_cast<int>(static_cast<int64_t>(copy_rows) *
+                                                P.copy_head_percent / 100);
   if constexpr (kBwd) {
     if (copying) CopyTokenSlots(P, A, gwarp, nwarps);
-    if (ep::RankBarrier(v, G) && copying) ReleaseCopiedArrivals(A, head, gwarp, nwarps);
+    if (ep::RankBarrier(v, G) && copying) ReleaseCopiedArrivals(A, copy_rows, gwarp, nwarps);
   } else {
-    if (copying) CopyPlannedRows<Eng, kHeadChunkRows>(P, A, 0, head, gwarp, nwarps);
+    if (copying) CopyPlannedRows<Eng, kHeadChunkRows>(P, A, 0, copy_head, gwarp, nwarps);
   }
   mark(4);
 
@@ -520,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int w = warp - kFirstCopyWarp;
       if constexpr (!kBwd) {
         if (copying) {
-          CopyPlannedRows<Eng, kCopyChunkRows>(P, A, head, S.totals.copy_rows,
+          CopyPlannedRows<Eng, kCopyChunkRows>(P, A, copy_head, S.totals.copy_rows,
                                                cta * kCopyWarps + w, G * kCopyWarps);
         }
       }
