@@ -104,6 +104,22 @@ def test_available_and_picked_by_auto(monkeypatch):
   assert jm.backends.resolve("auto", shape=shape).NAME == "cuda"
 
 
+def _fused_layer_of(num_ranks, tokens, top_k, hidden=HIDDEN, recipe=None):
+  """(layer, workspace or None): backend fused at one rank, or a virtual group of num_ranks
+  ranks of `tokens` tokens each, on token-major [num_ranks * tokens, ..] arguments."""
+  if num_ranks == 1:
+    return (lambda *a: jm.moe(*a, backend="fused", recipe=recipe)), None
+  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=hidden, top_k=top_k,
+                                      dtype=jnp.bfloat16, fused_rows=num_ranks * tokens * top_k)
+
+  def layer(x, ids, w, wgu, wd):
+    stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
+    y = virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws,
+                                recipe=recipe)
+    return y.reshape(num_ranks * tokens, -1)
+  return layer, ws
+
+
 @pytest.mark.parametrize("tokens, experts, top_k, kind", [
     (1000, 8, 2, "uniform"),     # ~250 rows per expert: two M-tiles each, the last partial
     (300, 24, 4, "masked"),      # 300 tokens: not a multiple of the 32-token chunk
@@ -258,14 +274,7 @@ def test_virtual_ranks_backward_on_the_dgrad_core(monkeypatch, num_ranks):
   tokens, experts, top_k, hidden, ffn = 200, 16, 4, 512, 256
   args = _inputs(31 + num_ranks, num_ranks * tokens, experts, top_k, "masked", hidden=hidden,
                  ffn=ffn)
-  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=hidden, top_k=top_k,
-                                      dtype=jnp.bfloat16, fused_rows=num_ranks * tokens * top_k)
-
-  def layer(x, ids, w, wgu, wd):
-    stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
-    return virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd,
-                                   workspace=ws).reshape(num_ranks * tokens, -1)
-
+  layer, ws = _fused_layer_of(num_ranks, tokens, top_k, hidden=hidden)
   jax.clear_caches()  # a recorded CUDA graph replays without the handler (no count)
   before = _ffi.launch_counts()["moe_dgrad_core"]
   first = _check(layer, args)
@@ -356,35 +365,12 @@ def test_copy_before_or_beside_the_gemms_changes_no_bit(monkeypatch, num_ranks, 
 def test_virtual_ranks_match_reference(num_ranks, kind):
   tokens, experts, top_k = 160, 24, 4
   args = _inputs(num_ranks * 7 + len(kind), num_ranks * tokens, experts, top_k, kind)
-  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=HIDDEN, top_k=top_k,
-                                      dtype=jnp.bfloat16,
-                                      fused_rows=num_ranks * tokens * top_k)
-
-  def layer(x, ids, w, wgu, wd):
-    stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
-    y = virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws)
-    return y.reshape(num_ranks * tokens, -1)
-
+  layer, ws = _fused_layer_of(num_ranks, tokens, top_k)
   first = _check(layer, args)
   second = _value_and_grads(layer, *args)
   np.testing.assert_array_equal(np.asarray(first[0], np.float32),
                                 np.asarray(second[0], np.float32))
   ws.close()
-
-
-def _fused_layer_of(num_ranks, tokens, top_k, hidden=HIDDEN):
-  """(layer, workspace or None): backend fused at one rank, or a virtual group of num_ranks
-  ranks of `tokens` tokens each, on token-major [num_ranks * tokens, ..] arguments."""
-  if num_ranks == 1:
-    return (lambda *a: jm.moe(*a, backend="fused")), None
-  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=hidden, top_k=top_k,
-                                      dtype=jnp.bfloat16, fused_rows=num_ranks * tokens * top_k)
-
-  def layer(x, ids, w, wgu, wd):
-    stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
-    y = virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws)
-    return y.reshape(num_ranks * tokens, -1)
-  return layer, ws
 
 
 @pytest.mark.parametrize("num_ranks, tokens, experts, top_k, kind", [
@@ -610,16 +596,7 @@ def test_fp8_virtual_ranks_match_emulation(num_ranks, kind, recipe):
   tokens, experts, top_k = 160, 24, 4
   args = _inputs(num_ranks * 11 + len(kind), num_ranks * tokens, experts, top_k, kind,
                  hidden=512, ffn=256)
-  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=512, top_k=top_k,
-                                      dtype=jnp.bfloat16,
-                                      fused_rows=num_ranks * tokens * top_k)
-
-  def layer(x, ids, w, wgu, wd):
-    stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
-    y = virtual_ranks.fused_moe(stack(x), stack(ids), stack(w), wgu, wd, workspace=ws,
-                                recipe=recipe)
-    return y.reshape(num_ranks * tokens, -1)
-
+  layer, ws = _fused_layer_of(num_ranks, tokens, top_k, hidden=512, recipe=recipe)
   first = _check_fp8(layer, recipe, args, x_rows_for_wgrad=True)
   _poison()
   _assert_bitwise(first, _value_and_grads(layer, *args))
