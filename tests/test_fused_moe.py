@@ -175,10 +175,13 @@ def test_virtual_ranks_backward_reads_the_residuals():
   ws.close()
 
 
-@pytest.mark.parametrize("num_ranks, capacity_factor, recipe",
-                         [(2, None, None), (3, None, None), (4, 0.6, None), (3, None, "fp8"),
-                          (4, 0.6, "fp8_pow2")])
-def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor, recipe):
+@pytest.mark.parametrize("num_ranks, capacity_factor, recipe, experts, hidden, ffn",
+                         [(2, None, None, 24, HIDDEN, FFN), (3, None, None, 24, HIDDEN, FFN),
+                          (4, 0.6, None, 24, HIDDEN, FFN), (3, None, "fp8", 24, HIDDEN, FFN),
+                          (4, 0.6, "fp8_pow2", 24, HIDDEN, FFN),
+                          (2, None, None, 8, 512, 256), (2, None, "fp8", 8, 512, 256)])
+def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor, recipe,
+                                                      experts, hidden, ffn):
   """The rows several ranks keep (x_sorted, copied out of each pool; FP8: the e4m3 rows with
   their scales) and the expert side's slot tables built from every source's slot_dest
   (fused.expert_rank_tables) are bit for bit what cuda's dispatch of the same call (FP8: of the
@@ -187,15 +190,17 @@ def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor
   (SLOT_DROPPED where the expert is the rank's, SLOT_NOT_ROUTED where not). 300 tokens per rank
   over 24 experts: several M-tiles per expert, a chunk count not a multiple of 32. The kept
   gate_up is those rows times the rank's weights (FP8: their dequantised values) within bf16
-  rounding: L1 stores it by TMA where a warpgroup's 64 rows are full, row by row where not."""
+  rounding: L1 stores it by TMA where a warpgroup's 64 rows are full, row by row where not.
+  Over 8 experts at H=512, F=256 an expert has ~200 rows (both warpgroups' boxes, then a
+  part-filled tile) and L1 two column blocks."""
   from jax_megamoe.backends import cuda_ep, cuda_fp8
-  tokens, experts, top_k = 300, 24, 4
+  tokens, top_k = 300, 4
   x, distinct, w, wgu, wd, _ = _inputs(41 + num_ranks, num_ranks * tokens, experts, top_k,
-                                       "masked")
+                                       "masked", hidden=hidden, ffn=ffn)
   # Every 7th token repeats its first expert. The layer refuses such ids when they are concrete
   # (validation), so they reach the kernels only traced, as here through jit.
   ids = distinct.at[::7, 1].set(distinct[::7, 0])
-  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=HIDDEN, top_k=top_k,
+  ws = virtual_ranks.create_workspace(num_ranks, max_tokens=tokens, hidden=hidden, top_k=top_k,
                                       dtype=jnp.bfloat16, fused_rows=num_ranks * tokens * top_k)
   stack = lambda a: a.reshape(num_ranks, tokens, *a.shape[1:])
   shape, plan, w_gu, w_dn = virtual_ranks._virtual_layer_args(
@@ -218,7 +223,7 @@ def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor
           fp8_scales=(rows.scale, blocks.w_gate_up.scale, blocks.w_down.scale))
       d = cuda_ep.dispatch_rows(ep.per_rank(lambda a: cuda_fp8.pack_rows(quantize(a)), x), ids,
                                 w, ep, plan.n_cap)
-      want_rows = ep.per_rank(lambda p: cuda_fp8.unpack_rows(p, HIDDEN), d.x_sorted)
+      want_rows = ep.per_rank(lambda p: cuda_fp8.unpack_rows(p, hidden), d.x_sorted)
       w_l1 = jax.vmap(lambda q: fp8.dequantize_weight_blocks(q.q, q.scale))(blocks.w_gate_up)
     slot_pos, recv_w = fused.expert_rank_tables(kept.slot_dest, ids, w, cfg)
     return kept.x_sorted, kept.group_sizes, slot_pos, recv_w, d, want_rows, kept.gate_up, w_l1
@@ -240,13 +245,15 @@ def test_virtual_residuals_are_what_dispatch_lays_out(num_ranks, capacity_factor
     if recipe is None:
       np.testing.assert_array_equal(bits(rows[r, :n]), bits(want_rows[r, :n]), f"rank {r}")
     else:
-      np.testing.assert_array_equal(bits(rows.q[r, :n]), bits(want_rows.q[r, :n, :HIDDEN]),
+      np.testing.assert_array_equal(bits(rows.q[r, :n]), bits(want_rows.q[r, :n, :hidden]),
                                     f"rank {r}")
       np.testing.assert_array_equal(np.asarray(rows.scale[r, :n]),
                                     np.asarray(want_rows.scale[r, :n]), f"rank {r}")
     a = np.asarray(rows[r, :n] if recipe is None else cuda_fp8.dequantize_rows(
         cuda_fp8.QuantizedRows(rows.q[r, :n], rows.scale[r, :n]), jnp.float32), np.float64)
     offsets = np.concatenate([[0], np.cumsum(np.asarray(sizes[r]))])
+    if experts == 8:  # both warpgroups of an expert's first tile store by TMA
+      assert np.diff(offsets).max() >= 128, np.diff(offsets)
     want = np.concatenate([a[offsets[e]:offsets[e + 1]] @ np.asarray(w_l1[r, e], np.float64)
                            for e in range(len(offsets) - 1)])
     got = np.asarray(gate_up[r, :n], np.float64)

@@ -83,6 +83,10 @@
 //     the CUTLASS pattern of a CTA barrier followed by one thread's fenced release. Bump a
 //     counter with a red.release / red.relaxed after that fence. It must not block: the next
 //     tile's row destinations (signaller) follow it, and that tile's epilogue waits for them.
+//     Not covered: L1's residual gate_up, whose TMA stores may still be in flight at tile_done
+//     (store_gate_up; they complete before the block exits). Nothing in a kernel reads it; a
+//     reader would need the issuing thread's cp.async.bulk.wait_group 0 before its `stored`
+//     arrival.
 //   RowDest::row(tile, r): called by the signaller's lanes while the consumers run the tile's
 //     mainloop; it may load from global memory but must not block.
 //
@@ -834,8 +838,9 @@ struct Sm90MoeTileEngine {
   // barrier. A warpgroup whose 64 rows all lie in the tile hands them to TMA: thread 0 issues
   // four {64, 64} boxes and returns true; it must wait for their shared-memory reads
   // (cute::tma_store_wait<0>) before the stage goes back. The stores themselves then drain
-  // while the next tile runs: stored from registers, the proxy fence before the release waited
-  // for them (+0.94 ms of the 235B one-rank forward, RESULTS session 21). A part-filled
+  // while the next tile runs. (Stored by generic stores, as before session 22, they held up the
+  // release: its proxy fence waits for them; +0.94 ms of the 235B one-rank forward, RESULTS
+  // session 21; with TMA +0.18.) A part-filled
   // warpgroup (an expert's last tile) stores its rows with 16-byte stores, rows t / 16 + 8 k,
   // chunk t % 16, as the staged slots are read elsewhere; the rows past the tile belong to the
   // next expert, so no box may write them.

@@ -780,7 +780,7 @@ std::string DebugSync(const FusedForwardProblem& p, const char* what, cudaStream
 
 std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int absent,
                                const FusedForwardProblem& p, cudaStream_t stream) {
-  // ~10 KB (tensor maps): on the heap, copied into the launch by cudaLaunchKernelEx.
+  // ~17.5 KB (tensor maps): on the heap, copied into the launch by cudaLaunchKernelEx.
   auto owned = std::make_unique<KernelParams>();
   KernelParams& params = *owned;
   if (std::string err = CommonParams(p, count, absent, params);
