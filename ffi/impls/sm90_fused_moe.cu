@@ -294,8 +294,7 @@ __device__ __forceinline__ void CopyTokenSlots(const KernelParams& P, const Rank
         const float w = __shfl_sync(0xffffffffu, w_j, j);
         uint4* drow = reinterpret_cast<uint4*>(A.pool[__shfl_sync(0xffffffffu, rank_j, j)]) +
                       static_cast<size_t>(__shfl_sync(0xffffffffu, dest_j, j)) * nvec;
-        const float dot =
-            ep::WarpSlotScaleDot<__nv_bfloat16>(gv, yv, w, drow, c0, nvec);
+        const float dot = ep::WarpSlotScaleDot<__nv_bfloat16>(gv, yv, w, drow, c0, nvec);
         if (lane == j) total += dot;
       };
       const auto load_y = [&](int j, uint4 (&yv)[kV]) {
