@@ -490,6 +490,11 @@ struct Sm90MoeTileEngine {
   // 64 rows x 128 B, 16-byte chunks XOR-swizzled by row % 8, which is what a {64, 64} box with
   // 128B swizzle reads (every slot starts 1024-aligned).
   static constexpr int kTmaHalfBytes = 64 * 128;  // 8 KB
+  // Byte offset of row r's 16-byte chunk c (0..15: columns 8 c ..) in a TMA-layout slot.
+  __device__ __forceinline__ static uint32_t tma_slot_offset(int r, int c) {
+    return uint32_t(c >> 3) * kTmaHalfBytes + uint32_t(r) * 128 +
+           ((uint32_t(c & 7) ^ uint32_t(r & 7)) << 4);
+  }
 
   struct alignas(1024) SharedStorage {
     alignas(1024) uint8_t a[kStages][kABytes];
@@ -869,9 +874,7 @@ struct Sm90MoeTileEngine {
       for (int k = 0; k < 8; ++k) {
         const int r = r0 + 8 * k;
         if (row0 + r >= job.rows) continue;
-        const uint4 val = detail::ld_shared_v4(
-            slot_base[sl] + uint32_t(chunk >> 3) * kTmaHalfBytes + uint32_t(r) * 128 +
-            ((uint32_t(chunk & 7) ^ uint32_t(r & 7)) << 4));
+        const uint4 val = detail::ld_shared_v4(slot_base[sl] + tma_slot_offset(r, chunk));
         detail::st_global_v4(p.gate_up + int64_t(job.row_begin + row0 + r) * 2 * p.f +
                                  (sl == 2 ? p.f : 0) + job.n_block * 128 + chunk * 8,
                              val);
@@ -1135,8 +1138,8 @@ struct Sm90MoeTileEngine {
                                   v(ii, hh));
         }
       };
-      // The same fragments into a TMA-layout slot (L1's gate and up: kTmaHalfBytes): columns
-      // 8 ii .. in half ii / 8, chunk (ii % 8) ^ (row % 8) of the row's 128 bytes.
+      // The same fragments into a TMA-layout slot (L1's gate and up): tma_slot_offset(row, ii)
+      // spelled out with row % 8 = lane / 4 (as frag_off does for put).
       auto put_tma = [&](int sl, auto&& v) {
         const uint32_t base = slot_base[sl] + frag_off_tma;
 #pragma unroll
