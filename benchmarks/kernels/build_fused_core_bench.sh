@@ -9,7 +9,8 @@ OUT=${1:-$ROOT/build/fused_core}
 CUTLASS=${CUTLASS_INCLUDE:-/work/venv/lib/python3.11/site-packages/cutlass_library/source/include}
 mkdir -p "$OUT"
 # build NAME LOG KERNEL [SOURCE...]: benchmarks/kernels/NAME.cu (+ SOURCEs under the root) ->
-# $OUT/NAME, ptxas's report in $OUT/LOG (its register, spill and stack lines for KERNEL printed).
+# $OUT/NAME, ptxas's report in $OUT/LOG (its register, spill and stack lines for KERNEL printed,
+# and its C75xx notes: wgmma serialised, printed as "info" lines).
 build() {
   name=$1 log=$2 kernel=$3
   shift 3
@@ -20,7 +21,7 @@ build() {
     --expt-relaxed-constexpr -Xptxas -v -DNDEBUG \
     -I"$ROOT" -I"$CUTLASS" \
     "$ROOT/benchmarks/kernels/$name.cu" $extra -o "$OUT/$name" 2>&1 | \
-    tee "$OUT/$log" | grep -E "error|warning|registers|spill|stack|$kernel" || true
+    tee "$OUT/$log" | grep -E "error|warning|C75|registers|spill|stack|$kernel" || true
   test -x "$OUT/$name"
 }
 build fused_core_bench ptxas.log MoeCore
