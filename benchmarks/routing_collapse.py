@@ -12,7 +12,8 @@ that direction gives, and the gradient on the router from the cross-entropy, the
 the z-loss separately.
 
 Remedies: --aux, --z, --router-lr-mult (the router's updates scaled), --bias-rate
-(auxiliary-loss-free selection bias, DeepSeek-V3; Qwen3MoeConfig.router_bias_update_rate).
+(auxiliary-loss-free selection bias, DeepSeek-V3; Qwen3MoeConfig.router_bias_update_rate),
+--selection-norm (the top k chosen from the logits centred or standardised over the batch).
 
   python3 benchmarks/routing_collapse.py --out /tmp/rc_default.json
   python3 benchmarks/routing_collapse.py --bias-rate 1e-2
@@ -34,7 +35,7 @@ for p in (str(REPO), str(REPO / "examples")):
 
 
 def parse_args(argv=None):
-  from jax_megamoe.router import SELECTION_BIAS_RULES  # noqa: PLC0415  (imports jax)
+  from jax_megamoe.router import SELECTION_BIAS_RULES, SELECTION_NORMS  # noqa: PLC0415
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--config", default="qwen3-30b-a3b")
   p.add_argument("--layers", type=int, default=2)
@@ -56,6 +57,8 @@ def parse_args(argv=None):
   p.add_argument("--router-lr-mult", type=float, default=1.0)
   p.add_argument("--bias-rate", type=float, default=None,
                  help="selection-bias update rate (default: the config's)")
+  p.add_argument("--selection-norm", choices=SELECTION_NORMS, default="none",
+                 help="what the top k are chosen from (Qwen3MoeConfig.router_selection_norm)")
   p.add_argument("--bias-rule", choices=SELECTION_BIAS_RULES, default=None,
                  help="selection-bias update rule (default: the config's)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -82,6 +85,7 @@ def build(args):
     overrides["router_bias_update_rate"] = args.bias_rate
   if args.bias_rule is not None:
     overrides["router_bias_update_rule"] = args.bias_rule
+  overrides["router_selection_norm"] = args.selection_norm
   config = get_config(args.config, **overrides)
   model = Qwen3Moe(config, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype),
                    backend=args.backend, attention=args.attention)

@@ -55,7 +55,7 @@ from jax_megamoe.models.hf_import import load_hf_checkpoint, read_hf_config  # n
 from jax_megamoe.models.attention_impl import ATTENTION_CHOICES, resolve_attention  # noqa: E402
 from jax_megamoe.models.losses import auto_ce_chunk, chunked_cross_entropy  # noqa: E402
 from jax_megamoe.models.sharding import param_shardings  # noqa: E402
-from jax_megamoe.router import SELECTION_BIAS_RULES  # noqa: E402
+from jax_megamoe.router import SELECTION_BIAS_RULES, SELECTION_NORMS  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoints as checkpoints_lib  # noqa: E402
@@ -111,6 +111,11 @@ _FLAGS = (
      "how that update is sized: sign, proportional (to the load's deficit) or center (on "
      "the mean logits) (Qwen3MoeConfig.router_bias_update_rule; default: the config's, sign)",
      dict(enum_values=list(SELECTION_BIAS_RULES))),
+    ("enum", "router_selection_norm", None,
+     "what the routers pick the top k from: none (Qwen3's logits), center or standardize "
+     "(each expert's logit over the step's tokens; an experiment against routing collapse, "
+     "benchmarks/ROUTING_COLLAPSE_NOTES.md) (Qwen3MoeConfig.router_selection_norm; default: "
+     "the config's, none)", dict(enum_values=list(SELECTION_NORMS))),
     ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
     ("integer", "ce_chunk", None,
      "compute the cross-entropy this many positions at a time, never holding the full "
@@ -520,19 +525,23 @@ def main(argv: list[str]) -> None:
     sys.exit(f"train_qwen3_moe: {e}")
 
 
+def model_config(args: types.SimpleNamespace):
+  """The model's Qwen3MoeConfig: --config's (or --init-from's config.json) with the flags that
+  override its fields."""
+  config = (read_hf_config(args.init_from) if args.init_from else get_config(args.config))
+  overrides = dict(num_layers=args.num_layers, router_bias_update_rate=args.router_bias_rate,
+                   router_bias_update_rule=args.router_bias_rule,
+                   router_selection_norm=args.router_selection_norm)
+  return config.replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
 def train(args: types.SimpleNamespace) -> dict:
   """The run (args: parse_flags' result); returns the summary _report gives."""
   launch.init_distributed()
   is_main = jax.process_index() == 0
   log = print if is_main else (lambda *a, **k: None)
 
-  config = (read_hf_config(args.init_from) if args.init_from else get_config(args.config))
-  if args.num_layers is not None:
-    config = config.replace(num_layers=args.num_layers)
-  if args.router_bias_rate is not None:
-    config = config.replace(router_bias_update_rate=args.router_bias_rate)
-  if args.router_bias_rule is not None:
-    config = config.replace(router_bias_update_rule=args.router_bias_rule)
+  config = model_config(args)
   mesh = make_mesh(args.mesh, config.num_experts)
   if args.batch % mesh.size:
     raise RunError(f"--batch {args.batch} must divide evenly over the {mesh.size} devices "

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jax_megamoe.moe import BACKENDS, COMPUTE_DTYPES, RECIPES, moe
-from jax_megamoe.router import RouterAux, route
+from jax_megamoe.router import SELECTION_NORMS, RouterAux, route
 
 # Qwen3's initializer_range: every linear weight ~ N(0, 0.02^2).
 QWEN3_INIT_STD = 0.02
@@ -46,6 +46,9 @@ class MoE(nnx.Module):
   other axes) and tokens are sharded over every mesh axis inside the op; the leading token count
   must divide evenly over the mesh's devices. Parameters also carry `out_sharding` metadata,
   so nnx.get_partition_spec gives their PartitionSpecs.
+
+  selection_norm: what the router picks the top k from (jax_megamoe.route; "none", Qwen3's
+  routing, by default).
   """
 
   def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
@@ -53,7 +56,8 @@ class MoE(nnx.Module):
                param_dtype: Any = jnp.float32, backend: str = "auto",
                recipe: str | None = None, mesh: Mesh | None = None,
                expert_axis: str = "expert", init_std: float = QWEN3_INIT_STD,
-               down_init_std: float | None = None, selection_bias: bool = False):
+               down_init_std: float | None = None, selection_bias: bool = False,
+               selection_norm: str = "none"):
     down_init_std = init_std if down_init_std is None else down_init_std
     for name, value in (("init_std", init_std), ("down_init_std", down_init_std)):
       if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
@@ -86,6 +90,9 @@ class MoE(nnx.Module):
     self.hidden_size, self.ffn_size = hidden_size, ffn_size
     self.num_experts, self.top_k = num_experts, top_k
     self.norm_topk_prob = norm_topk_prob
+    if selection_norm not in SELECTION_NORMS:
+      raise ValueError(f"selection_norm must be one of {SELECTION_NORMS}, got {selection_norm!r}")
+    self.selection_norm = selection_norm
     self.dtype, self.param_dtype = dtype, param_dtype
     self.backend, self.recipe = backend, recipe
     self.mesh, self.expert_axis = mesh, expert_axis
@@ -130,7 +137,8 @@ class MoE(nnx.Module):
         bias = getattr(self, "selection_bias", None)
         topk_weights, topk_ids, aux = route(logits, self.top_k,
                                             norm_topk_prob=self.norm_topk_prob,
-                                            selection_bias=None if bias is None else bias[...])
+                                            selection_bias=None if bias is None else bias[...],
+                                            selection_norm=self.selection_norm)
       with jax.named_scope("experts"):
         y = moe(tokens.astype(self.dtype), topk_ids, topk_weights,
                 self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),

@@ -28,8 +28,11 @@ class RouterAux(NamedTuple):
   mean_logits: jax.Array
 
 
+SELECTION_NORMS = ("none", "center", "standardize")
+
+
 def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
-          selection_bias: jax.Array | None = None
+          selection_bias: jax.Array | None = None, selection_norm: str = "none"
           ) -> tuple[jax.Array, jax.Array, RouterAux]:
   """Routes tokens to experts.
 
@@ -42,6 +45,12 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
       (DeepSeek-V3's auxiliary-loss-free balancing; see update_selection_bias): the weights are
       still the unbiased softmax probabilities of the chosen experts, and no gradient reaches
       the bias. None or zeros: the same routing as without it.
+    selection_norm: what the top k are chosen from (an experiment against routing collapse,
+      benchmarks/ROUTING_COLLAPSE_NOTES.md; not Qwen3's routing unless "none"): "none" the
+      logits; "center" each expert's logit minus its mean over these tokens (cancels the
+      profile that every token shares, in this very batch); "standardize" that divided by the
+      expert's std over these tokens. The weights stay the softmax of `logits`, no gradient
+      flows through the choice, and the result depends on the batch (as batch norm's does).
 
   Returns:
     (topk_weights float32 [T, k], topk_ids int32 [T, k], RouterAux). Ties pick the lower id.
@@ -53,17 +62,25 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
       or not 1 <= top_k <= num_experts):
     raise ValueError(f"top_k must be an int in [1, {num_experts}] (the number of experts), "
                      f"got {top_k!r}")
+  if selection_norm not in SELECTION_NORMS:
+    raise ValueError(f"selection_norm must be one of {SELECTION_NORMS}, got {selection_norm!r}")
   top_k = int(top_k)
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
-  if selection_bias is None:
+  if selection_bias is None and selection_norm == "none":
     topk_weights, topk_ids = jax.lax.top_k(probs, top_k)
   else:
-    if selection_bias.shape != (num_experts,):
-      raise ValueError(f"selection_bias must be [num_experts={num_experts}], got shape "
-                       f"{selection_bias.shape}")
-    biased = logits + jax.lax.stop_gradient(selection_bias.astype(jnp.float32))
-    _, topk_ids = jax.lax.top_k(biased, top_k)
+    chooser = jax.lax.stop_gradient(logits)
+    if selection_norm != "none" and logits.shape[0] > 0:
+      chooser = chooser - jnp.mean(chooser, axis=0)
+      if selection_norm == "standardize":
+        chooser = chooser / (jnp.std(chooser, axis=0) + 1e-6)
+    if selection_bias is not None:
+      if selection_bias.shape != (num_experts,):
+        raise ValueError(f"selection_bias must be [num_experts={num_experts}], got shape "
+                         f"{selection_bias.shape}")
+      chooser = chooser + jax.lax.stop_gradient(selection_bias.astype(jnp.float32))
+    _, topk_ids = jax.lax.top_k(chooser, top_k)
     topk_weights = jnp.take_along_axis(probs, topk_ids, axis=-1)
   if norm_topk_prob:
     topk_weights = topk_weights / jnp.sum(topk_weights, axis=-1, keepdims=True)

@@ -220,3 +220,62 @@ def test_example_flags_set_the_selection_bias_and_the_tokenizer():
     example.parse_flags(["train", "--router_bias_rate=-1"])
   with pytest.raises(flags.Error, match="router_bias_rule"):
     example.parse_flags(["train", "--router_bias_rule=linear"])
+  assert defaults.router_selection_norm is None
+  chosen = example.parse_flags(["train", "--router_selection_norm=center",
+                                 "--router_bias_rule=center", "--num_layers=3"])
+  assert chosen.router_selection_norm == "center"
+  config = example.model_config(chosen)
+  assert (config.router_selection_norm, config.router_bias_update_rule, config.num_layers) == (
+      "center", "center", 3)
+  assert example.model_config(defaults) == example.get_config(defaults.config)
+  with pytest.raises(flags.Error, match="router_selection_norm"):
+    example.parse_flags(["train", "--router_selection_norm=mean"])
+
+
+@pytest.mark.parametrize("norm", ["center", "standardize"])
+def test_selection_norm_picks_from_the_logits_normalised_over_the_batch(norm):
+  """selection_norm: the top k come from each expert's logit centred (and for "standardize"
+  divided by its std) over the tokens; the weights stay the softmax of the logits, and no
+  gradient flows through the choice."""
+  rng = np.random.default_rng(3)
+  # Every token shares one strong profile (experts 12-15 first), as in a collapsed router.
+  lg = rng.standard_normal((64, 16)) * rng.uniform(0.5, 2.0, 16) + np.arange(16) * 2.0
+  logits = jnp.asarray(lg, jnp.float32)
+  weights, ids, aux = jm.route(logits, 4, norm_topk_prob=False, selection_norm=norm)
+  chooser = lg - lg.mean(0)
+  if norm == "standardize":
+    chooser = chooser / (lg.std(0) + 1e-6)
+  want = np.argsort(-chooser, axis=-1, kind="stable")[:, :4]
+  np.testing.assert_array_equal(np.sort(np.asarray(ids), -1), np.sort(want, -1))
+  probs = jax.nn.softmax(logits, -1)
+  np.testing.assert_allclose(weights, jnp.take_along_axis(probs, ids, -1), rtol=1e-6)
+  plain = jm.route(logits, 4)[2].expert_load
+  assert float(jnp.max(plain)) == 0.25  # without it, the shared profile takes every token
+  assert float(jnp.max(aux.expert_load)) < 0.15
+  # The choice carries no gradient: d(weights)/d(logits) is the softmax's at the chosen ids.
+  g = jax.grad(lambda x: jnp.sum(jm.route(x, 4, norm_topk_prob=False, selection_norm=norm)[0]))(
+      logits)
+  g_fixed = jax.grad(lambda x: jnp.sum(jnp.take_along_axis(jax.nn.softmax(x, -1), ids, -1)))(
+      logits)
+  np.testing.assert_allclose(g, g_fixed, rtol=1e-5, atol=1e-7)
+
+
+def test_selection_norm_none_and_no_tokens():
+  logits = jax.random.normal(jax.random.PRNGKey(4), (9, 8))
+  jax.tree.map(np.testing.assert_array_equal, jm.route(logits, 2),
+               jm.route(logits, 2, selection_norm="none"))
+  weights, ids, aux = jm.route(jnp.zeros((0, 8)), 2, selection_norm="standardize")
+  assert weights.shape == ids.shape == (0, 2) and float(aux.load_balancing_loss) == 0.0
+  with pytest.raises(ValueError, match="selection_norm must be one of .* got 'batch'"):
+    jm.route(logits, 2, selection_norm="batch")
+
+
+def test_selection_norm_reaches_every_moe_layer_and_is_validated():
+  with pytest.raises(ValueError, match="router_selection_norm must be one of"):
+    get_config("tiny", router_selection_norm="mean")
+  with pytest.raises(ValueError, match="selection_norm must be one of"):
+    jm.MoE(8, 4, 4, 2, rngs=nnx.Rngs(0), selection_norm="mean")
+  model = Qwen3Moe(get_config("tiny", router_selection_norm="center"), rngs=nnx.Rngs(0),
+                   dtype=jnp.float32)
+  norms = [layer.mlp.selection_norm for layer in model.layers if layer.is_moe]
+  assert norms and set(norms) == {"center"}

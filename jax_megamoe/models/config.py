@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jax_megamoe.router import SELECTION_BIAS_RULES
+from jax_megamoe.router import SELECTION_BIAS_RULES, SELECTION_NORMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,10 @@ class Qwen3MoeConfig:
     "sign" (DeepSeek-V3's fixed step, the default), "proportional" (the expert's relative
     deficit 1 - E * load times the rate) or "center" (moves the biased mean logits toward
     their mean over the experts by the rate: cancels the logit profile every token shares).
+  router_selection_norm: what every MoE layer picks its top k from (jax_megamoe.route):
+    "none" (Qwen3's routing, the default), "center" or "standardize" (each expert's logit
+    over the batch's tokens: an experiment against routing collapse,
+    benchmarks/ROUTING_COLLAPSE_NOTES.md). Not in HF's config.json.
   init_std [initializer_range]: std of the weight matrices at initialisation, N(0, init_std^2),
     but for the two below.
   embed_init_std: std of the token embedding at initialisation. depth_scaled_init: the last
@@ -71,6 +75,7 @@ class Qwen3MoeConfig:
   router_aux_loss_coef: float = 1e-3
   router_bias_update_rate: float = 0.0
   router_bias_update_rule: str = "sign"
+  router_selection_norm: str = "none"
   init_std: float = 0.02
   embed_init_std: float = 1.0
   depth_scaled_init: bool = True
@@ -86,6 +91,9 @@ class Qwen3MoeConfig:
       if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
           or not 0 <= value < float("inf")):
         raise ValueError(f"Qwen3MoeConfig.{name} must be a finite number >= 0, got {value!r}")
+    if self.router_selection_norm not in SELECTION_NORMS:
+      raise ValueError(f"Qwen3MoeConfig.router_selection_norm must be one of "
+                       f"{SELECTION_NORMS}, got {self.router_selection_norm!r}")
     if self.router_bias_update_rule not in SELECTION_BIAS_RULES:
       raise ValueError(f"Qwen3MoeConfig.router_bias_update_rule must be one of "
                        f"{SELECTION_BIAS_RULES}, got {self.router_bias_update_rule!r}")

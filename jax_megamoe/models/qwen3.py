@@ -173,7 +173,8 @@ class DecoderLayer(nnx.Module):
       self.mlp = MoE(c.hidden_size, c.moe_ffn_size, c.num_experts, c.top_k, rngs=rngs,
                      norm_topk_prob=c.norm_topk_prob, dtype=dtype, param_dtype=param_dtype,
                      init_std=c.init_std, down_init_std=c.output_init_std,
-                     selection_bias=c.router_bias_update_rate > 0, **moe_kwargs)
+                     selection_bias=c.router_bias_update_rate > 0,
+                     selection_norm=c.router_selection_norm, **moe_kwargs)
     else:
       self.mlp = DenseMlp(c, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
