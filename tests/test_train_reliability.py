@@ -298,6 +298,8 @@ HISTORICAL_DEFAULTS = {
     "--compute-copy": None,  # new (issue 15): None = on with bfloat16, off with float32
     # New (issue 15, balance): None = the config's selection bias (off); byte tokens as before.
     "--router-bias-rate": None, "--router-bias-rule": None, "--tokenizer": "bytes",
+    # New (session 23): None = the config's (Qwen3's routing).
+    "--router-selection-norm": None,
 }
 
 
