@@ -59,6 +59,9 @@ def parse_args(argv=None):
                  help="selection-bias update rate (default: the config's)")
   p.add_argument("--selection-norm", choices=SELECTION_NORMS, default="none",
                  help="what the top k are chosen from (Qwen3MoeConfig.router_selection_norm)")
+  p.add_argument("--balance", default=None,
+                 help="selection norm balance's constants, NAME=VALUE,... (jax_megamoe.router."
+                      "BALANCE_<NAME>, e.g. temperature=0.05,load_steps=0; default: the module's)")
   p.add_argument("--bias-rule", choices=SELECTION_BIAS_RULES, default=None,
                  help="selection-bias update rule (default: the config's)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -86,6 +89,14 @@ def build(args):
   if args.bias_rule is not None:
     overrides["router_bias_update_rule"] = args.bias_rule
   overrides["router_selection_norm"] = args.selection_norm
+  if args.balance:  # read when route() is traced
+    from jax_megamoe import router  # noqa: PLC0415
+    for item in args.balance.split(","):
+      name, value = item.split("=")
+      attr = "BALANCE_" + name.upper()
+      old = getattr(router, attr)  # an unknown name fails here
+      setattr(router, attr, tuple(map(float, value.split(":"))) if isinstance(old, tuple)
+              else type(old)(value))
   config = get_config(args.config, **overrides)
   model = Qwen3Moe(config, rngs=nnx.Rngs(args.seed), dtype=jnp.dtype(args.dtype),
                    backend=args.backend, attention=args.attention)

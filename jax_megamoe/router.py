@@ -28,7 +28,65 @@ class RouterAux(NamedTuple):
   mean_logits: jax.Array
 
 
-SELECTION_NORMS = ("none", "center", "standardize")
+SELECTION_NORMS = ("none", "center", "standardize", "balance")
+
+# selection_norm "balance": the standardised logits, plus a fixed pseudo-random perturbation,
+# plus per-expert offsets solved on each batch.
+# - The perturbation (std BALANCE_NOISE in units of each expert's logit std; the same for every
+#   call, drawn from key 0, so a step is reproducible) is noisy top-k gating (Shazeer et al.,
+#   2017): tokens that look alike to the router, such as a frequent byte at the first layer,
+#   would otherwise all choose the same experts, and no per-expert offset can split them.
+# - The offsets, in two stages: Sinkhorn's alternating normalisation (in the log domain, at
+#   BALANCE_TEMPERATURE) evens out the experts' soft shares; then steps on the hard top-k loads
+#   (offset -= step * log(load / mean load), the step shrinking geometrically from the first to
+#   the last value; the best offsets seen are kept) close the gap between soft and hard shares.
+# Chosen on synthetic logits shaped like a collapsing router's (a shared profile, a rank-1 or
+# rank-2 spread, Zipf-distributed token identities) and on the CPU proxy of the collapse
+# (benchmarks/ROUTING_COLLAPSE_NOTES.md, session 24). On the synthetic logits Sinkhorn alone left
+# the largest load at 1.3-2.3x the mean, with the load steps 1.04-1.4x (2.1 where a quarter of
+# the tokens are one tight cluster). On the proxy, without the perturbation the first layer
+# stayed at 1.6-6.9 (its spaces), with it every layer at 1.1-1.5.
+BALANCE_NOISE = 0.1
+BALANCE_TEMPERATURE = 0.1
+BALANCE_SINKHORN_ITERATIONS = 20
+BALANCE_LOAD_STEPS = 16
+BALANCE_LOAD_STEP_SIZE = (0.1, 0.01)  # the first and the last step
+
+
+def _balanced_chooser(z: jax.Array, top_k: int) -> jax.Array:
+  """z [T, E] (T >= 1, standardised logits) perturbed and offset per expert so that the top k
+  of its rows load the experts about evenly over these tokens."""
+  num_tokens, num_experts = z.shape
+  if BALANCE_NOISE:
+    z = z + BALANCE_NOISE * jax.random.normal(jax.random.key(0), z.shape, jnp.float32)
+  scaled = z / BALANCE_TEMPERATURE
+  log_row = jnp.log(jnp.float32(top_k))
+  mean_load = num_tokens * top_k / num_experts
+  log_col = jnp.log(jnp.float32(mean_load))
+
+  def sinkhorn(_, b):  # rows of exp(scaled + a + b) sum to k, columns to T k / E
+    a = log_row - jax.nn.logsumexp(scaled + b, axis=1, keepdims=True)
+    return log_col - jax.nn.logsumexp(scaled + a, axis=0)
+
+  b = BALANCE_TEMPERATURE * jax.lax.fori_loop(
+      0, BALANCE_SINKHORN_ITERATIONS, sinkhorn, jnp.zeros((num_experts,), jnp.float32))
+  first, last = BALANCE_LOAD_STEP_SIZE
+  decay = (last / first) ** (1.0 / max(BALANCE_LOAD_STEPS - 1, 1))
+
+  def load_step(i, carry):
+    b, best_b, best = carry
+    _, ids = jax.lax.top_k(z + b, top_k)
+    load = jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0) / mean_load
+    better = jnp.max(load) < best
+    best_b, best = jnp.where(better, b, best_b), jnp.where(better, jnp.max(load), best)
+    # An idle expert's log load is clipped (at 1/4 of the mean) so that one step stays small.
+    return b - first * decay ** i * jnp.log(jnp.maximum(load, 0.25)), best_b, best
+
+  # The best offsets seen are kept: where many tokens share one row, a step moves them all at
+  # once and can overshoot.
+  _, best_b, _ = jax.lax.fori_loop(0, BALANCE_LOAD_STEPS, load_step,
+                                   (b, b, jnp.float32(jnp.inf)))
+  return z + best_b
 
 
 def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
@@ -49,8 +107,11 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
       benchmarks/ROUTING_COLLAPSE_NOTES.md; not Qwen3's routing unless "none"): "none" the
       logits; "center" each expert's logit minus its mean over these tokens (cancels the
       profile that every token shares, in this very batch); "standardize" that divided by the
-      expert's std over these tokens. The weights stay the softmax of `logits`, no gradient
-      flows through the choice, and the result depends on the batch (as batch norm's does).
+      expert's std over these tokens; "balance" that plus a fixed small perturbation and
+      per-expert offsets solved on these tokens (Sinkhorn iterations, then steps on the top-k
+      loads: BALANCE_*), so that the experts' loads come out about even. The weights stay the
+      softmax of `logits`, no gradient flows through the choice, and the result depends on the
+      batch (as batch norm's does): training only, no running statistics for inference.
 
   Returns:
     (topk_weights float32 [T, k], topk_ids int32 [T, k], RouterAux). Ties pick the lower id.
@@ -73,8 +134,10 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
     chooser = jax.lax.stop_gradient(logits)
     if selection_norm != "none" and logits.shape[0] > 0:
       chooser = chooser - jnp.mean(chooser, axis=0)
-      if selection_norm == "standardize":
+      if selection_norm in ("standardize", "balance"):
         chooser = chooser / (jnp.std(chooser, axis=0) + 1e-6)
+      if selection_norm == "balance":
+        chooser = _balanced_chooser(chooser, top_k)
     if selection_bias is not None:
       if selection_bias.shape != (num_experts,):
         raise ValueError(f"selection_bias must be [num_experts={num_experts}], got shape "

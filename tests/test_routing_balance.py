@@ -260,6 +260,81 @@ def test_selection_norm_picks_from_the_logits_normalised_over_the_batch(norm):
   np.testing.assert_allclose(g, g_fixed, rtol=1e-5, atol=1e-7)
 
 
+def _imbalance(logits, k, norm):
+  return float(jnp.max(jm.route(logits, k, selection_norm=norm)[2].expert_load)) * logits.shape[1]
+
+
+def test_selection_norm_balance_evens_out_a_low_rank_router(monkeypatch):
+  """selection_norm "balance": on logits that vary along one direction across tokens (a
+  collapsed router's, rank 1 after centring), standardising leaves half the tokens on the same
+  few experts; the solved offsets spread them evenly. Its first stage is Sinkhorn's in the log
+  domain (checked against numpy in float64); the weights stay the softmax at the chosen ids, and
+  no gradient flows through the choice."""
+  from jax_megamoe import router
+  rng = np.random.default_rng(5)
+  tokens, experts, k = 2048, 64, 4
+  lg = (np.outer(rng.standard_normal(tokens), rng.standard_normal(experts)) * 0.5
+        + rng.standard_normal((tokens, experts)) * 0.02 + rng.standard_normal(experts))
+  logits = jnp.asarray(lg, jnp.float32)
+  full = _imbalance(logits, k, "balance")
+  with monkeypatch.context() as m:
+    m.setattr(router, "BALANCE_LOAD_STEPS", 0)
+    m.setattr(router, "BALANCE_NOISE", 0.0)
+    sinkhorn_only = _imbalance(logits, k, "balance")
+  standardized = _imbalance(logits, k, "standardize")
+  assert standardized > 3.0 and sinkhorn_only < 2.0 and full < 1.2, (
+      standardized, sinkhorn_only, full)
+
+  z = (lg - lg.mean(0)) / (lg.std(0) + 1e-6)
+  tau = router.BALANCE_TEMPERATURE
+  x, b = z / tau, np.zeros(experts)
+  for _ in range(router.BALANCE_SINKHORN_ITERATIONS):
+    row = np.log(k) - np.log(np.exp(x + b).sum(1, keepdims=True))
+    b = np.log(tokens * k / experts) - np.log(np.exp(x + row).sum(0))
+  with monkeypatch.context() as m:
+    m.setattr(router, "BALANCE_LOAD_STEPS", 0)
+    m.setattr(router, "BALANCE_NOISE", 0.0)
+    z32 = jnp.asarray(z, jnp.float32)
+    got = router._balanced_chooser(z32, k) - z32  # the offsets, on every row
+  np.testing.assert_allclose(got - got.mean(), np.broadcast_to(tau * (b - b.mean()), got.shape),
+                             atol=2e-4)
+
+  weights, ids, _ = jm.route(logits, k, norm_topk_prob=False, selection_norm="balance")
+  np.testing.assert_allclose(weights, jnp.take_along_axis(jax.nn.softmax(logits, -1), ids, -1),
+                             rtol=1e-6)
+  g = jax.grad(lambda v: jnp.sum(jm.route(v, k, norm_topk_prob=False,
+                                          selection_norm="balance")[0]))(logits)
+  g_fixed = jax.grad(lambda v: jnp.sum(jnp.take_along_axis(jax.nn.softmax(v, -1), ids, -1)))(
+      logits)
+  np.testing.assert_allclose(g, g_fixed, rtol=1e-5, atol=1e-7)
+  # The same choice on every call (the perturbation is fixed), jitted or not.
+  np.testing.assert_array_equal(
+      ids, jax.jit(lambda v: jm.route(v, k, norm_topk_prob=False, selection_norm="balance")[1])(
+          logits))
+  # One token, or none: finite, and k distinct experts.
+  for n in (0, 1):
+    w, i, aux = jm.route(logits[:n], k, selection_norm="balance")
+    assert np.isfinite(np.asarray(w)).all() and np.isfinite(np.asarray(aux.expert_load)).all()
+    assert all(len(set(row)) == k for row in np.asarray(i).tolist())
+
+
+def test_selection_norm_balance_spreads_a_frequent_token(monkeypatch):
+  """A quarter of the tokens share one router input (a frequent byte at the first layer): every
+  per-expert offset moves them together, so without the perturbation they load their experts
+  with at least a quarter of the tokens each; with it they spread."""
+  from jax_megamoe import router
+  rng = np.random.default_rng(6)
+  tokens, experts, k = 4096, 128, 8
+  lg = rng.standard_normal((tokens, experts)) * 0.3
+  lg[: tokens // 4] = rng.standard_normal(experts) * 0.3
+  logits = jnp.asarray(lg, jnp.float32)
+  with monkeypatch.context() as m:
+    m.setattr(router, "BALANCE_NOISE", 0.0)
+    unperturbed = _imbalance(logits, k, "balance")
+  balanced = _imbalance(logits, k, "balance")
+  assert unperturbed >= 0.25 * experts / k and balanced < 1.5, (unperturbed, balanced)
+
+
 def test_selection_norm_none_and_no_tokens():
   logits = jax.random.normal(jax.random.PRNGKey(4), (9, 8))
   jax.tree.map(np.testing.assert_array_equal, jm.route(logits, 2),
