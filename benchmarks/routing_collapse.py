@@ -71,6 +71,11 @@ def parse_args(argv=None):
   p.add_argument("--data", default="corpus",
                  help="corpus (the example's default), words (the same corpus, word-level ids: "
                       "the example's --tokenizer words), random (uniform ids) or a .npy of ids")
+  p.add_argument("--eval-norms", default="",
+                 help="after training, the CE and imbalance of held-out batches with each of "
+                      "these selection norms (comma-separated, e.g. none,balance): how the "
+                      "trained model routes at inference, where batch statistics may be absent")
+  p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--diag-every", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", help="JSON of the run")
@@ -292,6 +297,35 @@ def main(argv=None):
       imbalance={s: history[s - 1]["imbalance"] for s in (1, 10, 20, 50, 60)
                  if s <= len(history)},
       ce_last=ce[-1], ce_last10=float(np.mean(ce[-10:])), wall_s=time.perf_counter() - t0)
+  if args.eval_norms:
+    # Held-out batches: windows drawn with another seed (the byte corpus has 8.4M tokens; 50
+    # steps read 26k).
+    held_out = data_lib.BatchSampler(tokens, args.batch, args.seq, args.seed + 1)
+    summary["eval"] = {}
+    for norm in args.eval_norms.split(","):
+      model = nnx.merge(graphdef, params)
+      for layer in model.layers:
+        if layer.is_moe:
+          layer.mlp.selection_norm = norm
+      g_eval, p_eval = nnx.split(model, nnx.Param)
+
+      @jax.jit
+      def evaluate(p, inputs, targets, g_eval=g_eval):
+        m = nnx.merge(g_eval, p)
+        hidden, aux = m(inputs, return_aux=True, return_hidden=True)
+        return chunked_cross_entropy(hidden, m.head(), targets,
+                                     chunk=args.ce_chunk or targets.shape[1]), aux.expert_load
+
+      ces, imbalances = [], []
+      for b in range(1, args.eval_batches + 1):
+        inputs, targets = (jnp.asarray(a) for a in held_out(b))
+        ce_b, load = jax.device_get(evaluate(p_eval, inputs, targets))
+        ces.append(float(ce_b))
+        imbalances.append(example.expert_imbalance(np.asarray(load)))
+      summary["eval"][norm] = dict(ce=float(np.mean(ces)), imbalance=float(np.mean(imbalances)))
+      print(f"eval with selection_norm {norm}: ce {np.mean(ces):.4f}, imbalance "
+            f"{np.mean(imbalances):.2f} (mean over {args.eval_batches} held-out batches)",
+            flush=True)
   print(json.dumps(summary))
   if args.out:
     with open(args.out, "w") as f:

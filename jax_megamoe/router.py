@@ -75,8 +75,11 @@ def _balanced_chooser(z: jax.Array, top_k: int) -> jax.Array:
 
   def load_step(i, carry):
     b, best_b, best = carry
-    _, ids = jax.lax.top_k(z + b, top_k)
-    load = jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0) / mean_load
+    # Each expert's load, as the count of rows whose k-th largest it reaches: a dense compare
+    # and column sum rather than a scatter of T k ids into E counters.
+    chooser = z + b
+    kth = jax.lax.top_k(chooser, top_k)[0][:, -1:]
+    load = jnp.sum((chooser >= kth).astype(jnp.float32), axis=0) / mean_load
     better = jnp.max(load) < best
     best_b, best = jnp.where(better, b, best_b), jnp.where(better, jnp.max(load), best)
     # An idle expert's log load is clipped (at 1/4 of the mean) so that one step stays small.
@@ -111,7 +114,8 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
       per-expert offsets solved on these tokens (Sinkhorn iterations, then steps on the top-k
       loads: BALANCE_*), so that the experts' loads come out about even. The weights stay the
       softmax of `logits`, no gradient flows through the choice, and the result depends on the
-      batch (as batch norm's does): training only, no running statistics for inference.
+      batch (as batch norm's does): training only, no running statistics for inference. A
+      selection_bias is added after the norm.
 
   Returns:
     (topk_weights float32 [T, k], topk_ids int32 [T, k], RouterAux). Ties pick the lower id.
