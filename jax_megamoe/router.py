@@ -45,7 +45,7 @@ SELECTION_NORMS = ("none", "center", "standardize", "balance")
 # (benchmarks/ROUTING_COLLAPSE_NOTES.md, session 24). On the synthetic logits Sinkhorn alone left
 # the largest load at 1.3-2.3x the mean, with the load steps 1.04-1.4x (2.1 where a quarter of
 # the tokens are one tight cluster). On the proxy, without the perturbation the first layer
-# stayed at 1.6-6.9 (its spaces), with it every layer at 1.1-1.5.
+# stayed at 1.6-6.9 (its spaces), with it every layer at 1.09-1.53.
 BALANCE_NOISE = 0.1
 BALANCE_TEMPERATURE = 0.1
 BALANCE_SINKHORN_ITERATIONS = 20
