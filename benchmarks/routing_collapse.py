@@ -61,8 +61,8 @@ def parse_args(argv=None):
                  help="what the top k are chosen from (Qwen3MoeConfig.router_selection_norm)")
   p.add_argument("--balance", default=None,
                  help="selection norm balance's constants, NAME=VALUE,... (jax_megamoe.router."
-                      "BALANCE_<NAME>, e.g. noise=0,load_steps=0,load_step_size=0.1:0.01; default: the "
-                      "module's)")
+                      "BALANCE_<NAME>, e.g. noise=0,load_steps=0,load_step_size=0.1:0.01; "
+                      "default: the module's)")
   p.add_argument("--bias-rule", choices=SELECTION_BIAS_RULES, default=None,
                  help="selection-bias update rule (default: the config's)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

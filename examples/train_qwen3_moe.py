@@ -115,8 +115,9 @@ _FLAGS = (
      "what the routers pick the top k from: none (Qwen3's logits), center or standardize "
      "(each expert's logit over the step's tokens), balance (standardize plus a small fixed "
      "perturbation and per-expert offsets that even out the step's expert loads); "
-     "experiments against routing collapse, benchmarks/ROUTING_COLLAPSE_NOTES.md (Qwen3MoeConfig.router_selection_norm; default: "
-     "the config's, none)", dict(enum_values=list(SELECTION_NORMS))),
+     "experiments against routing collapse, benchmarks/ROUTING_COLLAPSE_NOTES.md "
+     "(Qwen3MoeConfig.router_selection_norm; default: the config's, none)",
+     dict(enum_values=list(SELECTION_NORMS))),
     ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
     ("integer", "ce_chunk", None,
      "compute the cross-entropy this many positions at a time, never holding the full "

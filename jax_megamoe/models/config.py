@@ -42,8 +42,8 @@ class Qwen3MoeConfig:
   router_selection_norm: what every MoE layer picks its top k from (jax_megamoe.route):
     "none" (Qwen3's routing, the default), "center" or "standardize" (each expert's logit
     over the batch's tokens), or "balance" (standardised, plus a small fixed perturbation
-    and per-expert offsets that even out the batch's expert loads): experiments against routing collapse,
-    benchmarks/ROUTING_COLLAPSE_NOTES.md. Not in HF's config.json.
+    and per-expert offsets that even out the batch's expert loads): experiments against
+    routing collapse, benchmarks/ROUTING_COLLAPSE_NOTES.md. Not in HF's config.json.
   init_std [initializer_range]: std of the weight matrices at initialisation, N(0, init_std^2),
     but for the two below.
   embed_init_std: std of the token embedding at initialisation. depth_scaled_init: the last
