@@ -90,8 +90,9 @@ def _balanced_chooser(z: jax.Array, top_k: int) -> jax.Array:
     chooser = z + b
     load = jnp.sum((chooser >= _kth_largest(chooser, top_k)).astype(jnp.float32),
                    axis=0) / mean_load
-    better = jnp.max(load) < best
-    best_b, best = jnp.where(better, b, best_b), jnp.where(better, jnp.max(load), best)
+    peak = jnp.max(load)
+    better = peak < best
+    best_b, best = jnp.where(better, b, best_b), jnp.minimum(peak, best)
     # An idle expert's log load is clipped (at 1/4 of the mean) so that one step stays small.
     return b - first * decay ** i * jnp.log(jnp.maximum(load, 0.25)), best_b, best
 
