@@ -13,6 +13,8 @@
 // Build: benchmarks/kernels/build_fused_core_bench.sh (builds both harnesses).
 // Run: ./fused_core_fp8_bench [--pow2] [--timing] [--gate-up] [--unaligned-scales]
 //        [--only NAME] [--reps N] [--modes DIGITS]
+// Built with -DMEGAMOE_FP8_MAINLOOP=0 / 1 (the engine's FP8 mainloop, default 1): each check prints
+//   digests of the outputs, which builds compare bit for bit.
 // --unaligned-scales: A-scale TMA boxes start at the tile's first row itself, the first build's
 //   unaligned start, instead of at it rounded down to 16 bytes.
 // --timing adds the 30B shape (E = 128 x 1024 rows, H 2048, F 768: ~1 GB of host memory and a
@@ -115,6 +117,13 @@ static float FromE4m3(uint8_t q) {  // a table: the reference loops decode billi
     return t;
   }();
   return table[q];
+}
+
+// FNV-1a over n bytes.
+static uint64_t Fnv1a(const void* p, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(p)[i]) * 1099511628211ull;
+  return h;
 }
 
 struct Rng {
@@ -390,6 +399,13 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
          (long long)checked_h, (long long)scale_diff, y_err, (long long)nonfinite,
          same ? "yes" : "NO", ok ? "PASS" : "FAIL");
   if (d_gu != nullptr) printf("    gate_up rel %.2e\n", gu_err);
+  // Bit patterns of every output, to compare builds (e.g. MEGAMOE_FP8_MAINLOOP) bit for bit.
+  printf("    digest h %016llx  h scales %016llx  y %016llx  gate_up %016llx\n",
+         (unsigned long long)Fnv1a(hq.data(), rows * F),
+         (unsigned long long)Fnv1a(hs.data(), hs.size() * sizeof(float)),
+         (unsigned long long)Fnv1a(y.data(), rows * H * sizeof(bf16)),
+         (unsigned long long)(d_gu == nullptr ? 0 : Fnv1a(gu_k.data(),
+                                                          rows * 2 * F * sizeof(bf16))));
 
   if (time_it && rows > 0) {
     cudaEvent_t a, b;
@@ -411,6 +427,10 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
     for (int m = 0; m < 6; ++m) {
       if (!strchr(g_modes, '0' + m)) continue;
       const auto& mode = modes[m];
+      if (mode.no_promote && Engine::kFp8Mainloop != 0) {
+        printf("    (no promotion: only in the per-half mainloop, MEGAMOE_FP8_MAINLOOP=0)\n");
+        continue;
+      }
       prm.bench_skip_epilogue = mode.skip_epilogue;
       prm.bench_fp8_no_promote = mode.no_promote;
       prm.l1_raw_gate = mode.raw_gate;
@@ -458,6 +478,8 @@ int main(int argc, char** argv) {
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  printf("FP8 mainloop %d (MEGAMOE_FP8_MAINLOOP: 0 per half, 1 chunked)\n",
+         Engine::kFp8Mainloop);
   std::vector<Problem> problems = {
       // Every expert's rows at a multiple of 128 (aligned tile starts): first, so that a fault
       // only in the odd layouts below points at unaligned row offsets.

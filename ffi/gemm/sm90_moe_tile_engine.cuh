@@ -226,7 +226,7 @@ struct alignas(128) EngineParams {
   int32_t bench_skip_epilogue;
   // Benchmark only, FP8: 1 = no per-half wait and promotion; the wgmma run into one temporary
   // with one batch kept in flight, as bf16's mainloop (wrong values: the MMA and load ceiling
-  // that the promotion is measured against).
+  // that the promotion is measured against). Per-half mainloop only (kFp8Mainloop 0).
   int32_t bench_fp8_no_promote = 0;
   RowDest l2_dest;        // L2 output rows
   // Optional second store of every L2 output row, at its group row: l2_copy + (row_begin + r) *
@@ -246,6 +246,10 @@ struct alignas(128) EngineParams {
   const __nv_bfloat16* fwd_gate_up = nullptr;
   __nv_bfloat16* dgate_up = nullptr;
 };
+
+#ifndef MEGAMOE_FP8_MAINLOOP
+#define MEGAMOE_FP8_MAINLOOP 1  // Sm90MoeTileEngine::kFp8Mainloop
+#endif
 
 namespace detail {
 
@@ -272,6 +276,21 @@ using WgmmaBK = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA:
                                                                 cute::SM90::GMMA::Major::K>;
 
 using WgmmaFp8 = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+using WgmmaFp8N64 = cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
+
+// f(cute::Int<0>{}), ..., f(cute::Int<N - 1>{}): a loop whose index is a constant expression.
+template <class F, int... I>
+__device__ __forceinline__ void static_for(F&& f, cute::int_sequence<I...>) {
+  (f(cute::Int<I>{}), ...);
+}
+
+// One m64n64k32 e4m3 wgmma into d[kOff .. kOff + 32).
+template <int kOff, size_t... I>
+__device__ __forceinline__ void wgmma_fp8_n64_call(uint64_t da, uint64_t db, float (&d)[64],
+                                                   bool acc, cute::index_sequence<I...>) {
+  WgmmaFp8N64::fma(da, db, d[kOff + I]...,
+                   acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
 
 template <size_t... I>
 __device__ __forceinline__ void wgmma_fp8_call(uint64_t da, uint64_t db, float (&d)[64], bool acc,
@@ -452,6 +471,12 @@ template <int kStages_ = 4, int kJobSlots_ = 4, class Elems = Bf16Operands, bool
           bool kDgrad = false, int kClusterM = 1>
 struct Sm90MoeTileEngine {
   static constexpr bool kFp8 = Elems::kFp8;
+  // The FP8 mainloop's schedule (session 23's experiment, FUSED_CORE_NOTES): 0 = per 128-column
+  // half, wait, then promote (mainloop_fp8); 1 = 64-column chunks, each promoted while the next
+  // one's wgmma run (mainloop_fp8_chunked). Chosen when compiling: beside another schedule in
+  // one kernel, ptxas serialised every wgmma (C7511, insufficient registers).
+  static constexpr int kFp8Mainloop = MEGAMOE_FP8_MAINLOOP;
+  static_assert(kFp8Mainloop == 0 || kFp8Mainloop == 1, "MEGAMOE_FP8_MAINLOOP: 0 or 1");
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
   static_assert(kClusterM == 1 || (kClusterM == 2 && kBKMajor && !kFp8),
@@ -787,6 +812,73 @@ struct Sm90MoeTileEngine {
     }
   }
 
+  // One FP8 tile's mainloop, chunked (kFp8Mainloop 1): per stage, four 64-column chunks of 4 x
+  // wgmma m64n64k32, chunk c into tmp[32 (c % 2) ..]. Each chunk's batch is committed before the
+  // previous chunk is waited for (wait<1>) and promoted, so the warpgroup keeps a batch in the
+  // tensor pipe while it promotes; only the stage's last chunk is waited for alone (wait<0>)
+  // (the halves' schedule drains the pipe twice per stage, each time before 64 FFMA). Chunk c is
+  // columns 64 c .. of the tile: acc[32 c + i] (the m64n64 fragment is the m64n128 one's first
+  // 32 registers). Each acc[j] gets the same FFMA in the same order as in the halves' schedule.
+  // Promoting a stage's last chunk during the next stage's first made ptxas serialise every
+  // wgmma (C7514, nvcc 13.0), so a stage ends with its own wait. A stage is released once read,
+  // except the tile's last two (the epilogue's staging); a one-stage tile also waits for the
+  // padding stage the producer adds.
+  __device__ static void mainloop_fp8_chunked(SharedStorage& ss, int num_kb, int sa_off, int wg,
+                                              int warp_in_wg, int lane, uint32_t& it,
+                                              float (&acc)[128], float (&tmp)[kFp8 ? 64 : 1]) {
+    if constexpr (kFp8) {
+      const int num_stages = num_kb < 2 ? 2 : num_kb;
+      const int row = 64 * wg + warp_in_wg * 16 + (lane >> 2);  // fragment rows row, row + 8
+      const int sa_row = sa_off + row;
+      // acc[kDst ..] += tmp[kBuf ..] x (s0: row, s1: row + 8).
+      auto promote = [&](auto buf, auto dst, float s0, float s1) {
+        constexpr int kBuf = decltype(buf)::value, kDst = decltype(dst)::value;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) cute::warpgroup_fence_operand(tmp[kBuf + i]);
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+          acc[kDst + i] = fmaf(tmp[kBuf + i], (i & 2) ? s1 : s0, acc[kDst + i]);
+      };
+      for (int kb = 0; kb < num_stages; ++kb, ++it) {
+        const int s = it % kStages;
+        Barrier::wait(&ss.full[s], (it / kStages) & 1);
+        if (kb < num_kb) {
+          const float sa0 = ss.scales.a[s][sa_row], sa1 = ss.scales.a[s][sa_row + 8];
+          const float sb0 = ss.scales.b[s][0], sb1 = ss.scales.b[s][1];
+          const uint32_t a_addr = detail::smem_u32(ss.a[s]) + wg * (64 * 128);
+          detail::static_for([&](auto chunk) {
+            constexpr int c = decltype(chunk)::value;
+            constexpr int kBuf = 32 * (c & 1);
+            // B K-major: the chunk's 64 N-rows of 128 B start 8 KB into its half.
+            const uint32_t b_addr =
+                detail::smem_u32(ss.b[s]) + (c >> 1) * kBHalfBytes + (c & 1) * 64 * 128;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) cute::warpgroup_fence_operand(tmp[kBuf + i]);
+            cute::warpgroup_arrive();
+#pragma unroll
+            for (int k = 0; k < kBlockK / 32; ++k) {
+              const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
+              const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 32, 16, 1024);
+              detail::wgmma_fp8_n64_call<kBuf>(da, db, tmp, k > 0,
+                                               cute::make_index_sequence<32>{});
+            }
+            cute::warpgroup_commit_batch();
+#pragma unroll
+            for (int i = 0; i < 32; ++i) cute::warpgroup_fence_operand(tmp[kBuf + i]);
+            if constexpr (c > 0) {  // chunk c - 1, while chunk c runs
+              const float sb = ((c - 1) >> 1) ? sb1 : sb0;
+              cute::warpgroup_wait<1>();
+              promote(cute::Int<32 - kBuf>{}, cute::Int<32 * (c - 1)>{}, sa0 * sb, sa1 * sb);
+            }
+          }, cute::make_int_sequence<4>{});
+          cute::warpgroup_wait<0>();
+          promote(cute::Int<32>{}, cute::Int<96>{}, sa0 * sb1, sa1 * sb1);  // chunk 3
+        }
+        if (kb < num_stages - 2 && lane == 0) Barrier::arrive(&ss.empty[s]);
+      }
+    }
+  }
+
   // One FP8 tile's mainloop (a consumer warpgroup): per stage and per 128-column half, 4 x
   // wgmma m64n128k32 into tmp, wait, then acc[half] += tmp * (sa[row] * sb[half]); each stage
   // is released once read, except the tile's last two (the epilogue's staging).
@@ -794,7 +886,9 @@ struct Sm90MoeTileEngine {
   __device__ static void mainloop_fp8(SharedStorage& ss, int num_kb, int sa_off, int wg,
                                       int warp_in_wg, int lane, uint32_t& it, float (&acc)[128],
                                       float (&tmp)[kFp8 ? 64 : 1], bool no_promote) {
-    if constexpr (kFp8) {
+    if constexpr (kFp8 && kFp8Mainloop != 0) {
+      mainloop_fp8_chunked(ss, num_kb, sa_off, wg, warp_in_wg, lane, it, acc, tmp);
+    } else if constexpr (kFp8) {
       const int num_stages = num_kb < 2 ? 2 : num_kb;
       if (no_promote) {  // EngineParams::bench_fp8_no_promote
         mainloop_fp8_no_promote(ss, num_kb, num_stages, wg, lane, it, acc, tmp);
