@@ -8,26 +8,22 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 OUT=${1:-$ROOT/build/fused_core}
 CUTLASS=${CUTLASS_INCLUDE:-/work/venv/lib/python3.11/site-packages/cutlass_library/source/include}
 mkdir -p "$OUT"
-DEFINES="" SUFFIX=""  # per build (below), never from the environment
 # build NAME LOG KERNEL [SOURCE...]: benchmarks/kernels/NAME.cu (+ SOURCEs under the root) ->
-# $OUT/NAME$SUFFIX, ptxas's report in $OUT/LOG (its register, spill and stack lines for KERNEL
-# printed, and its C75xx notes: serialised wgmma). DEFINES: extra -D options.
+# $OUT/NAME, ptxas's report in $OUT/LOG (its register, spill and stack lines for KERNEL printed,
+# and its C75xx notes: wgmma serialised, printed as "info" lines).
 build() {
   name=$1 log=$2 kernel=$3
   shift 3
   extra=""
   for s in "$@"; do extra="$extra $ROOT/$s"; done
-  rm -f "$OUT/$name$SUFFIX"
   # shellcheck disable=SC2086
   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a \
-    --expt-relaxed-constexpr -Xptxas -v -DNDEBUG $DEFINES \
+    --expt-relaxed-constexpr -Xptxas -v -DNDEBUG \
     -I"$ROOT" -I"$CUTLASS" \
-    "$ROOT/benchmarks/kernels/$name.cu" $extra -o "$OUT/$name$SUFFIX" 2>&1 | \
+    "$ROOT/benchmarks/kernels/$name.cu" $extra -o "$OUT/$name" 2>&1 | \
     tee "$OUT/$log" | grep -E "error|warning|C75|registers|spill|stack|$kernel" || true
-  test -x "$OUT/$name$SUFFIX"
+  test -x "$OUT/$name"
 }
 build fused_core_bench ptxas.log MoeCore
 build fused_core_fp8_bench ptxas_fp8.log Fp8Core
-# The FP8 engine's per-half mainloop beside the default chunked one (session 23's A/B).
-(DEFINES=-DMEGAMOE_FP8_MAINLOOP=0; SUFFIX=_halves; build fused_core_fp8_bench ptxas_fp8_halves.log Fp8Core)
 build fused_dgrad_bench ptxas_dgrad.log MoeCore ffi/impls/grouped_swiglu.cu

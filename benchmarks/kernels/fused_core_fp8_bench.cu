@@ -13,15 +13,15 @@
 // Build: benchmarks/kernels/build_fused_core_bench.sh (builds both harnesses).
 // Run: ./fused_core_fp8_bench [--pow2] [--timing] [--gate-up] [--unaligned-scales]
 //        [--only NAME] [--reps N] [--modes DIGITS]
-// Built with -DMEGAMOE_FP8_MAINLOOP=0 / 1 (the engine's FP8 mainloop, default 1): each check prints
-//   digests of the outputs, which builds compare bit for bit.
+// Each check prints digests of its outputs, to compare two builds bit for bit.
 // --unaligned-scales: A-scale TMA boxes start at the tile's first row itself, the first build's
 //   unaligned start, instead of at it rounded down to 16 bytes.
 // --timing adds the 30B shape (E = 128 x 1024 rows, H 2048, F 768: ~1 GB of host memory and a
 //   few seconds of host quantisation) and times each problem in the modes of --modes (default
-//   01234): 0 the kernel; 1 no global stores; 2 L1 without SwiGLU math; 3 no epilogue; 4 no
-//   epilogue and no FP8 promotion (the MMA and load ceiling); 5 (on request) L2's staging only,
-//   its slots written and the stages handed back unread. Differences place the time.
+//   0123): 0 the kernel; 1 no global stores; 2 L1 without SwiGLU math; 3 no epilogue; 4 (on
+//   request) L2's staging only, its slots written and the stages handed back unread.
+//   Differences place the time. (Mode "no promotion", the MMA and load ceiling, went with the
+//   per-half mainloop in session 25.)
 // --gate-up also stores and checks L1's bf16 gate_up, the residual the fused kernel keeps at
 //   one rank (the three-slot FP8 epilogue).
 // --only NAME runs the problems whose name contains NAME; --reps N timed launches per mode
@@ -53,7 +53,7 @@ using bf16 = __nv_bfloat16;
 using Engine = Sm90MoeTileEngine<4, 4, E4m3Operands>;
 
 static int g_reps = 15;                  // --reps
-static const char* g_modes = "01234";  // --modes
+static const char* g_modes = "0123";  // --modes
 
 // ------------------------------------------------------------------ kernel
 // One GEMM kind per launch (L1, then L2 in a second launch: no counters needed).
@@ -399,7 +399,7 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
          (long long)checked_h, (long long)scale_diff, y_err, (long long)nonfinite,
          same ? "yes" : "NO", ok ? "PASS" : "FAIL");
   if (d_gu != nullptr) printf("    gate_up rel %.2e\n", gu_err);
-  // Bit patterns of every output, to compare builds (e.g. MEGAMOE_FP8_MAINLOOP) bit for bit.
+  // Bit patterns of every output, to compare two builds bit for bit.
   printf("    digest h %016llx  h scales %016llx  y %016llx  gate_up %016llx\n",
          (unsigned long long)Fnv1a(hq.data(), rows * F),
          (unsigned long long)Fnv1a(hs.data(), hs.size() * sizeof(float)),
@@ -411,28 +411,20 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
     CK(cudaEventCreate(&b));
-    // The layer's kernel, then the breakdown: without the epilogue's stores, then also without
-    // the per-half wait and promotion (EngineParams::bench_fp8_no_promote: the MMA and load
-    // ceiling). The last two compute wrong values; run after the checks above.
-    // Modes (--modes, by index): the kernel; no global stores (math, staging and smem reads
-    // kept); L1 without SwiGLU math (the gate quantised as h); no epilogue; no epilogue and no
-    // promotion; L2's staging only (its slots written, not read: FP8 L1 runs as the kernel).
-    const struct { const char* name; int skip_epilogue, no_promote, raw_gate; } modes[] = {
-        {"", 0, 0, 0},
-        {" no global stores", 2, 0, 0},
-        {" no SwiGLU math", 0, 0, 1},
-        {" no epilogue", 1, 0, 0},
-        {" no epilogue, no promotion", 1, 1, 0},
-        {" staging only (L2; L1 as the kernel)", 3, 0, 0}};
-    for (int m = 0; m < 6; ++m) {
+    // The layer's kernel, then the breakdown (wrong values but for mode 0; run after the
+    // checks above). Modes (--modes, by index): the kernel; no global stores (math, staging and
+    // smem reads kept); L1 without SwiGLU math (the gate quantised as h); no epilogue; L2's
+    // staging only (its slots written, not read: FP8 L1 runs as the kernel).
+    const struct { const char* name; int skip_epilogue, raw_gate; } modes[] = {
+        {"", 0, 0},
+        {" no global stores", 2, 0},
+        {" no SwiGLU math", 0, 1},
+        {" no epilogue", 1, 0},
+        {" staging only (L2; L1 as the kernel)", 3, 0}};
+    for (int m = 0; m < 5; ++m) {
       if (!strchr(g_modes, '0' + m)) continue;
       const auto& mode = modes[m];
-      if (mode.no_promote && Engine::kFp8Mainloop != 0) {
-        printf("    (no promotion: only in the per-half mainloop, MEGAMOE_FP8_MAINLOOP=0)\n");
-        continue;
-      }
       prm.bench_skip_epilogue = mode.skip_epilogue;
-      prm.bench_fp8_no_promote = mode.no_promote;
       prm.l1_raw_gate = mode.raw_gate;
       for (int kind : {int(kL1GateUp), int(kL2Down)}) {
         std::vector<float> ms;
@@ -453,7 +445,6 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
       }
     }
     prm.bench_skip_epilogue = 0;
-    prm.bench_fp8_no_promote = 0;
     prm.l1_raw_gate = 0;
   }
   for (void* p : {(void*)d_xq, (void*)d_xs, (void*)d_wguq, (void*)d_wgus, (void*)d_wdq,
@@ -478,8 +469,6 @@ int main(int argc, char** argv) {
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  printf("FP8 mainloop %d (MEGAMOE_FP8_MAINLOOP: 0 per half, 1 chunked)\n",
-         Engine::kFp8Mainloop);
   std::vector<Problem> problems = {
       // Every expert's rows at a multiple of 128 (aligned tile starts): first, so that a fault
       // only in the odd layouts below points at unaligned row offsets.

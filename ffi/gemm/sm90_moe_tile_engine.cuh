@@ -224,10 +224,6 @@ struct alignas(128) EngineParams {
   // FP8 L1's own epilogue ignores it); 4 = as 1, but each tile's row destinations are still
   // looked up (by the signaller since session 17: what the lookup still costs off the path).
   int32_t bench_skip_epilogue;
-  // Benchmark only, FP8: 1 = no per-half wait and promotion; the wgmma run into one temporary
-  // with one batch kept in flight, as bf16's mainloop (wrong values: the MMA and load ceiling
-  // that the promotion is measured against). Per-half mainloop only (kFp8Mainloop 0).
-  int32_t bench_fp8_no_promote = 0;
   RowDest l2_dest;        // L2 output rows
   // Optional second store of every L2 output row, at its group row: l2_copy + (row_begin + r) *
   // l2_copy_ld (nullptr: none). The fused forward keeps L2's rows there for the backward.
@@ -246,10 +242,6 @@ struct alignas(128) EngineParams {
   const __nv_bfloat16* fwd_gate_up = nullptr;
   __nv_bfloat16* dgate_up = nullptr;
 };
-
-#ifndef MEGAMOE_FP8_MAINLOOP
-#define MEGAMOE_FP8_MAINLOOP 1  // Sm90MoeTileEngine::kFp8Mainloop
-#endif
 
 namespace detail {
 
@@ -275,7 +267,6 @@ using Wgmma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::M
 using WgmmaBK = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                                 cute::SM90::GMMA::Major::K>;
 
-using WgmmaFp8 = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
 using WgmmaFp8N64 = cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
 
 // f(cute::Int<0>{}), ..., f(cute::Int<N - 1>{}): a loop whose index is a constant expression.
@@ -290,13 +281,6 @@ __device__ __forceinline__ void wgmma_fp8_n64_call(uint64_t da, uint64_t db, flo
                                                    bool acc, cute::index_sequence<I...>) {
   WgmmaFp8N64::fma(da, db, d[kOff + I]...,
                    acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
-template <size_t... I>
-__device__ __forceinline__ void wgmma_fp8_call(uint64_t da, uint64_t db, float (&d)[64], bool acc,
-                                               cute::index_sequence<I...>) {
-  WgmmaFp8::fma(da, db, d[I]...,
-                acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
 template <class Mma = Wgmma, size_t... I>
@@ -471,12 +455,6 @@ template <int kStages_ = 4, int kJobSlots_ = 4, class Elems = Bf16Operands, bool
           bool kDgrad = false, int kClusterM = 1>
 struct Sm90MoeTileEngine {
   static constexpr bool kFp8 = Elems::kFp8;
-  // The FP8 mainloop's schedule (session 23's experiment, FUSED_CORE_NOTES): 0 = per 128-column
-  // half, wait, then promote (mainloop_fp8); 1 = 64-column chunks, each promoted while the next
-  // one's wgmma run (mainloop_fp8_chunked). Chosen when compiling: beside another schedule in
-  // one kernel, ptxas serialised every wgmma (C7511, insufficient registers).
-  static constexpr int kFp8Mainloop = MEGAMOE_FP8_MAINLOOP;
-  static_assert(kFp8Mainloop == 0 || kFp8Mainloop == 1, "MEGAMOE_FP8_MAINLOOP: 0 or 1");
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
   static_assert(kClusterM == 1 || (kClusterM == 2 && kBKMajor && !kFp8),
@@ -768,69 +746,28 @@ struct Sm90MoeTileEngine {
   }
 
   // ---------------------------------------------------------------- math (two warpgroups)
-  // The FP8 mainloop without promotion (benchmark only): every stage's 2 x 4 wgmma accumulate
-  // into tmp, each stage's batch committed and the previous one waited for (wait<1>, as bf16),
-  // so the tensor pipe never drains inside the tile; tmp is added to acc once at the end so
-  // that the work is used. The values are not the layer's.
-  __device__ static void mainloop_fp8_no_promote(SharedStorage& ss, int num_kb, int num_stages,
-                                                 int wg, int lane, uint32_t& it,
-                                                 float (&acc)[128], float (&tmp)[kFp8 ? 64 : 1]) {
-    if constexpr (kFp8) {
-      for (int kb = 0; kb < num_stages; ++kb, ++it) {
-        const int s = it % kStages;
-        Barrier::wait(&ss.full[s], (it / kStages) & 1);
-        if (kb < num_kb) {
-          const uint32_t a_addr = detail::smem_u32(ss.a[s]) + wg * (64 * 128);
-#pragma unroll
-          for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(tmp[i]);
-          cute::warpgroup_arrive();
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const uint32_t b_addr = detail::smem_u32(ss.b[s]) + half * kBHalfBytes;
-#pragma unroll
-            for (int k = 0; k < kBlockK / 32; ++k) {
-              const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
-              const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 32, 16, 1024);
-              detail::wgmma_fp8_call(da, db, tmp, kb > 0 || half > 0 || k > 0,
-                                     cute::make_index_sequence<64>{});
-            }
-          }
-          cute::warpgroup_commit_batch();
-#pragma unroll
-          for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(tmp[i]);
-        }
-        // The previous stage's wgmma are done once at most this one's batch is in flight.
-        cute::warpgroup_wait<1>();
-        if (kb > 0 && kb - 1 < num_stages - 2 && lane == 0)
-          Barrier::arrive(&ss.empty[(it - 1) % kStages]);
-      }
-      cute::warpgroup_wait<0>();
-#pragma unroll
-      for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(tmp[i]);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] += tmp[i];
-    }
-  }
-
-  // One FP8 tile's mainloop, chunked (kFp8Mainloop 1): per stage, four 64-column chunks of 4 x
-  // wgmma m64n64k32, chunk c into tmp[32 (c % 2) ..]. Each chunk's batch is committed before the
-  // previous chunk is waited for (wait<1>) and promoted, so the warpgroup keeps a batch in the
-  // tensor pipe while it promotes; only the stage's last chunk is waited for alone (wait<0>)
-  // (the halves' schedule drains the pipe twice per stage, each time before 64 FFMA). Chunk c is
-  // columns 64 c .. of the tile: acc[32 c + i] (the m64n64 fragment is the m64n128 one's first
-  // 32 registers). Each acc[j] gets the same FFMA in the same order as in the halves' schedule.
-  // Promoting a stage's last chunk during the next stage's first made ptxas serialise every
-  // wgmma (C7514, nvcc 13.0), so a stage ends with its own wait. A stage is released once read,
-  // except the tile's last two (the epilogue's staging); a one-stage tile also waits for the
-  // padding stage the producer adds.
-  __device__ static void mainloop_fp8_chunked(SharedStorage& ss, int num_kb, int sa_off, int wg,
-                                              int warp_in_wg, int lane, uint32_t& it,
-                                              float (&acc)[128], float (&tmp)[kFp8 ? 64 : 1]) {
+  // One FP8 tile's mainloop (a consumer warpgroup): per stage, four 64-column chunks of 4 x
+  // wgmma m64n64k32, chunk c into tmp[32 (c % 2) ..], then acc[chunk] += tmp * (sa[row] *
+  // sb[half]). Each chunk's batch is committed before the previous chunk is waited for
+  // (wait<1>) and promoted, so the warpgroup keeps a batch in the tensor pipe while it
+  // promotes; only the stage's last chunk is waited for alone (wait<0>). (Session 23's first
+  // schedule, per 128-column half, drained the pipe twice per stage before 64 FFMA each: the
+  // chunks took 10% off L1 and 5% off L2 at 30B, bit for bit the same outputs; RESULTS
+  // sessions 24-25.) Chunk c is columns 64 c .. of the tile: acc[32 c + i]. Promoting a
+  // stage's last chunk during the next stage's first made ptxas serialise every wgmma (C7514,
+  // nvcc 13.0), so a stage ends with its own wait. A stage is released once read, except the
+  // tile's last two (the epilogue's staging); a one-stage tile also waits for the padding stage
+  // the producer adds. sa_off: where the tile's first row sits in a stage's A-scale box
+  // (load_tile_fp8).
+  __device__ static void mainloop_fp8(SharedStorage& ss, int num_kb, int sa_off, int wg,
+                                      int warp_in_wg, int lane, uint32_t& it, float (&acc)[128],
+                                      float (&tmp)[kFp8 ? 64 : 1]) {
     if constexpr (kFp8) {
       const int num_stages = num_kb < 2 ? 2 : num_kb;
       const int row = 64 * wg + warp_in_wg * 16 + (lane >> 2);  // fragment rows row, row + 8
       const int sa_row = sa_off + row;
-      // acc[kDst ..] += tmp[kBuf ..] x (s0: row, s1: row + 8).
+      // acc[kDst ..] += tmp[kBuf ..] x (s0: row, s1: row + 8); tmp[kBuf + i] is row + 8 ((i / 2)
+      // % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2 of its chunk.
       auto promote = [&](auto buf, auto dst, float s0, float s1) {
         constexpr int kBuf = decltype(buf)::value, kDst = decltype(dst)::value;
 #pragma unroll
@@ -857,6 +794,7 @@ struct Sm90MoeTileEngine {
             cute::warpgroup_arrive();
 #pragma unroll
             for (int k = 0; k < kBlockK / 32; ++k) {
+              // A and B K-major, 128 B rows (128B swizzle): +32 B per 32 of K; SBO = 8 rows.
               const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
               const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 32, 16, 1024);
               detail::wgmma_fp8_n64_call<kBuf>(da, db, tmp, k > 0,
@@ -873,59 +811,6 @@ struct Sm90MoeTileEngine {
           }, cute::make_int_sequence<4>{});
           cute::warpgroup_wait<0>();
           promote(cute::Int<32>{}, cute::Int<96>{}, sa0 * sb1, sa1 * sb1);  // chunk 3
-        }
-        if (kb < num_stages - 2 && lane == 0) Barrier::arrive(&ss.empty[s]);
-      }
-    }
-  }
-
-  // One FP8 tile's mainloop (a consumer warpgroup): per stage and per 128-column half, 4 x
-  // wgmma m64n128k32 into tmp, wait, then acc[half] += tmp * (sa[row] * sb[half]); each stage
-  // is released once read, except the tile's last two (the epilogue's staging).
-  // sa_off: where the tile's first row sits in a stage's A-scale box (load_tile_fp8).
-  __device__ static void mainloop_fp8(SharedStorage& ss, int num_kb, int sa_off, int wg,
-                                      int warp_in_wg, int lane, uint32_t& it, float (&acc)[128],
-                                      float (&tmp)[kFp8 ? 64 : 1], bool no_promote) {
-    if constexpr (kFp8 && kFp8Mainloop != 0) {
-      mainloop_fp8_chunked(ss, num_kb, sa_off, wg, warp_in_wg, lane, it, acc, tmp);
-    } else if constexpr (kFp8) {
-      const int num_stages = num_kb < 2 ? 2 : num_kb;
-      if (no_promote) {  // EngineParams::bench_fp8_no_promote
-        mainloop_fp8_no_promote(ss, num_kb, num_stages, wg, lane, it, acc, tmp);
-        return;
-      }
-      const int row = 64 * wg + warp_in_wg * 16 + (lane >> 2);  // fragment rows row, row + 8
-      const int sa_row = sa_off + row;
-      for (int kb = 0; kb < num_stages; ++kb, ++it) {
-        const int s = it % kStages;
-        Barrier::wait(&ss.full[s], (it / kStages) & 1);
-        if (kb < num_kb) {
-          const float sa0 = ss.scales.a[s][sa_row], sa1 = ss.scales.a[s][sa_row + 8];
-          const uint32_t a_addr = detail::smem_u32(ss.a[s]) + wg * (64 * 128);
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const uint32_t b_addr = detail::smem_u32(ss.b[s]) + half * kBHalfBytes;
-#pragma unroll
-            for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(tmp[i]);
-            cute::warpgroup_arrive();
-#pragma unroll
-            for (int k = 0; k < kBlockK / 32; ++k) {
-              // A and B K-major, 128 B rows (128B swizzle): +32 B per 32 of K; SBO = 8 rows.
-              const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
-              const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 32, 16, 1024);
-              detail::wgmma_fp8_call(da, db, tmp, k > 0, cute::make_index_sequence<64>{});
-            }
-            cute::warpgroup_commit_batch();
-            cute::warpgroup_wait<0>();
-#pragma unroll
-            for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(tmp[i]);
-            const float sb = ss.scales.b[s][half];
-            const float s0 = sa0 * sb, s1 = sa1 * sb;
-            // tmp[i]: row + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (lane % 4) + i % 2 of the half.
-#pragma unroll
-            for (int i = 0; i < 64; ++i)
-              acc[64 * half + i] = fmaf(tmp[i], (i & 2) ? s1 : s0, acc[64 * half + i]);
-          }
         }
         if (kb < num_stages - 2 && lane == 0) Barrier::arrive(&ss.empty[s]);
       }
@@ -1166,7 +1051,7 @@ struct Sm90MoeTileEngine {
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
       if constexpr (kFp8) {
         mainloop_fp8(ss, num_kb, op.sa_unaligned ? 0 : (job.row_begin & 3), wg, warp_in_wg,
-                     lane, it, acc, tmp, p.bench_fp8_no_promote != 0);
+                     lane, it, acc, tmp);
       } else {
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
         const int s = it % kStages;
