@@ -74,8 +74,9 @@ def parse_args(argv=None):
                       "the example's --tokenizer words), random (uniform ids) or a .npy of ids")
   p.add_argument("--eval-norms", default="",
                  help="after training, the CE and imbalance of held-out batches with each of "
-                      "these selection norms (comma-separated, e.g. none,balance): how the "
-                      "trained model routes at inference, where batch statistics may be absent")
+                      "these selection norms (comma-separated, e.g. none,balance,running; "
+                      "running: the trained norm with its running statistics, model.eval()): "
+                      "how the trained model routes at inference, without batch statistics")
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--diag-every", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
@@ -186,7 +187,7 @@ def main(argv=None):
   from flax import nnx  # noqa: PLC0415
   import data as data_lib  # noqa: PLC0415
   import train_qwen3_moe as example  # noqa: PLC0415
-  from jax_megamoe.models import update_selection_biases  # noqa: PLC0415
+  from jax_megamoe.models import update_selection_biases, update_selection_stats  # noqa: PLC0415
   from jax_megamoe.models.losses import chunked_cross_entropy  # noqa: PLC0415
 
   config, model = build(args)
@@ -217,7 +218,7 @@ def main(argv=None):
     ce, balance, z, aux = losses(params, inputs, targets)
     loss = ce + aux_coef * balance + args.z * z
     return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load,
-                      mean_logits=aux.mean_logits)
+                      mean_logits=aux.mean_logits, selection_stats=aux.selection_stats)
 
   def is_router(path):
     return any(getattr(k, "key", None) == "router" for k in path)
@@ -233,6 +234,7 @@ def main(argv=None):
     params = update_selection_biases(params, metrics["expert_load"], rate,
                                      config.router_bias_update_rule,
                                      mean_logits=metrics.pop("mean_logits"))
+    params = update_selection_stats(params, metrics.pop("selection_stats"))
     metrics["grad_norm"] = optax.global_norm(grads)
     return params, opt_state, metrics
 
@@ -305,9 +307,24 @@ def main(argv=None):
     summary["eval"] = {}
     for norm in args.eval_norms.split(","):
       model = nnx.merge(graphdef, params)
-      for layer in model.layers:
-        if layer.is_moe:
-          layer.mlp.selection_norm = norm
+      if norm == "calibrated":
+        # The trained norm with statistics measured on the final parameters: their mean over
+        # calibration batches (a third seed), written over the running estimates.
+        calib = data_lib.BatchSampler(tokens, args.batch, args.seq, args.seed + 2)
+        stats = np.mean([np.asarray(jax.jit(lambda p, x: nnx.merge(graphdef, p)(
+            x, return_aux=True)[1].selection_stats)(params, jnp.asarray(calib(b)[0])))
+            for b in range(1, args.eval_batches + 1)], axis=0)
+        moe_layers = [layer.mlp for layer in model.layers if layer.is_moe]
+        for layer_stats, mlp in zip(stats, moe_layers):
+          for value, name in zip(layer_stats, ("selection_mean", "selection_std",
+                                               "selection_offset")):
+            getattr(mlp, name)[...] = jnp.asarray(value)
+      if norm in ("running", "calibrated"):  # the trained norm with stored statistics
+        model.eval()
+      else:
+        for layer in model.layers:
+          if layer.is_moe:
+            layer.mlp.selection_norm = norm
       g_eval, p_eval = nnx.split(model, nnx.Param)
 
       @jax.jit

@@ -50,7 +50,8 @@ except ImportError:  # run from a source checkout without installing
 
 from jax_megamoe import BACKENDS, RECIPES  # noqa: E402
 from jax_megamoe.models import (CONFIGS, REMAT_POLICIES, Qwen3Moe, compute_copy,  # noqa: E402
-                                get_config, update_selection_biases)
+                                get_config, update_selection_biases,
+                                update_selection_stats)
 from jax_megamoe.models.hf_import import load_hf_checkpoint, read_hf_config  # noqa: E402
 from jax_megamoe.models.attention_impl import ATTENTION_CHOICES, resolve_attention  # noqa: E402
 from jax_megamoe.models.losses import auto_ce_chunk, chunked_cross_entropy  # noqa: E402
@@ -385,7 +386,7 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
       balance, z = jnp.sum(aux.load_balancing_loss) / layers, jnp.sum(aux.z_loss) / layers
     loss = ce + aux_coef * balance + z_coef * z
     return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load,
-                      mean_logits=aux.mean_logits)
+                      mean_logits=aux.mean_logits, selection_stats=aux.selection_stats)
 
   def bias_update(params):
     config = nnx.merge(graphdef, params).config
@@ -409,6 +410,9 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
       new_params = update_selection_biases(new_params, metrics["expert_load"],
                                            *bias_update(params),
                                            mean_logits=metrics.pop("mean_logits"))
+      # The running selection statistics that inference routes with (router_selection_norm
+      # other than "none" only): a no-op without them.
+      new_params = update_selection_stats(new_params, metrics.pop("selection_stats"))
       new_params = jax.tree.map(keep, new_params, params)
       # From the kept master, in the copy's dtypes: after a bad step, the copy it was given.
       new_compute = None if compute is None else jax.tree.map(

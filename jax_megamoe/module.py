@@ -30,6 +30,19 @@ class SelectionBias(nnx.Param):
   training step, from the step's expert loads."""
 
 
+class SelectionStats(nnx.Param):
+  """Running estimates [E] of one of the per-expert statistics a router's selection_norm
+  computes on each batch (MoE(selection_norm=...) other than "none": selection_mean,
+  selection_std, selection_offset; RouterAux.selection_stats rows 0, 1, 2). The module routes
+  with them, instead of the batch's, when use_running_average is True (`model.eval()`), as
+  batch norm does at inference.
+
+  Like SelectionBias, an nnx.Param that no gradient reaches (keep it out of weight decay: the
+  example's mask skips vectors), moved once per training step by
+  router.update_selection_stats (models.update_selection_stats for a Qwen3Moe). They start at
+  (0, 1, 0), the identity."""
+
+
 class MoE(nnx.Module):
   """Mixture-of-experts feed-forward block (Qwen3-MoE style).
 
@@ -48,7 +61,9 @@ class MoE(nnx.Module):
   so nnx.get_partition_spec gives their PartitionSpecs.
 
   selection_norm: what the router picks the top k from (jax_megamoe.route; "none", Qwen3's
-  routing, by default).
+  routing, by default). Any other norm also gives the module SelectionStats parameters
+  (selection_mean, selection_std, selection_offset), used in place of the batch's statistics
+  when use_running_average is True (set by `model.eval()`, cleared by `model.train()`).
   """
 
   def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
@@ -111,6 +126,12 @@ class MoE(nnx.Module):
     if selection_bias:
       self.selection_bias = self._param(jnp.zeros((num_experts,), jnp.float32), (None,),
                                         kind=SelectionBias)
+    self.use_running_average = False
+    if selection_norm != "none":
+      for name, value in (("selection_mean", 0.0), ("selection_std", 1.0),
+                          ("selection_offset", 0.0)):
+        setattr(self, name, self._param(jnp.full((num_experts,), value, jnp.float32), (None,),
+                                        kind=SelectionStats))
 
   def _param(self, value: jax.Array, sharding: tuple, kind: type = nnx.Param) -> nnx.Param:
     if self.mesh is None:
@@ -135,10 +156,15 @@ class MoE(nnx.Module):
       with jax.named_scope("router"):
         logits = tokens.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
         bias = getattr(self, "selection_bias", None)
+        stats = None
+        if self.use_running_average and self.selection_norm != "none":
+          stats = (self.selection_mean[...], self.selection_std[...],
+                   self.selection_offset[...])
         topk_weights, topk_ids, aux = route(logits, self.top_k,
                                             norm_topk_prob=self.norm_topk_prob,
                                             selection_bias=None if bias is None else bias[...],
-                                            selection_norm=self.selection_norm)
+                                            selection_norm=self.selection_norm,
+                                            selection_stats=stats)
       with jax.named_scope("experts"):
         y = moe(tokens.astype(self.dtype), topk_ids, topk_weights,
                 self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),

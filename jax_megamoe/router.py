@@ -19,13 +19,20 @@ class RouterAux(NamedTuple):
   mean_logits: [E] float32, each expert's router logit averaged over the tokens (without the
     selection bias): the profile every token shares, which the "center" selection-bias rule
     cancels.
-  With no tokens (T = 0) all four are zeros: nothing was routed, so nothing to balance.
+  selection_stats: [3, E] float32, the per-expert (mean, std, offset) that the top-k choice
+    used: chooser = (logits - mean) / std + offset. From this batch under a selection_norm
+    ((0, 1, 0) where a norm does not use one), or the given running estimates
+    (route(selection_stats=)); (0, 1, 0) without a norm. update_selection_stats keeps running
+    estimates of them for inference.
+  With no tokens (T = 0) all are zeros but the std, one: nothing was routed, so nothing to
+  balance.
   """
 
   load_balancing_loss: jax.Array
   z_loss: jax.Array
   expert_load: jax.Array
   mean_logits: jax.Array
+  selection_stats: jax.Array
 
 
 SELECTION_NORMS = ("none", "center", "standardize", "balance")
@@ -63,12 +70,17 @@ def _kth_largest(x: jax.Array, k: int) -> jax.Array:
   return jnp.max(x, axis=1, keepdims=True)
 
 
-def _balanced_chooser(z: jax.Array, top_k: int) -> jax.Array:
-  """z [T, E] (T >= 1, standardised logits) perturbed and offset per expert so that the top k
-  of its rows load the experts about evenly over these tokens."""
+def _perturbed(z: jax.Array) -> jax.Array:
+  """z plus balance's fixed perturbation (BALANCE_NOISE)."""
+  if not BALANCE_NOISE:
+    return z
+  return z + BALANCE_NOISE * jax.random.normal(jax.random.key(0), z.shape, jnp.float32)
+
+
+def _balancing_offsets(z: jax.Array, top_k: int) -> jax.Array:
+  """Per-expert offsets b [E] under which the top k of the rows of z + b (z [T, E], T >= 1:
+  the standardised, perturbed logits) load the experts about evenly over these tokens."""
   num_tokens, num_experts = z.shape
-  if BALANCE_NOISE:
-    z = z + BALANCE_NOISE * jax.random.normal(jax.random.key(0), z.shape, jnp.float32)
   scaled = z / BALANCE_TEMPERATURE
   log_row = jnp.log(jnp.float32(top_k))
   mean_load = num_tokens * top_k / num_experts
@@ -100,11 +112,12 @@ def _balanced_chooser(z: jax.Array, top_k: int) -> jax.Array:
   # once and can overshoot.
   _, best_b, _ = jax.lax.fori_loop(0, BALANCE_LOAD_STEPS, load_step,
                                    (b, b, jnp.float32(jnp.inf)))
-  return z + best_b
+  return best_b
 
 
 def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
-          selection_bias: jax.Array | None = None, selection_norm: str = "none"
+          selection_bias: jax.Array | None = None, selection_norm: str = "none",
+          selection_stats: tuple[jax.Array, jax.Array, jax.Array] | None = None
           ) -> tuple[jax.Array, jax.Array, RouterAux]:
   """Routes tokens to experts.
 
@@ -125,8 +138,13 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
       per-expert offsets solved on these tokens (Sinkhorn iterations, then steps on the top-k
       loads: BALANCE_*), so that the experts' loads come out about even. The weights stay the
       softmax of `logits`, no gradient flows through the choice, and the result depends on the
-      batch (as batch norm's does): training only, no running statistics for inference. A
-      selection_bias is added after the norm.
+      batch (as batch norm's does), unless selection_stats are given. A selection_bias is
+      added after the norm.
+    selection_stats: optional running estimates (mean, std, offset), each [E], of what
+      selection_norm computes on a batch (RouterAux.selection_stats, averaged over training
+      steps by update_selection_stats): with them the choice is made from
+      (logits - mean) / std + offset, without batch statistics and without balance's
+      perturbation, as batch norm does at inference. Ignored when selection_norm is "none".
 
   Returns:
     (topk_weights float32 [T, k], topk_ids int32 [T, k], RouterAux). Ties pick the lower id.
@@ -147,12 +165,26 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
     topk_weights, topk_ids = jax.lax.top_k(probs, top_k)
   else:
     chooser = jax.lax.stop_gradient(logits)
-    if selection_norm != "none" and logits.shape[0] > 0:
-      chooser = chooser - jnp.mean(chooser, axis=0)
+    if selection_norm != "none" and selection_stats is not None:
+      mean, std, offset = (jax.lax.stop_gradient(jnp.asarray(v, jnp.float32))
+                           for v in selection_stats)
+      if not mean.shape == std.shape == offset.shape == (num_experts,):
+        raise ValueError(f"selection_stats must be three [num_experts={num_experts}] arrays, "
+                         f"got shapes {[jnp.shape(v) for v in selection_stats]}")
+      chooser = (chooser - mean) / std + offset
+      stats = (mean, std, offset)
+    elif selection_norm != "none" and logits.shape[0] > 0:
+      mean = jnp.mean(chooser, axis=0)
+      chooser = chooser - mean
+      std = offset = None
       if selection_norm in ("standardize", "balance"):
-        chooser = chooser / (jnp.std(chooser, axis=0) + 1e-6)
+        std = jnp.std(chooser, axis=0) + 1e-6
+        chooser = chooser / std
       if selection_norm == "balance":
-        chooser = _balanced_chooser(chooser, top_k)
+        chooser = _perturbed(chooser)
+        offset = _balancing_offsets(chooser, top_k)
+        chooser = chooser + offset
+      stats = (mean, std, offset)
     if selection_bias is not None:
       if selection_bias.shape != (num_experts,):
         raise ValueError(f"selection_bias must be [num_experts={num_experts}], got shape "
@@ -160,12 +192,18 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
       chooser = chooser + jax.lax.stop_gradient(selection_bias.astype(jnp.float32))
     _, topk_ids = jax.lax.top_k(chooser, top_k)
     topk_weights = jnp.take_along_axis(probs, topk_ids, axis=-1)
+  zeros, ones = jnp.zeros((num_experts,), jnp.float32), jnp.ones((num_experts,), jnp.float32)
+  if selection_norm == "none" or (selection_stats is None and logits.shape[0] == 0):
+    stats = (None, None, None)
+  selection_stats_out = jnp.stack([zeros if stats[0] is None else stats[0],
+                                   ones if stats[1] is None else stats[1],
+                                   zeros if stats[2] is None else stats[2]])
   if norm_topk_prob:
     topk_weights = topk_weights / jnp.sum(topk_weights, axis=-1, keepdims=True)
   topk_ids = topk_ids.astype(jnp.int32)
   if logits.shape[0] == 0:  # the means below would be 0 / 0
-    zero, zeros = jnp.zeros((), jnp.float32), jnp.zeros((num_experts,), jnp.float32)
-    return topk_weights, topk_ids, RouterAux(zero, zero, zeros, zeros)
+    zero = jnp.zeros((), jnp.float32)
+    return topk_weights, topk_ids, RouterAux(zero, zero, zeros, zeros, selection_stats_out)
 
   one_hot = jax.nn.one_hot(topk_ids, num_experts, dtype=jnp.float32)  # [T, k, E]
   expert_load = jnp.mean(jnp.sum(one_hot, axis=1), axis=0) / top_k    # [E], sums to 1
@@ -173,7 +211,8 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
   load_balancing_loss = num_experts * jnp.sum(jax.lax.stop_gradient(expert_load) * mean_prob)
   z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
   mean_logits = jax.lax.stop_gradient(jnp.mean(logits, axis=0))
-  return topk_weights, topk_ids, RouterAux(load_balancing_loss, z_loss, expert_load, mean_logits)
+  return topk_weights, topk_ids, RouterAux(load_balancing_loss, z_loss, expert_load, mean_logits,
+                                           selection_stats_out)
 
 
 SELECTION_BIAS_RULES = ("sign", "proportional", "center")
@@ -218,3 +257,19 @@ def update_selection_bias(bias: jax.Array, expert_load: jax.Array, rate: float,
     biased = mean_logits.astype(jnp.float32) + bias
     step = jnp.mean(biased, axis=-1, keepdims=True) - biased
   return bias + rate * step
+
+
+# update_selection_stats: the weight of a step's statistics in the running estimates (an
+# exponential average over ~1 / momentum steps, as batch norm's).
+SELECTION_STATS_MOMENTUM = 0.1
+
+
+def update_selection_stats(stats: jax.Array, batch_stats: jax.Array,
+                           momentum: float = SELECTION_STATS_MOMENTUM) -> jax.Array:
+  """Running estimates of the selection statistics after one training step: (1 - momentum)
+  stats + momentum batch_stats. stats, batch_stats: [..., 3, E] (RouterAux.selection_stats:
+  mean, std, offset). Returns float32."""
+  if not 0.0 < momentum <= 1.0:
+    raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
+  stats = stats.astype(jnp.float32)
+  return stats + momentum * (batch_stats.astype(jnp.float32) - stats)

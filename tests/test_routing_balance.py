@@ -22,7 +22,8 @@ import pytest
 from flax import nnx
 
 import jax_megamoe as jm
-from jax_megamoe.models import Qwen3Moe, Qwen3MoeConfig, get_config, update_selection_biases
+from jax_megamoe.models import (Qwen3Moe, Qwen3MoeConfig, get_config, update_selection_biases,
+                                update_selection_stats)
 from jax_megamoe.module import SelectionBias
 from jax_megamoe.router import update_selection_bias
 
@@ -294,10 +295,8 @@ def test_selection_norm_balance_evens_out_a_low_rank_router(monkeypatch):
   with monkeypatch.context() as m:
     m.setattr(router, "BALANCE_LOAD_STEPS", 0)
     m.setattr(router, "BALANCE_NOISE", 0.0)
-    z32 = jnp.asarray(z, jnp.float32)
-    got = router._balanced_chooser(z32, k) - z32  # the offsets, on every row
-  np.testing.assert_allclose(got - got.mean(), np.broadcast_to(tau * (b - b.mean()), got.shape),
-                             atol=2e-4)
+    got = router._balancing_offsets(jnp.asarray(z, jnp.float32), k)
+  np.testing.assert_allclose(got - got.mean(), tau * (b - b.mean()), atol=2e-4)
 
   weights, ids, _ = jm.route(logits, k, norm_topk_prob=False, selection_norm="balance")
   np.testing.assert_allclose(weights, jnp.take_along_axis(jax.nn.softmax(logits, -1), ids, -1),
@@ -333,6 +332,96 @@ def test_selection_norm_balance_spreads_a_frequent_token(monkeypatch):
     unperturbed = _imbalance(logits, k, "balance")
   balanced = _imbalance(logits, k, "balance")
   assert unperturbed >= 0.25 * experts / k and balanced < 1.5, (unperturbed, balanced)
+
+
+@pytest.mark.parametrize("norm", ["center", "standardize", "balance"])
+def test_selection_stats_reproduce_the_batchs_choice(norm, monkeypatch):
+  """route(selection_stats=) chooses from (logits - mean) / std + offset. Given the batch's own
+  statistics (RouterAux.selection_stats) it makes the batch's choice (balance without its
+  perturbation, which the running statistics leave out); with "none" they are ignored."""
+  from jax_megamoe import router
+  monkeypatch.setattr(router, "BALANCE_NOISE", 0.0)
+  rng = np.random.default_rng(8)
+  logits = jnp.asarray(rng.standard_normal((256, 16)) + np.arange(16) * 0.5, jnp.float32)
+  _, ids, aux = jm.route(logits, 4, selection_norm=norm)
+  mean, std, offset = aux.selection_stats
+  np.testing.assert_allclose(mean, np.mean(np.asarray(logits), 0), rtol=1e-5, atol=1e-6)
+  if norm == "center":
+    np.testing.assert_array_equal(std, 1.0)
+  if norm != "balance":
+    np.testing.assert_array_equal(offset, 0.0)
+  _, ids_stats, aux_stats = jm.route(logits[:1], 4, selection_norm=norm,
+                                     selection_stats=tuple(aux.selection_stats))
+  np.testing.assert_array_equal(ids_stats, ids[:1])  # one token: no batch statistics needed
+  np.testing.assert_array_equal(aux_stats.selection_stats, aux.selection_stats)
+  _, ids_all, _ = jm.route(logits, 4, selection_norm=norm,
+                           selection_stats=tuple(aux.selection_stats))
+  np.testing.assert_array_equal(ids_all, ids)
+  plain = jm.route(logits, 4)
+  jax.tree.map(np.testing.assert_array_equal, plain,
+               jm.route(logits, 4, selection_stats=tuple(aux.selection_stats)))
+  np.testing.assert_array_equal(plain[2].selection_stats, [[0.0] * 16, [1.0] * 16, [0.0] * 16])
+  with pytest.raises(ValueError, match="selection_stats must be three"):
+    jm.route(logits, 4, selection_norm=norm, selection_stats=(mean, std, offset[:3]))
+
+
+def test_update_selection_stats_is_an_exponential_average():
+  from jax_megamoe.router import update_selection_stats
+  stats = jnp.stack([jnp.zeros(4), jnp.ones(4), jnp.zeros(4)])
+  batch = jnp.stack([jnp.full(4, 2.0), jnp.full(4, 3.0), jnp.full(4, -1.0)])
+  np.testing.assert_allclose(update_selection_stats(stats, batch, 0.25),
+                             [[0.5] * 4, [1.5] * 4, [-0.25] * 4])
+  with pytest.raises(ValueError, match="momentum must be in"):
+    update_selection_stats(stats, batch, 0.0)
+
+
+def test_moe_routes_with_its_running_statistics_after_eval():
+  """A MoE with a selection_norm has running statistics (0, 1, 0 at first: the plain logits'
+  ranking); model.eval() routes with them, model.train() with the batch's again."""
+  from jax_megamoe.module import SelectionStats
+  moe = jm.MoE(16, 8, 8, 2, rngs=nnx.Rngs(0), selection_norm="balance", backend="reference",
+               dtype=jnp.float32)
+  assert sorted(nnx.state(moe, SelectionStats).keys()) == [
+      "selection_mean", "selection_offset", "selection_std"]
+  assert not hasattr(jm.MoE(16, 8, 8, 2, rngs=nnx.Rngs(0)), "selection_mean")
+  x = jax.random.normal(jax.random.key(1), (64, 16))
+  logits = x @ moe.router[...]
+  moe.eval()
+  _, aux = moe(x, return_aux=True)
+  np.testing.assert_array_equal(aux.selection_stats, [[0.0] * 8, [1.0] * 8, [0.0] * 8])
+  np.testing.assert_array_equal(aux.expert_load, jm.route(logits, 2)[2].expert_load)
+  moe.selection_offset[...] = jnp.zeros(8).at[5].set(100.0)  # expert 5 first for every token
+  _, aux = moe(x, return_aux=True)
+  assert float(aux.expert_load[5]) == 0.5
+  moe.train()
+  _, aux = moe(x, return_aux=True)
+  assert float(aux.expert_load[5]) < 0.5
+  np.testing.assert_allclose(aux.selection_stats[0], jnp.mean(logits, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_example_train_step_moves_the_running_selection_statistics():
+  config = get_config("tiny", router_selection_norm="balance")
+  model = Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx, _ = example.make_optimizer(types.SimpleNamespace(
+      lr=1e-3, steps=10, warmup_steps=None, min_lr_ratio=0.1, weight_decay=0.1, clip_norm=1.0))
+  step = jax.jit(example.make_train_step(graphdef, tx, 1e-2, 1e-3, 0))
+  ids = jax.random.randint(jax.random.key(0), (2, 32), 0, config.vocab_size)
+  batch_stats = model(ids, return_aux=True)[1].selection_stats  # the step's (before its update)
+  state, metrics = step(example.TrainState(params, tx.init(params)), ids, ids)
+  assert "selection_stats" not in metrics  # used on the device, not sent to the host
+  new = nnx.merge(graphdef, state.params)
+  from jax_megamoe.router import SELECTION_STATS_MOMENTUM as m
+  for row, layer in enumerate(l for l in new.layers if l.is_moe):
+    np.testing.assert_allclose(layer.mlp.selection_mean[...], m * batch_stats[row, 0],
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(layer.mlp.selection_std[...],
+                               1 + m * (batch_stats[row, 1] - 1), rtol=1e-5)
+    np.testing.assert_allclose(layer.mlp.selection_offset[...], m * batch_stats[row, 2],
+                               rtol=1e-5, atol=1e-7)
+  plain = Qwen3Moe(get_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+  _, plain_params = nnx.split(plain, nnx.Param)
+  assert update_selection_stats(plain_params, batch_stats) is plain_params
 
 
 def test_selection_norm_none_and_no_tokens():

@@ -25,11 +25,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jax_megamoe import fp8
 from jax_megamoe.module import MoE
 from jax_megamoe.router import update_selection_bias
+from jax_megamoe.router import update_selection_stats as update_selection_stats_step
 from jax_megamoe.weight_blocks import quantize_expert_weights
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
 
 __all__ = ["CONFIGS", "FLOAT32_PARAMS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe",
-           "Qwen3MoeConfig", "compute_copy", "get_config", "update_selection_biases"]
+           "Qwen3MoeConfig", "compute_copy", "get_config", "update_selection_biases",
+           "update_selection_stats"]
 
 # --remat names -> what each decoder layer keeps for the backward pass (None: no remat). Every
 # policy also keeps the MoE layers' quantised FP8 weights (fp8.QUANTIZED_WEIGHTS_NAME: 1 byte
@@ -53,12 +55,15 @@ class ModelAux(NamedTuple):
   z_loss: [M] float32.
   expert_load: [M, E] float32, fraction of routed slots per expert (rows sum to one).
   mean_logits: [M, E] float32, each expert's router logit averaged over the tokens.
+  selection_stats: [M, 3, E] float32, the (mean, std, offset) each layer's top-k choice used
+    (RouterAux.selection_stats; update_selection_stats averages them over steps).
   """
 
   load_balancing_loss: jax.Array
   z_loss: jax.Array
   expert_load: jax.Array
   mean_logits: jax.Array
+  selection_stats: jax.Array
 
 
 class RMSNorm(nnx.Module):
@@ -281,7 +286,7 @@ class Qwen3Moe(nnx.Module):
     if not auxes:  # a model without MoE layers: empty statistics, still well-typed
       e = self.config.num_experts
       return out, ModelAux(jnp.zeros((0,)), jnp.zeros((0,)), jnp.zeros((0, e)),
-                           jnp.zeros((0, e)))
+                           jnp.zeros((0, e)), jnp.zeros((0, 3, e)))
     return out, ModelAux(*(jnp.stack(field) for field in zip(*auxes)))
 
   def quantize_moe_weights(self) -> tuple:
@@ -346,10 +351,36 @@ def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: flo
   return nnx.from_flat_state(flat)
 
 
+def update_selection_stats(params: nnx.State, selection_stats: jax.Array) -> nnx.State:
+  """params with every MoE layer's running selection statistics (jax_megamoe.module.
+  SelectionStats: the layers of a model with a router_selection_norm other than "none") moved
+  one step toward this step's (ModelAux.selection_stats [M, 3, E], rows in layer order) by
+  jax_megamoe.router.update_selection_stats. A model without them is returned unchanged.
+  Traceable: call it inside the jitted train step, after the update."""
+  flat = list(nnx.to_flat_state(params))
+  index = {(path[1], path[-1]): i for i, (path, _) in enumerate(flat)
+           if path[-1] in SELECTION_STATS_PARAMS}
+  layers = sorted({layer for layer, _ in index})
+  if not layers:
+    return params
+  if selection_stats.shape[0] != len(layers):
+    raise ValueError(f"selection_stats has {selection_stats.shape[0]} rows, the model "
+                     f"{len(layers)} MoE layers with selection statistics")
+  for row, layer in enumerate(layers):
+    for j, name in enumerate(SELECTION_STATS_PARAMS):
+      i = index[(layer, name)]
+      path, variable = flat[i]
+      new = update_selection_stats_step(variable.get_value(), selection_stats[row, j])
+      flat[i] = (path, variable.replace(new.astype(variable.get_value().dtype)))
+  return nnx.from_flat_state(flat)
+
+
 # Parameters the model reads in float32 whatever its compute dtype, by attribute name: the MoE
-# router (jax_megamoe.MoE computes the logits in float32 from float32 weights) and the selection
-# biases (added to those logits; moved by update_selection_biases, never by gradient).
-FLOAT32_PARAMS = ("router", "selection_bias")
+# router (jax_megamoe.MoE computes the logits in float32 from float32 weights), the selection
+# biases (added to those logits; moved by update_selection_biases, never by gradient) and the
+# selection statistics (applied to them; moved by update_selection_stats).
+SELECTION_STATS_PARAMS = ("selection_mean", "selection_std", "selection_offset")
+FLOAT32_PARAMS = ("router", "selection_bias") + SELECTION_STATS_PARAMS
 
 
 def compute_copy(params: nnx.State, dtype: Any) -> nnx.State:
