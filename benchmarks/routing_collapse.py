@@ -306,7 +306,10 @@ def main(argv=None):
     held_out = data_lib.BatchSampler(tokens, args.batch, args.seq, args.seed + 1)
     summary["eval"] = {}
     for norm in args.eval_norms.split(","):
-      model = nnx.merge(graphdef, params)
+      # A fresh copy: "calibrated" writes its statistics into the model, and nnx.merge shares
+      # the State's variables (a run of "calibrated,running" once reported the calibrated
+      # figures twice).
+      model = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
       if norm == "calibrated":
         # The trained norm with statistics measured on the final parameters: their mean over
         # calibration batches (a third seed), written over the running estimates.
