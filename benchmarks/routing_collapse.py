@@ -74,8 +74,9 @@ def parse_args(argv=None):
                       "the example's --tokenizer words), random (uniform ids) or a .npy of ids")
   p.add_argument("--eval-norms", default="",
                  help="after training, the CE and imbalance of held-out batches with each of "
-                      "these selection norms (comma-separated, e.g. none,balance,running; "
-                      "running: the trained norm with its running statistics, model.eval()): "
+                      "these selection norms (comma-separated, e.g. none,balance,calibrated; "
+                      "calibrated: the trained norm with statistics measured on --eval-batches "
+                      "other batches and stored, model.eval()): "
                       "how the trained model routes at inference, without batch statistics")
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--diag-every", type=int, default=10)
@@ -187,7 +188,7 @@ def main(argv=None):
   from flax import nnx  # noqa: PLC0415
   import data as data_lib  # noqa: PLC0415
   import train_qwen3_moe as example  # noqa: PLC0415
-  from jax_megamoe.models import update_selection_biases, update_selection_stats  # noqa: PLC0415
+  from jax_megamoe.models import calibrate_selection_stats, update_selection_biases  # noqa: PLC0415
   from jax_megamoe.models.losses import chunked_cross_entropy  # noqa: PLC0415
 
   config, model = build(args)
@@ -218,7 +219,7 @@ def main(argv=None):
     ce, balance, z, aux = losses(params, inputs, targets)
     loss = ce + aux_coef * balance + args.z * z
     return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load,
-                      mean_logits=aux.mean_logits, selection_stats=aux.selection_stats)
+                      mean_logits=aux.mean_logits)
 
   def is_router(path):
     return any(getattr(k, "key", None) == "router" for k in path)
@@ -234,7 +235,6 @@ def main(argv=None):
     params = update_selection_biases(params, metrics["expert_load"], rate,
                                      config.router_bias_update_rule,
                                      mean_logits=metrics.pop("mean_logits"))
-    params = update_selection_stats(params, metrics.pop("selection_stats"))
     metrics["grad_norm"] = optax.global_norm(grads)
     return params, opt_state, metrics
 
@@ -306,23 +306,14 @@ def main(argv=None):
     held_out = data_lib.BatchSampler(tokens, args.batch, args.seq, args.seed + 1)
     summary["eval"] = {}
     for norm in args.eval_norms.split(","):
-      # A fresh copy: "calibrated" writes its statistics into the model, and nnx.merge shares
-      # the State's variables (a run of "calibrated,running" once reported the calibrated
-      # figures twice).
-      model = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
-      if norm == "calibrated":
-        # The trained norm with statistics measured on the final parameters: their mean over
-        # calibration batches (a third seed), written over the running estimates.
+      eval_params = params
+      if norm == "calibrated":  # the trained norm, statistics from a third seed's batches
         calib = data_lib.BatchSampler(tokens, args.batch, args.seq, args.seed + 2)
-        stats = np.mean([np.asarray(jax.jit(lambda p, x: nnx.merge(graphdef, p)(
-            x, return_aux=True)[1].selection_stats)(params, jnp.asarray(calib(b)[0])))
-            for b in range(1, args.eval_batches + 1)], axis=0)
-        moe_layers = [layer.mlp for layer in model.layers if layer.is_moe]
-        for layer_stats, mlp in zip(stats, moe_layers):
-          for value, name in zip(layer_stats, ("selection_mean", "selection_std",
-                                               "selection_offset")):
-            getattr(mlp, name)[...] = jnp.asarray(value)
-      if norm in ("running", "calibrated"):  # the trained norm with stored statistics
+        eval_params = calibrate_selection_stats(
+            graphdef, params, (jnp.asarray(calib(b)[0])
+                               for b in range(1, args.eval_batches + 1)))
+      model = nnx.merge(graphdef, eval_params)
+      if norm == "calibrated":
         model.eval()
       else:
         for layer in model.layers:

@@ -50,8 +50,8 @@ except ImportError:  # run from a source checkout without installing
 
 from jax_megamoe import BACKENDS, RECIPES  # noqa: E402
 from jax_megamoe.models import (CONFIGS, REMAT_POLICIES, Qwen3Moe, compute_copy,  # noqa: E402
-                                get_config, update_selection_biases,
-                                update_selection_stats)
+                                calibrate_selection_stats, get_config,
+                                update_selection_biases)
 from jax_megamoe.models.hf_import import load_hf_checkpoint, read_hf_config  # noqa: E402
 from jax_megamoe.models.attention_impl import ATTENTION_CHOICES, resolve_attention  # noqa: E402
 from jax_megamoe.models.losses import auto_ce_chunk, chunked_cross_entropy  # noqa: E402
@@ -119,6 +119,11 @@ _FLAGS = (
      "experiments against routing collapse, benchmarks/ROUTING_COLLAPSE_NOTES.md "
      "(Qwen3MoeConfig.router_selection_norm; default: the config's, none)",
      dict(enum_values=list(SELECTION_NORMS))),
+    ("integer", "calibration_batches", 8,
+     "with a router_selection_norm other than none: before each checkpoint, the routers' "
+     "selection statistics are measured on the inputs of this many of the latest steps and "
+     "stored in the model, which routes with them under model.eval() "
+     "(models.calibrate_selection_stats)", dict(lower_bound=1)),
     ("float", "z_loss_coef", 1e-3, "router z-loss weight", {}),
     ("integer", "ce_chunk", None,
      "compute the cross-entropy this many positions at a time, never holding the full "
@@ -386,7 +391,7 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
       balance, z = jnp.sum(aux.load_balancing_loss) / layers, jnp.sum(aux.z_loss) / layers
     loss = ce + aux_coef * balance + z_coef * z
     return loss, dict(loss=loss, ce=ce, aux=balance, z=z, expert_load=aux.expert_load,
-                      mean_logits=aux.mean_logits, selection_stats=aux.selection_stats)
+                      mean_logits=aux.mean_logits)
 
   def bias_update(params):
     config = nnx.merge(graphdef, params).config
@@ -410,9 +415,6 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
       new_params = update_selection_biases(new_params, metrics["expert_load"],
                                            *bias_update(params),
                                            mean_logits=metrics.pop("mean_logits"))
-      # The running selection statistics that inference routes with (router_selection_norm
-      # other than "none" only): a no-op without them.
-      new_params = update_selection_stats(new_params, metrics.pop("selection_stats"))
       new_params = jax.tree.map(keep, new_params, params)
       # From the kept master, in the copy's dtypes: after a bad step, the copy it was given.
       new_compute = None if compute is None else jax.tree.map(
@@ -690,6 +692,12 @@ def train(args: types.SimpleNamespace) -> dict:
           if metrics_file:
             os.fsync(metrics_file.fileno())
           stop_unless_ep_workspaces_are_clean(step, "it was not saved")
+          # What model.eval() routes with, at this checkpoint's parameters (a model without
+          # selection statistics: unchanged, nothing run).
+          state = state._replace(params=calibrate_selection_stats(
+              graphdef, state.params,
+              (device_batch(s)[0]
+               for s in range(max(1, step - args.calibration_batches + 1), step + 1))))
           checkpoints.save(step, {"params": state.params, "opt_state": state.opt_state})
       except jax.errors.JaxRuntimeError as e:
         raise RunError(f"step {step} (or the one before) failed on the device: "

@@ -31,16 +31,16 @@ class SelectionBias(nnx.Param):
 
 
 class SelectionStats(nnx.Param):
-  """Running estimates [E] of one of the per-expert statistics a router's selection_norm
+  """Stored estimates [E] of one of the per-expert statistics a router's selection_norm
   computes on each batch (MoE(selection_norm=...) other than "none": selection_mean,
   selection_std, selection_offset; RouterAux.selection_stats rows 0, 1, 2). The module routes
   with them, instead of the batch's, when use_running_average is True (`model.eval()`), as
   batch norm does at inference.
 
-  Like SelectionBias, an nnx.Param that no gradient reaches (keep it out of weight decay: the
-  example's mask skips vectors), moved once per training step by
-  router.update_selection_stats (models.update_selection_stats for a Qwen3Moe). They start at
-  (0, 1, 0), the identity."""
+  Measured, not learned: models.calibrate_selection_stats sets them to their mean over a few
+  batches at the current parameters (the example does before each checkpoint). They start at
+  (0, 1, 0), the plain logits' ranking. Like SelectionBias, an nnx.Param that no gradient
+  reaches (keep it out of weight decay: the example's mask skips vectors)."""
 
 
 class MoE(nnx.Module):

@@ -21,9 +21,9 @@ class RouterAux(NamedTuple):
     cancels.
   selection_stats: [3, E] float32, the per-expert (mean, std, offset) that the top-k choice
     used: chooser = (logits - mean) / std + offset. From this batch under a selection_norm
-    ((0, 1, 0) where a norm does not use one), or the given running estimates
-    (route(selection_stats=)); (0, 1, 0) without a norm. update_selection_stats keeps running
-    estimates of them for inference.
+    ((0, 1, 0) where a norm does not use one), or the given stored estimates
+    (route(selection_stats=)); (0, 1, 0) without a norm. Their mean over a few batches is
+    what a model stores for inference (jax_megamoe.models.calibrate_selection_stats).
   With no tokens (T = 0) all are zeros but the std, one: nothing was routed, so nothing to
   balance.
   """
@@ -140,9 +140,9 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
       softmax of `logits`, no gradient flows through the choice, and the result depends on the
       batch (as batch norm's does), unless selection_stats are given. A selection_bias is
       added after the norm.
-    selection_stats: optional running estimates (mean, std, offset), each [E], of what
-      selection_norm computes on a batch (RouterAux.selection_stats, averaged over training
-      steps by update_selection_stats): with them the choice is made from
+    selection_stats: optional stored estimates (mean, std, offset), each [E], of what
+      selection_norm computes on a batch (RouterAux.selection_stats averaged over calibration
+      batches, models.calibrate_selection_stats): with them the choice is made from
       (logits - mean) / std + offset, without batch statistics and without balance's
       perturbation, as batch norm does at inference. Ignored when selection_norm is "none".
 
@@ -258,18 +258,3 @@ def update_selection_bias(bias: jax.Array, expert_load: jax.Array, rate: float,
     step = jnp.mean(biased, axis=-1, keepdims=True) - biased
   return bias + rate * step
 
-
-# update_selection_stats: the weight of a step's statistics in the running estimates (an
-# exponential average over ~1 / momentum steps, as batch norm's).
-SELECTION_STATS_MOMENTUM = 0.1
-
-
-def update_selection_stats(stats: jax.Array, batch_stats: jax.Array,
-                           momentum: float = SELECTION_STATS_MOMENTUM) -> jax.Array:
-  """Running estimates of the selection statistics after one training step: (1 - momentum)
-  stats + momentum batch_stats. stats, batch_stats: [..., 3, E] (RouterAux.selection_stats:
-  mean, std, offset). Returns float32."""
-  if not 0.0 < momentum <= 1.0:
-    raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
-  stats = stats.astype(jnp.float32)
-  return stats + momentum * (batch_stats.astype(jnp.float32) - stats)

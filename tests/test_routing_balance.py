@@ -22,8 +22,8 @@ import pytest
 from flax import nnx
 
 import jax_megamoe as jm
-from jax_megamoe.models import (Qwen3Moe, Qwen3MoeConfig, get_config, update_selection_biases,
-                                update_selection_stats)
+from jax_megamoe.models import (Qwen3Moe, Qwen3MoeConfig, calibrate_selection_stats,
+                                get_config, set_selection_stats, update_selection_biases)
 from jax_megamoe.module import SelectionBias
 from jax_megamoe.router import update_selection_bias
 
@@ -365,18 +365,8 @@ def test_selection_stats_reproduce_the_batchs_choice(norm, monkeypatch):
     jm.route(logits, 4, selection_norm=norm, selection_stats=(mean, std, offset[:3]))
 
 
-def test_update_selection_stats_is_an_exponential_average():
-  from jax_megamoe.router import update_selection_stats
-  stats = jnp.stack([jnp.zeros(4), jnp.ones(4), jnp.zeros(4)])
-  batch = jnp.stack([jnp.full(4, 2.0), jnp.full(4, 3.0), jnp.full(4, -1.0)])
-  np.testing.assert_allclose(update_selection_stats(stats, batch, 0.25),
-                             [[0.5] * 4, [1.5] * 4, [-0.25] * 4])
-  with pytest.raises(ValueError, match="momentum must be in"):
-    update_selection_stats(stats, batch, 0.0)
-
-
-def test_moe_routes_with_its_running_statistics_after_eval():
-  """A MoE with a selection_norm has running statistics (0, 1, 0 at first: the plain logits'
+def test_moe_routes_with_its_stored_statistics_after_eval():
+  """A MoE with a selection_norm has stored statistics (0, 1, 0 at first: the plain logits'
   ranking); model.eval() routes with them, model.train() with the batch's again."""
   from jax_megamoe.module import SelectionStats
   moe = jm.MoE(16, 8, 8, 2, rngs=nnx.Rngs(0), selection_norm="balance", backend="reference",
@@ -399,29 +389,48 @@ def test_moe_routes_with_its_running_statistics_after_eval():
   np.testing.assert_allclose(aux.selection_stats[0], jnp.mean(logits, 0), rtol=1e-5, atol=1e-6)
 
 
-def test_example_train_step_moves_the_running_selection_statistics():
+def test_calibrate_selection_stats_stores_the_mean_over_batches():
+  """calibrate_selection_stats sets each MoE layer's stored statistics to the mean of what its
+  router computes on the batches (in training mode, whatever mode the model was split in);
+  model.eval() then routes with them. The train step leaves them alone."""
   config = get_config("tiny", router_selection_norm="balance")
   model = Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
+  batches = [jax.random.randint(jax.random.key(i), (2, 32), 0, config.vocab_size)
+             for i in range(3)]
+  want = np.mean([np.asarray(model(ids, return_aux=True)[1].selection_stats)
+                  for ids in batches], axis=0)
+  assert want.shape == (config.num_moe_layers, 3, config.num_experts)
+  model.eval()  # split in eval mode: calibration still measures the batches' statistics
   graphdef, params = nnx.split(model, nnx.Param)
+  calibrated = calibrate_selection_stats(graphdef, params, iter(batches))
+  stored = nnx.merge(graphdef, calibrated)
+  moe_layers = [layer.mlp for layer in stored.layers if layer.is_moe]
+  for row, mlp in enumerate(moe_layers):
+    for j, name in enumerate(("selection_mean", "selection_std", "selection_offset")):
+      np.testing.assert_allclose(getattr(mlp, name)[...], want[row, j], rtol=1e-5, atol=1e-6)
+  # Under eval the stored statistics are what the routers report and use.
+  _, aux = stored(batches[0], return_aux=True)
+  np.testing.assert_allclose(aux.selection_stats, want, rtol=1e-5, atol=1e-6)
+  # The parameters it was given are unchanged (still the identity), the others shared.
+  first = nnx.merge(graphdef, params)
+  np.testing.assert_array_equal(
+      next(l.mlp for l in first.layers if l.is_moe).selection_std[...], 1.0)
+  with pytest.raises(ValueError, match="at least one batch"):
+    calibrate_selection_stats(graphdef, params, [])
+  with pytest.raises(ValueError, match=r"selection_stats must be \[2 MoE layers, 3, E\]"):
+    set_selection_stats(params, jnp.zeros((1, 3, config.num_experts)))
+  # A model without selection statistics: unchanged, nothing run.
+  plain = Qwen3Moe(get_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
+  g_plain, p_plain = nnx.split(plain, nnx.Param)
+  assert calibrate_selection_stats(g_plain, p_plain, []) is p_plain
+  # The example's train step does not move them (they are measured, not trained).
   tx, _ = example.make_optimizer(types.SimpleNamespace(
       lr=1e-3, steps=10, warmup_steps=None, min_lr_ratio=0.1, weight_decay=0.1, clip_norm=1.0))
   step = jax.jit(example.make_train_step(graphdef, tx, 1e-2, 1e-3, 0))
-  ids = jax.random.randint(jax.random.key(0), (2, 32), 0, config.vocab_size)
-  batch_stats = model(ids, return_aux=True)[1].selection_stats  # the step's (before its update)
-  state, metrics = step(example.TrainState(params, tx.init(params)), ids, ids)
-  assert "selection_stats" not in metrics  # used on the device, not sent to the host
-  new = nnx.merge(graphdef, state.params)
-  from jax_megamoe.router import SELECTION_STATS_MOMENTUM as m
-  for row, layer in enumerate(l for l in new.layers if l.is_moe):
-    np.testing.assert_allclose(layer.mlp.selection_mean[...], m * batch_stats[row, 0],
-                               rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(layer.mlp.selection_std[...],
-                               1 + m * (batch_stats[row, 1] - 1), rtol=1e-5)
-    np.testing.assert_allclose(layer.mlp.selection_offset[...], m * batch_stats[row, 2],
-                               rtol=1e-5, atol=1e-7)
-  plain = Qwen3Moe(get_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32)
-  _, plain_params = nnx.split(plain, nnx.Param)
-  assert update_selection_stats(plain_params, batch_stats) is plain_params
+  state, _ = step(example.TrainState(calibrated, tx.init(calibrated)), batches[0], batches[0])
+  after = nnx.merge(graphdef, state.params)
+  for mlp, mlp_after in zip(moe_layers, [l.mlp for l in after.layers if l.is_moe]):
+    np.testing.assert_array_equal(mlp_after.selection_offset[...], mlp.selection_offset[...])
 
 
 def test_selection_norm_none_and_no_tokens():

@@ -3,10 +3,10 @@
 
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
 from jax_megamoe.models.qwen3 import (FLOAT32_PARAMS, REMAT_POLICIES, ModelAux, Qwen3Moe,
-                                      compute_copy, update_selection_biases,
-                                      update_selection_stats)
+                                      calibrate_selection_stats, compute_copy,
+                                      set_selection_stats, update_selection_biases)
 from jax_megamoe.models.hf_import import load_hf_checkpoint
 
 __all__ = ["CONFIGS", "FLOAT32_PARAMS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe",
-           "Qwen3MoeConfig", "compute_copy", "get_config", "load_hf_checkpoint",
-           "update_selection_biases", "update_selection_stats"]
+           "Qwen3MoeConfig", "calibrate_selection_stats", "compute_copy", "get_config",
+           "load_hf_checkpoint", "set_selection_stats", "update_selection_biases"]

@@ -15,6 +15,7 @@ parameters carry no sharding of their own (the training script adds FSDP, models
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -25,13 +26,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jax_megamoe import fp8
 from jax_megamoe.module import MoE
 from jax_megamoe.router import update_selection_bias
-from jax_megamoe.router import update_selection_stats as update_selection_stats_step
 from jax_megamoe.weight_blocks import quantize_expert_weights
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
 
 __all__ = ["CONFIGS", "FLOAT32_PARAMS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe",
-           "Qwen3MoeConfig", "compute_copy", "get_config", "update_selection_biases",
-           "update_selection_stats"]
+           "Qwen3MoeConfig", "calibrate_selection_stats", "compute_copy", "get_config",
+           "set_selection_stats", "update_selection_biases"]
 
 # --remat names -> what each decoder layer keeps for the backward pass (None: no remat). Every
 # policy also keeps the MoE layers' quantised FP8 weights (fp8.QUANTIZED_WEIGHTS_NAME: 1 byte
@@ -56,7 +56,7 @@ class ModelAux(NamedTuple):
   expert_load: [M, E] float32, fraction of routed slots per expert (rows sum to one).
   mean_logits: [M, E] float32, each expert's router logit averaged over the tokens.
   selection_stats: [M, 3, E] float32, the (mean, std, offset) each layer's top-k choice used
-    (RouterAux.selection_stats; update_selection_stats averages them over steps).
+    (RouterAux.selection_stats; calibrate_selection_stats stores their mean over batches).
   """
 
   load_balancing_loss: jax.Array
@@ -351,34 +351,71 @@ def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: flo
   return nnx.from_flat_state(flat)
 
 
-def update_selection_stats(params: nnx.State, selection_stats: jax.Array) -> nnx.State:
-  """params with every MoE layer's running selection statistics (jax_megamoe.module.
-  SelectionStats: the layers of a model with a router_selection_norm other than "none") moved
-  one step toward this step's (ModelAux.selection_stats [M, 3, E], rows in layer order) by
-  jax_megamoe.router.update_selection_stats. A model without them is returned unchanged.
-  Traceable: call it inside the jitted train step, after the update."""
+def set_selection_stats(params: nnx.State, selection_stats: jax.Array) -> nnx.State:
+  """params with every MoE layer's stored selection statistics (jax_megamoe.module.
+  SelectionStats: the layers of a model whose router_selection_norm is not "none") set to
+  selection_stats [M, 3, E] (rows in layer order, as ModelAux.selection_stats), each kept on
+  its parameter's sharding. A model without them is returned unchanged."""
   flat = list(nnx.to_flat_state(params))
   index = {(path[1], path[-1]): i for i, (path, _) in enumerate(flat)
            if path[-1] in SELECTION_STATS_PARAMS}
   layers = sorted({layer for layer, _ in index})
   if not layers:
     return params
-  if selection_stats.shape[0] != len(layers):
-    raise ValueError(f"selection_stats has {selection_stats.shape[0]} rows, the model "
-                     f"{len(layers)} MoE layers with selection statistics")
+  if selection_stats.shape[:2] != (len(layers), len(SELECTION_STATS_PARAMS)):
+    raise ValueError(f"selection_stats must be [{len(layers)} MoE layers, 3, E], got shape "
+                     f"{selection_stats.shape}")
   for row, layer in enumerate(layers):
     for j, name in enumerate(SELECTION_STATS_PARAMS):
       i = index[(layer, name)]
       path, variable = flat[i]
-      new = update_selection_stats_step(variable.get_value(), selection_stats[row, j])
-      flat[i] = (path, variable.replace(new.astype(variable.get_value().dtype)))
+      old = variable.get_value()
+      new = selection_stats[row, j].astype(old.dtype)
+      if new.shape != old.shape:
+        raise ValueError(f"selection_stats rows must be [{old.shape[0]}] (experts), got "
+                         f"{new.shape}")
+      if isinstance(old, jax.Array) and not isinstance(new, jax.core.Tracer):
+        new = jax.device_put(new, old.sharding)
+      flat[i] = (path, variable.replace(new))
   return nnx.from_flat_state(flat)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _batch_selection_stats(graphdef: nnx.GraphDef, params: nnx.State,
+                           input_ids: jax.Array) -> jax.Array:
+  model = nnx.merge(graphdef, params)
+  model.train()  # the batch's statistics, whatever mode the graphdef was split in
+  return model(input_ids, return_aux=True)[1].selection_stats
+
+
+def calibrate_selection_stats(graphdef: nnx.GraphDef, params: nnx.State,
+                              batches: Any) -> nnx.State:
+  """params with every MoE layer's stored selection statistics (set_selection_stats) set to
+  the mean, over `batches` (an iterable of input ids [B, S], at least one), of what the
+  layer's router computes on a batch (ModelAux.selection_stats) at these parameters: what
+  model.eval() routes with (jax_megamoe.module.SelectionStats). graphdef, params: from
+  nnx.split(model, nnx.Param). A model without them is returned unchanged, and runs nothing.
+
+  Measured on the final parameters rather than averaged over training steps: on the routing
+  proxy a running average (momentum 0.1) lagged the logits' shared profile, which moves more
+  per step than their spread, and routed held-out batches worse than the plain logits
+  (benchmarks/ROUTING_COLLAPSE_NOTES.md, session 25)."""
+  if not any(path[-1] in SELECTION_STATS_PARAMS for path, _ in nnx.to_flat_state(params)):
+    return params
+  total, count = None, 0
+  for input_ids in batches:
+    stats = _batch_selection_stats(graphdef, params, input_ids)
+    total = stats if total is None else total + stats
+    count += 1
+  if not count:
+    raise ValueError("calibrate_selection_stats needs at least one batch, got none")
+  return set_selection_stats(params, total / count)
 
 
 # Parameters the model reads in float32 whatever its compute dtype, by attribute name: the MoE
 # router (jax_megamoe.MoE computes the logits in float32 from float32 weights), the selection
 # biases (added to those logits; moved by update_selection_biases, never by gradient) and the
-# selection statistics (applied to them; moved by update_selection_stats).
+# stored selection statistics (applied to them; set by calibrate_selection_stats).
 SELECTION_STATS_PARAMS = ("selection_mean", "selection_std", "selection_offset")
 FLOAT32_PARAMS = ("router", "selection_bias") + SELECTION_STATS_PARAMS
 
