@@ -65,15 +65,16 @@ def _imbalances(aux_coef: float | None = None, **overrides) -> list[float]:
 
 
 def test_default_aux_weight_keeps_routing_from_collapsing():
+  """The aux weight alone (Qwen3's routing, without the published configs' "balance")."""
   assert get_config("qwen3-30b-a3b").router_aux_loss_coef == 1e-1
   assert get_config("qwen3-235b-a22b").router_aux_loss_coef == 1e-1
-  late = _imbalances()[20:]
+  late = _imbalances(router_selection_norm="none")[20:]
   assert np.mean(late) < IMBALANCE_BOUND, late
 
 
 @pytest.mark.slow  # the same run with Qwen3's 1e-3, only to show that the bound catches it
 def test_bound_fails_with_qwen3_aux_weight():
-  late = _imbalances(aux_coef=1e-3)[20:]
+  late = _imbalances(aux_coef=1e-3, router_selection_norm="none")[20:]
   assert np.mean(late) > IMBALANCE_BOUND + 2, late
 
 
@@ -83,8 +84,21 @@ def test_hf_config_keeps_its_aux_weight_and_has_no_bias():
             num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.001)
   config = Qwen3MoeConfig.from_hf(hf)
   assert config.router_aux_loss_coef == 1e-3 and config.router_bias_update_rate == 0
+  assert config.router_selection_norm == "none"  # Qwen3's routing, as in transformers
   model = Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=jnp.float32)
   assert not nnx.state(model, SelectionBias)
+  assert not hasattr(next(l.mlp for l in model.layers if l.is_moe), "selection_mean")
+
+
+def test_published_configs_train_with_balance_and_stay_near_balanced():
+  """From scratch the published configs route with "balance" (issue 15's bar: imbalance <= 2
+  by step 50 at the published shapes). At this CPU width: <= 2 at every one of steps 21-40,
+  where Qwen3's routing with the same aux weight sits at ~7.5."""
+  assert get_config("qwen3-30b-a3b").router_selection_norm == "balance"
+  assert get_config("qwen3-235b-a22b").router_selection_norm == "balance"
+  assert get_config("tiny").router_selection_norm == "none"
+  late = _imbalances()[20:]
+  assert max(late) <= 2.0, late
 
 
 def test_zero_selection_bias_routes_as_without():
