@@ -48,6 +48,7 @@ DEFAULT_LAYERS = 8  # see the module docstring
 
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
   """The options of the step itself (shared with profile_step.py)."""
+  from jax_megamoe.router import SELECTION_NORMS  # noqa: PLC0415
   p.add_argument("--config", help="tiny, qwen3-30b-a3b, qwen3-235b-a22b (default 30b; smoke tiny)")
   p.add_argument("--layers", type=int,
                  help=f"decoder layers (default {DEFAULT_LAYERS}; smoke: the config's)")
@@ -65,6 +66,9 @@ def add_step_arguments(p: argparse.ArgumentParser) -> None:
                  help="uniform random ids (default: routing near balanced from the first step, "
                       "as a trained model's) or a batch of the example's default corpus (29%% "
                       "spaces: routed by token, no router does better than imbalance ~4.7)")
+  p.add_argument("--selection-norm", default=None, choices=SELECTION_NORMS,
+                 help="the routers' top-k rule (Qwen3MoeConfig.router_selection_norm; default: "
+                      "the config's, balance for the published configs, none for tiny)")
   p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: all devices)")
   p.add_argument("--compute-copy", action=argparse.BooleanOptionalAction, default=True,
                  help="the example's bf16 compute copy of the weights (default on, as the "
@@ -94,7 +98,8 @@ def step_options(args, backend: str):
                      seq=args.seq, backend=backend,
                      recipe=None if args.recipe == "bf16" else args.recipe, remat=args.remat,
                      attention=args.attention, ce_chunk=args.ce_chunk, data=args.data,
-                     ep=args.ep, compute_copy=args.compute_copy)
+                     ep=args.ep, compute_copy=args.compute_copy,
+                     selection_norm=args.selection_norm)
 
 
 def parse_args(argv=None):
@@ -173,13 +178,15 @@ def bench_backend(args, backend, num_gpus, deadline) -> dict:
                 tflops_per_gpu=flops_per_gpu / seconds / 1e12,
                 mfu=flops_per_gpu / seconds / (args.peak_tflops * 1e12),
                 imbalance_first=imbalance_first, imbalance_last=imbalance_last,
+                selection_norm=config.router_selection_norm,
                 peak_gib=peak_memory_gib(jax.local_devices()),
                 # Kernels a heuristic picked, launched by this case's handlers (a replayed CUDA
                 # graph does not count): which path the step took (ffi/common/launch_counts.h).
                 launches={k: v - launches_before.get(k, 0)
                           for k, v in _ffi.launch_counts().items()})
   log(f"[{backend}] {result['ms']:.2f} ms/step, {record['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
-      f"MFU {record['mfu']:.1%}, routing imbalance {imbalance_first:.2f} (first step) -> "
+      f"MFU {record['mfu']:.1%}, routing ({config.router_selection_norm}) imbalance "
+      f"{imbalance_first:.2f} (first step) -> "
       f"{imbalance_last:.2f} (last timed; 1 = balanced, {config.num_experts / config.top_k:g} "
       f"= one expert takes every token) (compile+first {compile_s:.0f} s, loss {loss:.3f})")
   return record
@@ -202,7 +209,7 @@ def main(argv=None) -> dict:
       "batch": args.tokens_per_gpu // args.seq * len(devices), "seq_len": args.seq,
       "tokens_per_gpu": args.tokens_per_gpu, "ep": ep, "remat": args.remat,
       "recipe": args.recipe, "attention": args.attention, "data": args.data,
-      "compute_copy": args.compute_copy,
+      "compute_copy": args.compute_copy, "selection_norm": args.selection_norm,
       "reps": args.reps, "peak_tflops": args.peak_tflops, "smoke": args.smoke,
   }
   log(f"bench_step: {meta['device']}, {args.config} x {meta['layers']} layers, "

@@ -33,7 +33,9 @@ class StepOptions:
   attention, ce_chunk: as the example's flags (auto / None pick as it does); data: "random"
   (uniform ids) or "corpus" (the example's default corpus); ep: expert-parallel size (0: all
   devices); compute_copy: the example's --compute-copy (on, as its bf16 default; off to
-  measure the step that casts every weight and gradient itself)."""
+  measure the step that casts every weight and gradient itself); selection_norm: the routers'
+  (Qwen3MoeConfig.router_selection_norm; None: the config's, "balance" for the published
+  ones)."""
 
   config: str = "qwen3-30b-a3b"
   layers: int = 0
@@ -48,6 +50,7 @@ class StepOptions:
   ep: int = 0
   seed: int = 0
   compute_copy: bool = True
+  selection_norm: str | None = None
 
 
 @functools.cache
@@ -123,6 +126,8 @@ def build(options: StepOptions) -> StepSetup:
   config = example.get_config(o.config)
   if o.layers:
     config = config.replace(num_layers=o.layers)
+  if o.selection_norm is not None:
+    config = config.replace(router_selection_norm=o.selection_norm)
   mesh = example.make_mesh(args.mesh, config.num_experts)
   args, notes = example.resolve_defaults(args, config, mesh)
   graphdef, params = example.build_params(args, config, mesh, jnp.dtype(args.dtype))

@@ -447,6 +447,37 @@ def test_calibrate_selection_stats_stores_the_mean_over_batches():
     np.testing.assert_array_equal(mlp_after.selection_offset[...], mlp.selection_offset[...])
 
 
+def test_remat_keeps_the_router_choice():
+  """Under every remat policy the backward reuses the forward's top-k choice
+  (router.ROUTER_CHOICE_NAME) instead of solving balance's offsets again: the differentiated
+  program holds as many loops (Sinkhorn, load steps) and perturbations as without remat; with
+  a policy that saves nothing they are recomputed, so the count can tell."""
+  import re
+  from jax_megamoe.models import REMAT_POLICIES
+  config = get_config("tiny", router_selection_norm="balance")
+
+  def program_counts(remat, monkeypatch=None):
+    model = Qwen3Moe(config, rngs=nnx.Rngs(0), dtype=jnp.float32, remat=remat,
+                     backend="reference")
+    graphdef, params = nnx.split(model, nnx.Param)
+    ids = jnp.zeros((2, 16), jnp.int32)
+    text = jax.jit(jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(ids)))).lower(
+        params).as_text()
+    return text.count("stablehlo.while"), len(re.findall(r"rng_bit_generator|threefry", text))
+
+  plain = program_counts("none")
+  assert plain[0] > 0
+  for remat in REMAT_POLICIES:
+    assert program_counts(remat) == plain, remat
+  from jax_megamoe.models import qwen3
+  original = qwen3.REMAT_POLICIES["full"]
+  try:
+    qwen3.REMAT_POLICIES["full"] = jax.checkpoint_policies.nothing_saveable
+    assert program_counts("full")[0] > plain[0]
+  finally:
+    qwen3.REMAT_POLICIES["full"] = original
+
+
 def test_selection_norm_none_and_no_tokens():
   logits = jax.random.normal(jax.random.PRNGKey(4), (9, 8))
   jax.tree.map(np.testing.assert_array_equal, jm.route(logits, 2),

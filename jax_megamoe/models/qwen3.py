@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jax_megamoe import fp8
 from jax_megamoe.module import MoE
-from jax_megamoe.router import update_selection_bias
+from jax_megamoe.router import ROUTER_CHOICE_NAME, update_selection_bias
 from jax_megamoe.weight_blocks import quantize_expert_weights
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
 
@@ -36,15 +36,17 @@ __all__ = ["CONFIGS", "FLOAT32_PARAMS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe"
 # --remat names -> what each decoder layer keeps for the backward pass (None: no remat). Every
 # policy also keeps the MoE layers' quantised FP8 weights (fp8.QUANTIZED_WEIGHTS_NAME: 1 byte
 # per expert parameter plus scales, nothing in bf16), so the recomputed forward does not
-# quantise them again.
-_FP8_WEIGHTS = jax.checkpoint_policies.save_only_these_names(fp8.QUANTIZED_WEIGHTS_NAME)
+# quantise them again, and their routers' top-k choice (router.ROUTER_CHOICE_NAME: int32
+# [T, k]), so that it does not choose again (a selection_norm's offsets are solved once).
+_NAMED = jax.checkpoint_policies.save_only_these_names(fp8.QUANTIZED_WEIGHTS_NAME,
+                                                        ROUTER_CHOICE_NAME)
 REMAT_POLICIES = {
     "none": None,
-    "full": _FP8_WEIGHTS,
+    "full": _NAMED,
     "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.checkpoint_dots, _FP8_WEIGHTS),
+        jax.checkpoint_policies.checkpoint_dots, _NAMED),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, _FP8_WEIGHTS),
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims, _NAMED),
 }
 
 
