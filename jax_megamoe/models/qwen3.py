@@ -357,7 +357,8 @@ def set_selection_stats(params: nnx.State, selection_stats: jax.Array) -> nnx.St
   """params with every MoE layer's stored selection statistics (jax_megamoe.module.
   SelectionStats: the layers of a model whose router_selection_norm is not "none") set to
   selection_stats [M, 3, E] (rows in layer order, as ModelAux.selection_stats), each kept on
-  its parameter's sharding. A model without them is returned unchanged."""
+  its parameter's sharding. A model without them is returned unchanged. Host-side, between
+  steps (not traceable: it reads the parameters' shardings)."""
   flat = list(nnx.to_flat_state(params))
   index = {(path[1], path[-1]): i for i, (path, _) in enumerate(flat)
            if path[-1] in SELECTION_STATS_PARAMS}
@@ -376,7 +377,7 @@ def set_selection_stats(params: nnx.State, selection_stats: jax.Array) -> nnx.St
       if new.shape != old.shape:
         raise ValueError(f"selection_stats rows must be [{old.shape[0]}] (experts), got "
                          f"{new.shape}")
-      if isinstance(old, jax.Array) and not isinstance(new, jax.core.Tracer):
+      if isinstance(old, jax.Array):  # (a jitted step's in_shardings expect it there)
         new = jax.device_put(new, old.sharding)
       flat[i] = (path, variable.replace(new))
   return nnx.from_flat_state(flat)
