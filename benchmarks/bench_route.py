@@ -1,8 +1,9 @@
 """jax_megamoe.route's cost per call, for each selection norm, on the default device: alone
 (block_until_ready each call) and queued (calls back to back, one wait), medians. For "balance"
-also three variants of its offset solve, to place its time (session 25): its two loops unrolled,
-and the k-th largest of each row from lax.top_k instead of k row maxima; each variant's choice
-is compared with the shipped one's.
+also variants of its offset solve, to place its time (session 25): its two loops unrolled, and
+the k-th largest of each row from lax.top_k instead of k row maxima; each variant's choice
+is compared with the shipped one's. Also: the k-th largest by a row sort, or over each row's
+16 largest after the Sinkhorn stage (found once), and 10 Sinkhorn iterations instead of 20.
 
   python3 benchmarks/bench_route.py [--tokens 16384] [--experts 128] [--top-k 8] [--reps 50]
 """
@@ -25,8 +26,18 @@ def kth_by_top_k(x, k):
   return jax.lax.top_k(x, k)[0][:, k - 1:k]
 
 
-def offsets_variant(z, top_k, unroll, kth):
-  """router._balancing_offsets with its loops' unrolling and its k-th largest replaced."""
+def kth_by_sort(x, k):
+  return jnp.sort(x, axis=1)[:, x.shape[1] - k:x.shape[1] - k + 1]
+
+
+CANDIDATES = 16  # "candidates": each row's top 16 of z + b after the Sinkhorn stage
+
+
+def offsets_variant(z, top_k, unroll, kth, sinkhorn_iterations=None):
+  """router._balancing_offsets with its loops' unrolling, its k-th largest ("maxima": k row
+  maxima, as shipped; "top_k"; "sort"; "candidates": k maxima over each row's CANDIDATES
+  largest after the Sinkhorn stage, found once: exact while the row's top k stay among them)
+  and its Sinkhorn iterations replaced."""
   num_tokens, num_experts = z.shape
   scaled = z / router.BALANCE_TEMPERATURE
   log_row = jnp.log(jnp.float32(top_k))
@@ -37,22 +48,30 @@ def offsets_variant(z, top_k, unroll, kth):
     a = log_row - jax.nn.logsumexp(scaled + b, axis=1, keepdims=True)
     return log_col - jax.nn.logsumexp(scaled + a, axis=0)
 
-  b = router.BALANCE_TEMPERATURE * jax.lax.fori_loop(
-      0, router.BALANCE_SINKHORN_ITERATIONS, sinkhorn, jnp.zeros((num_experts,), jnp.float32),
-      unroll=unroll)
+  b0 = router.BALANCE_TEMPERATURE * jax.lax.fori_loop(
+      0, sinkhorn_iterations or router.BALANCE_SINKHORN_ITERATIONS, sinkhorn,
+      jnp.zeros((num_experts,), jnp.float32), unroll=unroll)
   first, last = router.BALANCE_LOAD_STEP_SIZE
   decay = (last / first) ** (1.0 / max(router.BALANCE_LOAD_STEPS - 1, 1))
+  if kth == "candidates":
+    cand_values, cand_ids = jax.lax.top_k(z + b0, min(CANDIDATES, num_experts))
+    cand_z = cand_values - b0[cand_ids]
+
+  def kth_of(b):
+    if kth == "candidates":
+      return router._kth_largest(cand_z + b[cand_ids], top_k)
+    return {"maxima": router._kth_largest, "top_k": kth_by_top_k,
+            "sort": kth_by_sort}[kth](z + b, top_k)
 
   def load_step(i, carry):
     b, best_b, best = carry
-    chooser = z + b
-    load = jnp.sum((chooser >= kth(chooser, top_k)).astype(jnp.float32), axis=0) / mean_load
+    load = jnp.sum((z + b >= kth_of(b)).astype(jnp.float32), axis=0) / mean_load
     peak = jnp.max(load)
     best_b, best = jnp.where(peak < best, b, best_b), jnp.minimum(peak, best)
     return b - first * decay ** i * jnp.log(jnp.maximum(load, 0.25)), best_b, best
 
   _, best_b, _ = jax.lax.fori_loop(0, router.BALANCE_LOAD_STEPS, load_step,
-                                   (b, b, jnp.float32(jnp.inf)), unroll=unroll)
+                                   (b0, b0, jnp.float32(jnp.inf)), unroll=unroll)
   return best_b
 
 
@@ -86,9 +105,13 @@ def main(argv=None):
     print(f"{norm:34s} alone {alone:.3f}  queued {queued:.3f}")
   shipped = router._balancing_offsets
   variants = [("balance (shipped)", None),
-              ("balance, loops unrolled", dict(unroll=True, kth=router._kth_largest)),
-              ("balance, top_k for the k-th", dict(unroll=1, kth=kth_by_top_k)),
-              ("balance, unrolled + top_k", dict(unroll=True, kth=kth_by_top_k))]
+              ("balance, loops unrolled", dict(unroll=True, kth="maxima")),
+              ("balance, top_k for the k-th", dict(unroll=1, kth="top_k")),
+              ("balance, sort for the k-th", dict(unroll=1, kth="sort")),
+              ("balance, candidates for the k-th", dict(unroll=1, kth="candidates")),
+              ("balance, candidates, unrolled", dict(unroll=True, kth="candidates")),
+              ("balance, 10 Sinkhorn iterations", dict(unroll=1, kth="maxima",
+                                                       sinkhorn_iterations=10))]
   reference = None
   try:
     for name, kw in variants:

@@ -334,4 +334,4 @@ def test_bench_route_times_every_norm_and_compares_balance_variants(capsys):
   out = capsys.readouterr().out
   for norm in SELECTION_NORMS[:-1]:
     assert f"\n{norm} " in out
-  assert out.count("same choice") + out.count("choice differs") == 3, out
+  assert out.count("same choice") + out.count("choice differs") == 6, out
