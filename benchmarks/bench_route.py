@@ -54,8 +54,8 @@ def offsets_variant(z, top_k, unroll, kth, sinkhorn_iterations=None):
   first, last = router.BALANCE_LOAD_STEP_SIZE
   decay = (last / first) ** (1.0 / max(router.BALANCE_LOAD_STEPS - 1, 1))
   if kth == "candidates":
-    cand_values, cand_ids = jax.lax.top_k(z + b0, min(CANDIDATES, num_experts))
-    cand_z = cand_values - b0[cand_ids]
+    _, cand_ids = jax.lax.top_k(z + b0, min(CANDIDATES, num_experts))
+    cand_z = jnp.take_along_axis(z, cand_ids, axis=1)
 
   def kth_of(b):
     if kth == "candidates":
