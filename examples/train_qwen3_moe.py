@@ -115,9 +115,10 @@ _FLAGS = (
     ("enum", "router_selection_norm", None,
      "what the routers pick the top k from: none (Qwen3's logits), center or standardize "
      "(each expert's logit over the step's tokens), balance (standardize plus a small fixed "
-     "perturbation and per-expert offsets that even out the step's expert loads); "
-     "experiments against routing collapse, benchmarks/ROUTING_COLLAPSE_NOTES.md "
-     "(Qwen3MoeConfig.router_selection_norm; default: the config's, none)",
+     "perturbation and per-expert offsets that even out the step's expert loads; "
+     "examples/README.md, \"Routing balance\") "
+     "(Qwen3MoeConfig.router_selection_norm; default: the config's: balance for the "
+     "published configs from scratch, none for tiny and --init-from)",
      dict(enum_values=list(SELECTION_NORMS))),
     ("integer", "calibration_batches", 8,
      "with a router_selection_norm other than none: before each checkpoint, the routers' "
