@@ -168,6 +168,7 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
   top_k = int(top_k)
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
+  mean = std = offset = None  # the chooser's statistics (None: not used, 0 / 1 / 0)
   if selection_bias is None and selection_norm == "none":
     topk_weights, topk_ids = jax.lax.top_k(probs, top_k)
   else:
@@ -179,11 +180,9 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
         raise ValueError(f"selection_stats must be three [num_experts={num_experts}] arrays, "
                          f"got shapes {[jnp.shape(v) for v in selection_stats]}")
       chooser = (chooser - mean) / std + offset
-      stats = (mean, std, offset)
     elif selection_norm != "none" and logits.shape[0] > 0:
       mean = jnp.mean(chooser, axis=0)
       chooser = chooser - mean
-      std = offset = None
       if selection_norm in ("standardize", "balance"):
         std = jnp.std(chooser, axis=0) + 1e-6
         chooser = chooser / std
@@ -191,7 +190,6 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
         chooser = _perturbed(chooser)
         offset = _balancing_offsets(chooser, top_k)
         chooser = chooser + offset
-      stats = (mean, std, offset)
     if selection_bias is not None:
       if selection_bias.shape != (num_experts,):
         raise ValueError(f"selection_bias must be [num_experts={num_experts}], got shape "
@@ -201,11 +199,9 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
     topk_ids = checkpoint_name(topk_ids, ROUTER_CHOICE_NAME)
     topk_weights = jnp.take_along_axis(probs, topk_ids, axis=-1)
   zeros, ones = jnp.zeros((num_experts,), jnp.float32), jnp.ones((num_experts,), jnp.float32)
-  if selection_norm == "none" or (selection_stats is None and logits.shape[0] == 0):
-    stats = (None, None, None)
-  selection_stats_out = jnp.stack([zeros if stats[0] is None else stats[0],
-                                   ones if stats[1] is None else stats[1],
-                                   zeros if stats[2] is None else stats[2]])
+  selection_stats_out = jnp.stack([zeros if mean is None else mean,
+                                   ones if std is None else std,
+                                   zeros if offset is None else offset])
   if norm_topk_prob:
     topk_weights = topk_weights / jnp.sum(topk_weights, axis=-1, keepdims=True)
   topk_ids = topk_ids.astype(jnp.int32)
@@ -265,4 +261,3 @@ def update_selection_bias(bias: jax.Array, expert_load: jax.Array, rate: float,
     biased = mean_logits.astype(jnp.float32) + bias
     step = jnp.mean(biased, axis=-1, keepdims=True) - biased
   return bias + rate * step
-

@@ -327,6 +327,14 @@ def _run_layer(layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array
   return layer(x, cos, sin, weight_blocks)
 
 
+def _in_layer_order(flat: list, name: str) -> list[int]:
+  """Indices into `flat` (nnx.to_flat_state of a Qwen3Moe's Params, as a list) of every
+  decoder layer's parameter called `name` (those of the layers that have one), in layer
+  order."""
+  return [i for _, i in sorted((path[1], i) for i, (path, _) in enumerate(flat)
+                               if path[-1] == name)]
+
+
 def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: float,
                             rule: str = "sign", mean_logits: jax.Array | None = None
                             ) -> nnx.State:
@@ -338,14 +346,13 @@ def update_selection_biases(params: nnx.State, expert_load: jax.Array, rate: flo
   the model's Params (nnx.split(model, nnx.Param)); a model without selection biases (rate 0)
   is returned unchanged. Traceable: call it inside the jitted train step, after the update."""
   flat = list(nnx.to_flat_state(params))
-  biased = sorted((path[1], i) for i, (path, _) in enumerate(flat)
-                  if path[-1] == "selection_bias")
+  biased = _in_layer_order(flat, "selection_bias")
   if not biased:
     return params
   if expert_load.shape[0] != len(biased):
     raise ValueError(f"expert_load has {expert_load.shape[0]} rows, the model "
                      f"{len(biased)} MoE layers with a selection bias")
-  for row, (_, i) in enumerate(biased):
+  for row, i in enumerate(biased):
     path, variable = flat[i]
     new = update_selection_bias(variable.get_value(), expert_load[row], rate, rule,
                                 None if mean_logits is None else mean_logits[row])
@@ -360,17 +367,15 @@ def set_selection_stats(params: nnx.State, selection_stats: jax.Array) -> nnx.St
   its parameter's sharding. A model without them is returned unchanged. Host-side, between
   steps (not traceable: it reads the parameters' shardings)."""
   flat = list(nnx.to_flat_state(params))
-  index = {(path[1], path[-1]): i for i, (path, _) in enumerate(flat)
-           if path[-1] in SELECTION_STATS_PARAMS}
-  layers = sorted({layer for layer, _ in index})
+  columns = [_in_layer_order(flat, name) for name in SELECTION_STATS_PARAMS]
+  layers = len(columns[0])
   if not layers:
     return params
-  if selection_stats.shape[:2] != (len(layers), len(SELECTION_STATS_PARAMS)):
-    raise ValueError(f"selection_stats must be [{len(layers)} MoE layers, 3, E], got shape "
+  if selection_stats.shape[:2] != (layers, len(SELECTION_STATS_PARAMS)):
+    raise ValueError(f"selection_stats must be [{layers} MoE layers, 3, E], got shape "
                      f"{selection_stats.shape}")
-  for row, layer in enumerate(layers):
-    for j, name in enumerate(SELECTION_STATS_PARAMS):
-      i = index[(layer, name)]
+  for j, column in enumerate(columns):
+    for row, i in enumerate(column):
       path, variable = flat[i]
       old = variable.get_value()
       new = selection_stats[row, j].astype(old.dtype)
