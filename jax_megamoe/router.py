@@ -65,6 +65,14 @@ BALANCE_TEMPERATURE = 0.1
 BALANCE_SINKHORN_ITERATIONS = 20
 BALANCE_LOAD_STEPS = 16
 BALANCE_LOAD_STEP_SIZE = (0.1, 0.01)  # the first and the last step
+# How the offsets are computed (router._balancing_offsets' keywords): the Sinkhorn stage in the
+# "log" domain (log-sum-exps: two reductions per direction) or the "exp" domain (one), and the
+# load steps' k-th largest over every expert (0: k row maxima) or over each row's few largest
+# candidates (3 reductions a step). The solve is ~280 small kernels, ~0.55 ms per layer on the
+# H200 at 16,384 x 128; the cheaper variants balance as well on CPU (session 26,
+# ROUTING_COLLAPSE_NOTES) but are not yet timed on a GPU (benchmarks/bench_route.py).
+BALANCE_SINKHORN = "log"
+BALANCE_CANDIDATES = 0
 
 
 def _kth_largest(x: jax.Array, k: int) -> jax.Array:
@@ -84,31 +92,98 @@ def _perturbed(z: jax.Array) -> jax.Array:
   return z + BALANCE_NOISE * jax.random.normal(jax.random.key(0), z.shape, jnp.float32)
 
 
-def _balancing_offsets(z: jax.Array, top_k: int) -> jax.Array:
-  """Per-expert offsets b [E] under which the top k of the rows of z + b (z [T, E], T >= 1:
-  the standardised, perturbed logits) load the experts about evenly over these tokens."""
-  num_tokens, num_experts = z.shape
-  scaled = z / BALANCE_TEMPERATURE
+def _sinkhorn_log(scaled: jax.Array, top_k: int, iterations: int, unroll) -> jax.Array:
+  """Column log-scalings b [E] under which exp(scaled + a + b) has rows summing to k and
+  columns to T k / E: alternating log-sum-exps (two reductions per direction on XLA)."""
+  num_tokens, num_experts = scaled.shape
   log_row = jnp.log(jnp.float32(top_k))
-  mean_load = num_tokens * top_k / num_experts
-  log_col = jnp.log(jnp.float32(mean_load))
+  log_col = jnp.log(jnp.float32(num_tokens * top_k / num_experts))
 
-  def sinkhorn(_, b):  # rows of exp(scaled + a + b) sum to k, columns to T k / E
+  def step(_, b):
     a = log_row - jax.nn.logsumexp(scaled + b, axis=1, keepdims=True)
     return log_col - jax.nn.logsumexp(scaled + a, axis=0)
 
-  b = BALANCE_TEMPERATURE * jax.lax.fori_loop(
-      0, BALANCE_SINKHORN_ITERATIONS, sinkhorn, jnp.zeros((num_experts,), jnp.float32))
+  return jax.lax.fori_loop(0, iterations, step, jnp.zeros((num_experts,), jnp.float32),
+                           unroll=unroll)
+
+
+def _sinkhorn_exp(scaled: jax.Array, top_k: int, iterations: int, unroll) -> jax.Array:
+  """The same b, iterated on the kernel K = exp(scaled - row max) (entries in (0, 1], each
+  row's largest 1) with plain matrix-vector sums: one reduction per direction. z is
+  standardised per expert, so every column has entries near its rows' maxima and its sum stays
+  far above float32's range limits; the floor only keeps a degenerate column finite. Sums of
+  products rather than matmuls, which XLA:GPU may run in TF32."""
+  num_tokens, num_experts = scaled.shape
+  kernel = jnp.exp(scaled - jnp.max(scaled, axis=1, keepdims=True))
+  col = num_tokens * top_k / num_experts
+  tiny = jnp.float32(1e-30)
+
+  def step(_, v):
+    u = top_k / jnp.maximum(jnp.sum(kernel * v, axis=1, keepdims=True), tiny)
+    return col / jnp.maximum(jnp.sum(kernel * u, axis=0), tiny)
+
+  v = jax.lax.fori_loop(0, iterations, step, jnp.ones((num_experts,), jnp.float32),
+                        unroll=unroll)
+  return jnp.log(v)
+
+
+def _loads_from_kth(z: jax.Array, b: jax.Array, top_k: int) -> jax.Array:
+  """[E] rows per expert choosing it in the top k of z + b: rows whose k-th largest (k row
+  maxima) it reaches, a dense compare and column sum."""
+  chooser = z + b
+  return jnp.sum((chooser >= _kth_largest(chooser, top_k)).astype(jnp.float32), axis=0)
+
+
+def _loads_from_candidates(z: jax.Array, b: jax.Array, cand_z: jax.Array, cand_ids: jax.Array,
+                           top_k: int) -> jax.Array:
+  """_loads_from_kth's count, with each row's k-th largest of z + b taken among its candidates
+  (cand_z [T, C], the values of z at cand_ids [T, C]): the smallest candidate that fewer than
+  k candidates beat (larger, or equal at a lower position, as lax.top_k breaks ties). Three
+  reductions whatever k, where k row maxima take k + 1. Exact while a row's top k stay among
+  its candidates; the compare runs over every expert, so one that rises into a row's top k
+  from outside its candidates is still counted (counting among the candidates alone missed
+  those, and the steps then pushed them far beyond their share)."""
+  v = cand_z + b[cand_ids]
+  pos = jnp.arange(v.shape[1])
+  vi, vj = v[:, :, None], v[:, None, :]
+  beats = (vi > vj) | ((vi == vj) & (pos[:, None] < pos[None, :]))
+  chosen = jnp.sum(beats, axis=1, dtype=jnp.int32) < top_k                     # [T, C]
+  kth = jnp.min(jnp.where(chosen, v, jnp.inf), axis=1, keepdims=True)
+  return jnp.sum((z + b >= kth).astype(jnp.float32), axis=0)
+
+
+def _balancing_offsets(z: jax.Array, top_k: int, *, sinkhorn: str | None = None,
+                       sinkhorn_iterations: int | None = None, candidates: int | None = None,
+                       unroll: bool | int = 1) -> jax.Array:
+  """Per-expert offsets b [E] under which the top k of the rows of z + b (z [T, E], T >= 1:
+  the standardised, perturbed logits) load the experts about evenly over these tokens.
+
+  The keywords (defaults: the BALANCE_* constants) choose how it is computed, for
+  benchmarks/bench_route.py: sinkhorn "log" or "exp" (_sinkhorn_log / _sinkhorn_exp), its
+  iterations, the load steps' candidates per row (0: every expert; else each row's C largest
+  of z + b after the Sinkhorn stage, found once, C at least 2 k: _loads_from_candidates), and
+  the loops' unrolling (lax.fori_loop's)."""
+  sinkhorn = BALANCE_SINKHORN if sinkhorn is None else sinkhorn
+  iterations = BALANCE_SINKHORN_ITERATIONS if sinkhorn_iterations is None else sinkhorn_iterations
+  candidates = BALANCE_CANDIDATES if candidates is None else candidates
+  num_tokens, num_experts = z.shape
+  solve = {"log": _sinkhorn_log, "exp": _sinkhorn_exp}[sinkhorn]
+  b = BALANCE_TEMPERATURE * solve(z / BALANCE_TEMPERATURE, top_k, iterations, unroll)
+  mean_load = num_tokens * top_k / num_experts
   first, last = BALANCE_LOAD_STEP_SIZE
   decay = (last / first) ** (1.0 / max(BALANCE_LOAD_STEPS - 1, 1))
 
+  candidates = max(candidates, 2 * top_k) if candidates else num_experts
+  if candidates < num_experts:
+    _, cand_ids = jax.lax.top_k(z + b, candidates)
+    cand_z = jnp.take_along_axis(z, cand_ids, axis=1)  # so that cand_z + b[ids] is z + b there
+    loads = lambda b: _loads_from_candidates(z, b, cand_z, cand_ids, top_k)  # noqa: E731
+  else:
+    loads = lambda b: _loads_from_kth(z, b, top_k)  # noqa: E731
+
   def load_step(i, carry):
     b, best_b, best = carry
-    # Each expert's load, as the count of rows whose k-th largest it reaches: a dense compare
-    # and column sum rather than a scatter of T k ids into E counters.
-    chooser = z + b
-    load = jnp.sum((chooser >= _kth_largest(chooser, top_k)).astype(jnp.float32),
-                   axis=0) / mean_load
+    load = loads(b) / mean_load
     peak = jnp.max(load)
     better = peak < best
     best_b, best = jnp.where(better, b, best_b), jnp.minimum(peak, best)
@@ -118,7 +193,7 @@ def _balancing_offsets(z: jax.Array, top_k: int) -> jax.Array:
   # The best offsets seen are kept: where many tokens share one row, a step moves them all at
   # once and can overshoot.
   _, best_b, _ = jax.lax.fori_loop(0, BALANCE_LOAD_STEPS, load_step,
-                                   (b, b, jnp.float32(jnp.inf)))
+                                   (b, b, jnp.float32(jnp.inf)), unroll=unroll)
   return best_b
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 import sys
 
 import jax
@@ -325,13 +326,24 @@ def test_fused_phases_layer_call_under_the_bench_mesh():
 
 
 def test_bench_route_times_every_norm_and_compares_balance_variants(capsys):
-  """bench_route (CPU here): a line per selection norm, and a line per variant of balance's solve,
-  each compared with the shipped choice (the same here; at 16,384 tokens on CPU, unrolled
-  loops changed 0.01% of the choices: fusion reorders float32 sums)."""
+  """bench_route (CPU here): a line per selection norm, and a line per variant of balance's solve
+  (32 experts, so that the candidate variants take fewer than all), each compared with the
+  default's choice."""
   from benchmarks import bench_route
   from jax_megamoe.router import SELECTION_NORMS
-  bench_route.main(["--tokens", "64", "--experts", "16", "--top-k", "2", "--reps", "1"])
+  bench_route.main(["--tokens", "64", "--experts", "32", "--top-k", "2", "--reps", "1"])
   out = capsys.readouterr().out
   for norm in SELECTION_NORMS[:-1]:
     assert f"\n{norm} " in out
   assert out.count("same choice") + out.count("choice differs") == 6, out
+
+
+def test_balance_solve_quality_compares_every_variant_on_every_router(capsys):
+  """balance_solve_quality at 256 tokens: a line per synthetic router and solve variant, each
+  variant but the default compared with the default's offsets and choice."""
+  from benchmarks import balance_solve_quality as q
+  q.main(["--tokens", "256"])
+  out = capsys.readouterr().out
+  routers, variants = 5, len(q.VARIANTS)
+  assert len(re.findall(r"imbalance \d+\.\d{3} ", out)) == routers * variants, out
+  assert out.count("choice differs") == routers * (variants - 1), out

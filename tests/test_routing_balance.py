@@ -309,8 +309,10 @@ def test_selection_norm_balance_evens_out_a_low_rank_router(monkeypatch):
   with monkeypatch.context() as m:
     m.setattr(router, "BALANCE_LOAD_STEPS", 0)
     m.setattr(router, "BALANCE_NOISE", 0.0)
-    got = router._balancing_offsets(jnp.asarray(z, jnp.float32), k)
-  np.testing.assert_allclose(got - got.mean(), tau * (b - b.mean()), atol=2e-4)
+    for sinkhorn in ("log", "exp"):  # the same iteration, in either domain
+      got = router._balancing_offsets(jnp.asarray(z, jnp.float32), k, sinkhorn=sinkhorn)
+      np.testing.assert_allclose(got - got.mean(), tau * (b - b.mean()), atol=2e-4,
+                                 err_msg=sinkhorn)
 
   weights, ids, _ = jm.route(logits, k, norm_topk_prob=False, selection_norm="balance")
   np.testing.assert_allclose(weights, jnp.take_along_axis(jax.nn.softmax(logits, -1), ids, -1),
@@ -329,6 +331,59 @@ def test_selection_norm_balance_evens_out_a_low_rank_router(monkeypatch):
     w, i, aux = jm.route(logits[:n], k, selection_norm="balance")
     assert np.isfinite(np.asarray(w)).all() and np.isfinite(np.asarray(aux.expert_load)).all()
     assert all(len(set(row)) == k for row in np.asarray(i).tolist())
+
+
+@pytest.mark.parametrize("router_kind", ["rank1", "cluster"])
+def test_balance_solve_variants_balance_as_well_as_the_default(router_kind):
+  """_balancing_offsets' cheaper variants (bench_route.py times them): the Sinkhorn stage in the
+  exp domain (one reduction per direction) balances as well; the load steps counted from
+  each row's candidates (three reductions a step, not k + 1) end as balanced as counting over
+  every expert, also when fewer candidates than 2 k are asked for (2 k are taken) or as many
+  as there are experts (every expert). A low-rank router, and one where a quarter of the tokens
+  are one tight cluster, at T = 4,096, E = 64, k = 8."""
+  from jax_megamoe import router
+  rng = np.random.default_rng(7)
+  tokens, experts, k = 4096, 64, 8
+  if router_kind == "rank1":
+    lg = (np.outer(rng.standard_normal(tokens), rng.standard_normal(experts))
+          + rng.standard_normal(experts) + rng.standard_normal((tokens, experts)) * 0.05)
+  else:
+    lg = rng.standard_normal((tokens, experts)) * 0.3
+    lg[: tokens // 4] = (rng.standard_normal(experts) * 0.3
+                         + rng.standard_normal((tokens // 4, experts)) * 0.01)
+  x = jnp.asarray(lg, jnp.float32)
+  z = router._perturbed((x - x.mean(0)) / (x.std(0) + 1e-6))
+
+  def solve(**kw):
+    b = jax.jit(lambda z: router._balancing_offsets(z, k, **kw))(z)
+    ids = jax.lax.top_k(z + b, k)[1]
+    return np.asarray(b), float(np.bincount(np.asarray(ids).ravel(), minlength=experts).max()
+                                / (tokens * k / experts))
+
+  default_b, default = solve()
+  _, exp = solve(sinkhorn="exp")  # its Sinkhorn stage alone: the low-rank test above
+  assert default < 1.25 and abs(exp - default) < 0.02, (default, exp)
+  for candidates in (4, 16, 24):
+    _, got = solve(sinkhorn="exp", candidates=candidates)
+    assert got < default + 0.05, (candidates, got, default)
+  every_b, _ = solve(candidates=experts)
+  np.testing.assert_array_equal(every_b, default_b)
+
+
+def test_balance_exp_sinkhorn_stays_finite_on_degenerate_logits():
+  """The exp-domain Sinkhorn on inputs whose columns or rows carry no information: one token,
+  an expert whose logit is the same for every token, all logits equal."""
+  from jax_megamoe import router
+  rng = np.random.default_rng(8)
+  lg = rng.standard_normal((512, 16)).astype(np.float32)
+  lg[:, 3] = 2.0
+  for logits in (lg[:1], lg, np.zeros((64, 16), np.float32)):
+    with pytest.MonkeyPatch.context() as m:
+      m.setattr(router, "BALANCE_SINKHORN", "exp")
+      m.setattr(router, "BALANCE_CANDIDATES", 8)
+      w, ids, aux = jm.route(jnp.asarray(logits), 4, selection_norm="balance")
+    assert np.isfinite(np.asarray(aux.selection_stats)).all(), logits.shape
+    assert all(len(set(row)) == 4 for row in np.asarray(ids).tolist())
 
 
 def test_selection_norm_balance_spreads_a_frequent_token(monkeypatch):
