@@ -347,3 +347,18 @@ def test_balance_solve_quality_compares_every_variant_on_every_router(capsys):
   routers, variants = 5, len(q.VARIANTS)
   assert len(re.findall(r"imbalance \d+\.\d{3} ", out)) == routers * variants, out
   assert out.count("choice differs") == routers * (variants - 1), out
+
+
+def test_bench_embedding_grad_times_both_lookups_on_every_distribution(capsys):
+  """bench_embedding_grad at a small table: a line per id distribution and lookup, with its
+  time and its error against the float64 sum; embedding_lookup's bfloat16 gradient within about
+  one rounding of the largest entry."""
+  from benchmarks import bench_embedding_grad
+  bench_embedding_grad.main(["--batch", "2", "--seq", "256", "--vocab", "500", "--hidden", "32",
+                             "--reps", "1"])
+  out = capsys.readouterr().out
+  lines = [line for line in out.splitlines() if "queued" in line]
+  assert len(lines) == 6, out
+  for line in lines:
+    if "embedding_lookup" in line:
+      assert float(line.rsplit(" ", 1)[1]) < 2.0 ** -7, line

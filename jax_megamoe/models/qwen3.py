@@ -28,6 +28,7 @@ from jax_megamoe.module import MoE
 from jax_megamoe.router import ROUTER_CHOICE_NAME, update_selection_bias
 from jax_megamoe.weight_blocks import quantize_expert_weights
 from jax_megamoe.models.config import CONFIGS, Qwen3MoeConfig, get_config
+from jax_megamoe.models.embedding import embedding_lookup
 
 __all__ = ["CONFIGS", "FLOAT32_PARAMS", "REMAT_POLICIES", "ModelAux", "Qwen3Moe",
            "Qwen3MoeConfig", "calibrate_selection_stats", "compute_copy", "get_config",
@@ -264,8 +265,9 @@ class Qwen3Moe(nnx.Module):
     positions = jnp.broadcast_to(positions, (1, seq) if positions.ndim == 1 else positions.shape)
     with jax.named_scope("rope"):
       cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-    with jax.named_scope("embed"):
-      x = self._shard_batch(self.embed(input_ids))
+    with jax.named_scope("embed"):  # nnx.Embed's lookup, with a gradient summed by id first
+      table = self.embed.embedding[...].astype(self.dtype)
+      x = self._shard_batch(embedding_lookup(table, input_ids))
     run_layer = _run_layer
     if self.remat != "none":
       run_layer = nnx.remat(_run_layer, policy=REMAT_POLICIES[self.remat])
