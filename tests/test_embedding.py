@@ -49,7 +49,10 @@ def test_matches_take_forward_and_gradient(kind, batch, seq, block, monkeypatch)
   got = jax.jit(lambda t, c: jax.vjp(lambda t: embedding_lookup(t, ids), t)[1](c)[0])(
       table, cotangent)
   np.testing.assert_allclose(got, _take_grad(table, ids, cotangent), rtol=1e-5, atol=1e-5)
-  # Same inputs, same bits.
+  # Same inputs, same bits: on XLA:CPU always; on GPUs where no id repeats across sequences
+  # (the final scatter's adds of one id from several sequences are atomic, in any order).
+  if jax.default_backend() != "cpu" and batch > 1:
+    return
   again = jax.jit(lambda t, c: jax.vjp(lambda t: embedding_lookup(t, ids), t)[1](c)[0])(
       table, cotangent)
   np.testing.assert_array_equal(got, again)

@@ -16,7 +16,9 @@ float32, per sequence, then adds one row per (sequence, id) into the table:
    for it (a small float32 matmul over the blocks);
 4. each id's last row then holds its sum over the sequence; scatter those rows alone (rounded to
    the table's dtype once), so an address receives one add per sequence that uses the id.
-Sorting and summing per sequence keeps a batch-sharded lookup local to its devices.
+Sorting and summing per sequence keeps a batch-sharded lookup local to its devices. On GPUs the
+scatter's adds to one address are atomic: an id used by several sequences gets its per-sequence
+sums in any order (jnp.take's gradient: every token's row in any order).
 """
 
 from __future__ import annotations
