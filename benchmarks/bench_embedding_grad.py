@@ -1,10 +1,10 @@
 """The token embedding's table gradient: jnp.take's (XLA's scatter-add of every token's row)
 against models.embedding.embedding_lookup's (rows of equal ids summed per sequence first), per
-call on the default device (jitted vjp, median of --reps after a warm-up, queued: calls back to
-back, one wait), for three id distributions: uniformly random; the byte corpus's (256 ids,
-examples/data, as the example trains on them); Zipf (s = 1.1, a word-level vocabulary's shape).
-Also each result's largest error against a float64 sum on the host (the bfloat16 scatter rounds
-at every add).
+call of the jitted vjp on the default device (alone: median of --reps after a warm-up; queued:
+a few calls back to back, one wait; benchmarks/timing.py), for three id distributions:
+uniformly random; the byte corpus's (256 ids, examples/data, as the example trains on them);
+Zipf (s = 1.1, a word-level vocabulary's shape). Also each result's largest error against a
+float64 sum on the host (the bfloat16 scatter rounds at every add).
 
   python3 benchmarks/bench_embedding_grad.py [--batch 4] [--seq 4096] [--vocab 151936]
       [--hidden 2048] [--dtype bfloat16] [--reps 20]
@@ -12,13 +12,14 @@ at every add).
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from benchmarks import timing  # noqa: E402
 
 from examples import data as data_lib  # noqa: E402
 from jax_megamoe.models.embedding import embedding_lookup  # noqa: E402
@@ -36,18 +37,6 @@ def token_ids(kind: str, batch: int, seq: int, vocab: int, rng) -> np.ndarray:
   if kind == "zipf":
     return (rng.zipf(1.1, (batch, seq)) - 1) % vocab  # the tail wrapped, not piled on one id
   raise ValueError(kind)
-
-
-def time_ms(fn, args, reps):
-  jax.block_until_ready(fn(*args))
-  alone = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    alone.append(time.perf_counter() - t)
-  t = time.perf_counter()
-  jax.block_until_ready([fn(*args) for _ in range(reps)])
-  return np.median(alone) * 1e3, (time.perf_counter() - t) / reps * 1e3
 
 
 def main(argv=None):
@@ -78,7 +67,8 @@ def main(argv=None):
     top = np.bincount(ids_host.ravel()).max() / ids_host.size
     for name, lookup in LOOKUPS.items():
       grad = jax.jit(lambda t, c, lookup=lookup: jax.vjp(lambda t: lookup(t, ids), t)[1](c)[0])
-      alone, queued = time_ms(grad, (table, cotangent), args.reps)
+      alone, queued = timing.alone_and_queued_ms(lambda: grad(table, cotangent),
+                                                 jax.block_until_ready, args.reps)
       got = np.asarray(grad(table, cotangent)[used], np.float64)
       err = np.abs(got - exact).max() / np.abs(exact).max()
       print(f"{kind:7s} (most frequent id {top:6.2%}) {name:17s} alone {alone:8.3f}  "

@@ -1,5 +1,6 @@
 """jax_megamoe.route's cost per call, for each selection norm, on the default device: alone
-(block_until_ready each call) and queued (calls back to back, one wait), medians. For "balance"
+(block_until_ready each call) and queued (a few calls back to back, one wait), medians
+(benchmarks/timing.py). For "balance"
 also the variants of its offset solve that router._balancing_offsets takes as keywords (the
 Sinkhorn stage in the log or the exp domain, its iterations, the load steps' candidates per
 row, the loops unrolled); each variant's choice and imbalance are compared with the default's.
@@ -11,7 +12,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,20 +19,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
+
 from jax_megamoe import router  # noqa: E402
-
-
-def time_ms(fn, x, reps):
-  f = jax.jit(fn)
-  jax.block_until_ready(f(x))
-  alone = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(f(x))
-    alone.append(time.perf_counter() - t)
-  t = time.perf_counter()
-  jax.block_until_ready([f(x) for _ in range(reps)])
-  return np.median(alone) * 1e3, (time.perf_counter() - t) / reps * 1e3
 
 
 def main(argv=None):
@@ -47,8 +36,9 @@ def main(argv=None):
   print(f"{jax.devices()[0].device_kind}: route of {args.tokens} x {args.experts} logits, "
         f"top {k}, ms per call")
   for norm in router.SELECTION_NORMS[:-1]:
-    alone, queued = time_ms(lambda l, n=norm: router.route(l, k, selection_norm=n)[1], logits,
-                            args.reps)
+    f = jax.jit(lambda l, n=norm: router.route(l, k, selection_norm=n)[1])
+    alone, queued = timing.alone_and_queued_ms(lambda: f(logits), jax.block_until_ready,
+                                               args.reps)
     print(f"{norm:34s} alone {alone:.3f}  queued {queued:.3f}")
   shipped = router._balancing_offsets
   variants = [("balance (default)", {}),
@@ -65,8 +55,10 @@ def main(argv=None):
     for name, kw in variants:
       router._balancing_offsets = functools.partial(shipped, **kw)
       fn = lambda l: router.route(l, k, selection_norm="balance")[1]  # noqa: E731
-      alone, queued = time_ms(fn, logits, args.reps)
-      ids = np.asarray(jax.jit(fn)(logits))
+      f = jax.jit(fn)
+      alone, queued = timing.alone_and_queued_ms(lambda: f(logits), jax.block_until_ready,
+                                                 args.reps)
+      ids = np.asarray(f(logits))
       if reference is None:
         reference, same = ids, ""
       else:

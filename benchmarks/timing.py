@@ -54,6 +54,14 @@ def measure_queued_ms(call: Callable[[], object], wait: Callable[[object], objec
   return {"queued_ms": statistics.median(per_call), "queue_depth": depth}
 
 
+def alone_and_queued_ms(call: Callable[[], object], wait: Callable[[object], object],
+                        reps: int) -> tuple[float, float]:
+  """(measure_ms of wait(call()) over `reps`, measure_queued_ms of call): a call's median time
+  alone and queued, for the small per-call benchmarks (bench_route, bench_embedding_grad)."""
+  alone = measure_ms(lambda: wait(call()), reps=reps)["ms"]
+  return alone, measure_queued_ms(call, wait)["queued_ms"]
+
+
 def classify_error(err: BaseException | str) -> tuple[str, str]:
   """(status, short message): status "oom" for out-of-memory, else "failed"."""
   text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"

@@ -110,9 +110,11 @@ def _sinkhorn_log(scaled: jax.Array, top_k: int, iterations: int, unroll) -> jax
 def _sinkhorn_exp(scaled: jax.Array, top_k: int, iterations: int, unroll) -> jax.Array:
   """The same b, iterated on the kernel K = exp(scaled - row max) (entries in (0, 1], each
   row's largest 1) with plain matrix-vector sums: one reduction per direction. z is
-  standardised per expert, so every column has entries near its rows' maxima and its sum stays
-  far above float32's range limits; the floor only keeps a degenerate column finite. Sums of
-  products rather than matmuls, which XLA:GPU may run in TF32."""
+  standardised per expert, so a column usually has entries near its rows' maxima; where none
+  is (an expert no token ranks near its top), its sum falls towards float32's smallest
+  normals (4.8e-29 seen on a spiky synthetic router, where the log domain balanced no better)
+  and the floor (1e-30) keeps the scaling finite. Sums of products rather than matmuls, which
+  XLA:GPU may run in TF32."""
   num_tokens, num_experts = scaled.shape
   kernel = jnp.exp(scaled - jnp.max(scaled, axis=1, keepdims=True))
   col = num_tokens * top_k / num_experts
@@ -136,19 +138,18 @@ def _loads_from_kth(z: jax.Array, b: jax.Array, top_k: int) -> jax.Array:
 
 def _loads_from_candidates(z: jax.Array, b: jax.Array, cand_z: jax.Array, cand_ids: jax.Array,
                            top_k: int) -> jax.Array:
-  """_loads_from_kth's count, with each row's k-th largest of z + b taken among its candidates
-  (cand_z [T, C], the values of z at cand_ids [T, C]): the smallest candidate that fewer than
-  k candidates beat (larger, or equal at a lower position, as lax.top_k breaks ties). Three
-  reductions whatever k, where k row maxima take k + 1. Exact while a row's top k stay among
-  its candidates; the compare runs over every expert, so one that rises into a row's top k
-  from outside its candidates is still counted (counting among the candidates alone missed
-  those, and the steps then pushed them far beyond their share)."""
+  """[E] rows per expert whose threshold it reaches, as _loads_from_kth, the threshold being the
+  k-th largest value of z + b among each row's candidates (cand_z [T, C], the values of z at
+  cand_ids [T, C]): the smallest candidate that fewer than k candidates exceed (ties need no
+  order for the value). Three reductions whatever k, where k row maxima take k + 1 (and those
+  remove values tied with a row's maximum together: under exact ties the two counts differ).
+  Exact while a row's top k stay among its candidates. The compare runs over every expert, so
+  one that rises into a row's top k from outside its candidates is counted, as is the
+  candidate it displaced (that row counts k + 1); counting among the candidates alone missed
+  those experts, and the steps then pushed them far beyond their share."""
   v = cand_z + b[cand_ids]
-  pos = jnp.arange(v.shape[1])
-  vi, vj = v[:, :, None], v[:, None, :]
-  beats = (vi > vj) | ((vi == vj) & (pos[:, None] < pos[None, :]))
-  chosen = jnp.sum(beats, axis=1, dtype=jnp.int32) < top_k                     # [T, C]
-  kth = jnp.min(jnp.where(chosen, v, jnp.inf), axis=1, keepdims=True)
+  exceeded_by = jnp.sum(v[:, :, None] > v[:, None, :], axis=1, dtype=jnp.int32)  # [T, C]
+  kth = jnp.min(jnp.where(exceeded_by < top_k, v, jnp.inf), axis=1, keepdims=True)
   return jnp.sum((z + b >= kth).astype(jnp.float32), axis=0)
 
 

@@ -2,6 +2,8 @@
 each sequence before the scatter, equals jnp.take's (float32) and rounds once per (sequence, id)
 in bfloat16, where jnp.take's scatter rounds at every add."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,8 +39,7 @@ def _take_grad(table, ids, cotangent):
 @pytest.mark.parametrize("block", [128, 8])
 def test_matches_take_forward_and_gradient(kind, batch, seq, block, monkeypatch):
   """Fresh random tables and cotangents; block 8 puts sequences over many blocks (and 24
-  tokens in exactly 3). The gradient is taken jitted; the output poisoned where the scatter
-  writes nothing would show as a mismatch (the reference's zeros)."""
+  tokens in exactly 3). The gradient is taken jitted."""
   monkeypatch.setattr(embedding, "EMBEDDING_GRAD_BLOCK", block)
   rng = np.random.default_rng(seq + block)
   vocab, hidden = 50, 16
@@ -49,13 +50,52 @@ def test_matches_take_forward_and_gradient(kind, batch, seq, block, monkeypatch)
   got = jax.jit(lambda t, c: jax.vjp(lambda t: embedding_lookup(t, ids), t)[1](c)[0])(
       table, cotangent)
   np.testing.assert_allclose(got, _take_grad(table, ids, cotangent), rtol=1e-5, atol=1e-5)
-  # Same inputs, same bits: on XLA:CPU always; on GPUs where no id repeats across sequences
-  # (the final scatter's adds of one id from several sequences are atomic, in any order).
-  if jax.default_backend() != "cpu" and batch > 1:
-    return
-  again = jax.jit(lambda t, c: jax.vjp(lambda t: embedding_lookup(t, ids), t)[1](c)[0])(
-      table, cotangent)
-  np.testing.assert_array_equal(got, again)
+
+
+@pytest.mark.parametrize("dtype,values", [
+    (np.int8, [-1, 5, 127, -128]), (np.uint8, [0, 255, 7, 43]), (np.int16, [-300, -301, 299, 300]),
+    (np.uint32, [2**32 - 1, 299, 300, 0]), (np.int32, [-2**31, 2**31 - 1, -1, 5])])
+def test_id_dtypes_and_their_extremes(dtype, values):
+  """Every integer dtype, at its extremes, against jnp.take of the ids as int32 (jnp.take of
+  int8 ids wraps -1 + 300 in int8, to row 43; embedding_lookup widens them first): the same
+  rows, NaN where out of range, and the same gradient (a uint32 id of 2**32 - 1 stays out of
+  range rather than wrapping to -1, row V - 1)."""
+  rng = np.random.default_rng(3)
+  vocab, hidden = 300, 4
+  table = jnp.asarray(rng.standard_normal((vocab, hidden)), jnp.float32)
+  ids = jnp.asarray(np.array([values * 3], dtype))
+  wide = jnp.asarray(np.array([values * 3], dtype).astype(np.int64).clip(-2**31, 2**31 - 1),
+                     jnp.int32)
+  cotangent = jnp.asarray(rng.standard_normal(ids.shape + (hidden,)), jnp.float32)
+  np.testing.assert_array_equal(embedding_lookup(table, ids), jnp.take(table, wide, axis=0))
+  got = jax.vjp(lambda t: embedding_lookup(t, ids), table)[1](cotangent)[0]
+  np.testing.assert_allclose(got, _take_grad(table, wide, cotangent), rtol=1e-6, atol=1e-6)
+
+
+def test_out_of_range_ids_drop_even_a_nan_cotangent():
+  """An out-of-range id's row is NaN forward, so its cotangent may well be NaN: it is dropped
+  (as jnp.take's), not summed into the last valid id sorted beside it."""
+  vocab, hidden = 10, 4
+  ids = jnp.asarray([[vocab - 1, vocab + 5, vocab - 1]], jnp.int32)
+  cotangent = jnp.asarray([[[1.0] * hidden, [np.nan] * hidden, [2.0] * hidden]], jnp.float32)
+  got = jax.vjp(lambda t: embedding_lookup(t, ids), jnp.zeros((vocab, hidden)))[1](cotangent)[0]
+  np.testing.assert_array_equal(got[vocab - 1], [3.0] * hidden)
+  assert np.isfinite(np.asarray(got)).all()
+
+
+@pytest.mark.gpu
+def test_one_sequence_gradient_is_bitwise_run_to_run_on_the_gpu():
+  """On a GPU the scatter's adds are atomic; with one sequence every id has one row to add,
+  so the gradient is the same bits on every call (several sequences sharing an id: not)."""
+  rng = np.random.default_rng(4)
+  vocab, hidden = 1000, 256
+  ids = jnp.asarray(np.minimum(rng.zipf(1.2, (1, 8192)), vocab) - 1, jnp.int32)
+  cotangent = jnp.asarray(rng.standard_normal((1, 8192, hidden)), jnp.bfloat16)
+  grad = jax.jit(lambda t, c: jax.vjp(lambda t: embedding_lookup(t, ids), t)[1](c)[0])
+  table = jnp.zeros((vocab, hidden), jnp.bfloat16)
+  first = grad(table, cotangent)
+  for _ in range(5):
+    np.testing.assert_array_equal(grad(table, cotangent), first)
 
 
 def test_bfloat16_gradient_of_a_frequent_id_rounds_once():
@@ -108,19 +148,27 @@ def test_batch_sharded_over_eight_devices_matches_one_device():
 
 
 def test_model_embedding_gradient_matches_nnx_embed(monkeypatch):
-  """Qwen3Moe's embedding (tiny config, float32): the loss and every gradient are those of
-  nnx.Embed's jnp.take lookup."""
+  """Qwen3Moe's embedding (tiny config, float32) goes through embedding_lookup, and the loss and
+  every gradient are those of the model with nnx.Embed's own call in its place."""
   from jax_megamoe.models import Qwen3Moe, get_config, qwen3
   model = Qwen3Moe(get_config("tiny"), rngs=nnx.Rngs(0), dtype=jnp.float32, backend="reference")
   graphdef, params = nnx.split(model, nnx.Param)
   ids = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 33)), jnp.int32)
 
-  def loss(p):
-    return jnp.mean(jnp.square(nnx.merge(graphdef, p)(ids)))
+  calls = []
+  monkeypatch.setattr(qwen3, "embedding_lookup",
+                      lambda t, i: calls.append(1) or embedding_lookup(t, i))
 
-  got = jax.grad(loss)(params)
-  monkeypatch.setattr(qwen3, "embedding_lookup", lambda t, i: jnp.take(t, i, axis=0))
-  want = jax.grad(loss)(params)
+  def loss(p, nnx_embed=False):
+    m = nnx.merge(graphdef, p)
+    if nnx_embed:  # nnx.Embed's own call (promote_dtype, jnp.take) on the traced parameter
+      monkeypatch.setattr(qwen3, "embedding_lookup", lambda t, i: m.embed(i))
+    return jnp.mean(jnp.square(m(ids)))
+
+  got_loss, got = jax.value_and_grad(loss)(params)
+  assert calls, "Qwen3Moe did not call embedding_lookup"
+  want_loss, want = jax.value_and_grad(functools.partial(loss, nnx_embed=True))(params)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 

@@ -338,9 +338,9 @@ def test_balance_solve_variants_balance_as_well_as_the_default(router_kind):
   """_balancing_offsets' cheaper variants (bench_route.py times them): the Sinkhorn stage in the
   exp domain (one reduction per direction) balances as well; the load steps counted from
   each row's candidates (three reductions a step, not k + 1) end as balanced as counting over
-  every expert, also when fewer candidates than 2 k are asked for (2 k are taken) or as many
-  as there are experts (every expert). A low-rank router, and one where a quarter of the tokens
-  are one tight cluster, at T = 4,096, E = 64, k = 8."""
+  every expert, also when fewer candidates than 2 k are asked for (2 k are taken). A low-rank
+  router, and one where a quarter of the tokens are one tight cluster, at T = 4,096, E = 64,
+  k = 8."""
   from jax_megamoe import router
   rng = np.random.default_rng(7)
   tokens, experts, k = 4096, 64, 8
@@ -360,14 +360,12 @@ def test_balance_solve_variants_balance_as_well_as_the_default(router_kind):
     return np.asarray(b), float(np.bincount(np.asarray(ids).ravel(), minlength=experts).max()
                                 / (tokens * k / experts))
 
-  default_b, default = solve()
+  _, default = solve()
   _, exp = solve(sinkhorn="exp")  # its Sinkhorn stage alone: the low-rank test above
   assert default < 1.25 and abs(exp - default) < 0.02, (default, exp)
   for candidates in (4, 16, 24):
     _, got = solve(sinkhorn="exp", candidates=candidates)
     assert got < default + 0.05, (candidates, got, default)
-  every_b, _ = solve(candidates=experts)
-  np.testing.assert_array_equal(every_b, default_b)
 
 
 def test_balance_exp_sinkhorn_stays_finite_on_degenerate_logits():

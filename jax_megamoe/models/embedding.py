@@ -36,15 +36,23 @@ EMBEDDING_GRAD_BLOCK = 128
 
 def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
   """table [V, H] (any float dtype), ids [B, S] integer -> rows [B, S, H] (table's dtype):
-  jnp.take(table, ids, axis=0): ids in [-V, 0) count from the end, ids outside [-V, V) give
-  NaN rows (jnp.take's "fill") and no gradient. Its gradient with respect to the table is the same sum as jnp.take's, computed
-  with each sequence's equal ids summed first (module docstring); no gradient reaches ids."""
+  jnp.take(table, ids, axis=0), ids narrower than 32 bits widened first. Ids in [-V, 0) count
+  from the end; ids outside [-V, V) give NaN rows (jnp.take's "fill") and no gradient.
+
+  The table's gradient is jnp.take's sum, with each sequence's equal ids summed first (module
+  docstring); no gradient reaches ids. Differences: a non-finite cotangent row makes the
+  gradient of every id in its block of sorted rows NaN (0 x inf in the mask product), where
+  jnp.take's keeps it to its own id: non-finite either way. Reverse mode only (a custom_vjp:
+  jax.jvp through it raises).
+  """
   if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"ids must be an integer [batch, seq] array, got {ids.dtype} "
                      f"{ids.shape}")
   if table.ndim != 2 or not jnp.issubdtype(table.dtype, jnp.floating):
     raise ValueError(f"table must be a float [vocab, hidden] array, got {table.dtype} "
                      f"{table.shape}")
+  if ids.dtype.itemsize < 4:  # jnp.take's negative ids wrap in int8 arithmetic (-1 -> row 43)
+    ids = ids.astype(jnp.int32)
   return _lookup(table.shape[0], table, ids)
 
 
@@ -71,11 +79,17 @@ def _table_grad(ids: jax.Array, rows_grad: jax.Array, vocab: int) -> jax.Array:
   batch, seq = ids.shape
   hidden, dtype = rows_grad.shape[-1], rows_grad.dtype
   block = EMBEDDING_GRAD_BLOCK
-  ids = ids.astype(jnp.int32)
   # As jnp.take: an id in [-V, 0) counts from the end; ids outside [-V, V) get no gradient
-  # ("fill" mode): they sort as one id, `vocab`, which the final scatter drops.
-  ids = jnp.where(ids < 0, ids + vocab, ids)
-  ids = jnp.where((ids >= 0) & (ids < vocab), ids, vocab)
+  # ("fill" mode): their rows are zeroed and they sort as one id, `vocab`, which the final
+  # scatter drops. Checked before the cast to int32, which would wrap a large uint32 or int64
+  # id into range.
+  if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):
+    valid = ids < vocab
+  else:
+    valid = (ids >= -vocab) & (ids < vocab)
+    ids = jnp.where(ids < 0, ids + vocab, ids)
+  ids = jnp.where(valid, ids, vocab).astype(jnp.int32)
+  rows_grad = jnp.where(valid[..., None], rows_grad, 0)
   order = jnp.argsort(ids, axis=1, stable=True)
   ids = jnp.take_along_axis(ids, order, axis=1)
   rows = jnp.take_along_axis(rows_grad, order[:, :, None], axis=1)
@@ -91,14 +105,17 @@ def _table_grad(ids: jax.Array, rows_grad: jax.Array, vocab: int) -> jax.Array:
   pos = jnp.arange(block)
   same_before = ((ids[..., :, None] == ids[..., None, :])
                  & (pos[:, None] >= pos[None, :]))                          # [B, n, i, j]
+  # Float32 sums (float64 for a float64 table); HIGHEST so that XLA:GPU does not run a float32
+  # product in TF32 (bfloat16 rows are exact either way).
+  acc = jnp.promote_types(dtype, jnp.float32)
   partial = jnp.einsum("bnij,bnjh->bnih", same_before.astype(rows.dtype), rows,
-                       preferred_element_type=jnp.float32)
+                       preferred_element_type=acc, precision=jax.lax.Precision.HIGHEST)
   # 3. Across blocks: what earlier blocks' last rows hold for this block's first id (sorted,
   # so only the first id of a block can continue from earlier blocks).
   first, last = ids[..., 0], ids[..., -1]                                    # [B, n]
   carried_from = ((last[:, None, :] == first[:, :, None])
                   & (jnp.arange(blocks)[None, :] < jnp.arange(blocks)[:, None]))  # [B, n, c]
-  carried = jnp.einsum("bnc,bch->bnh", carried_from.astype(jnp.float32), partial[..., -1, :],
+  carried = jnp.einsum("bnc,bch->bnh", carried_from.astype(acc), partial[..., -1, :],
                        precision=jax.lax.Precision.HIGHEST)
   total = partial + jnp.where((ids == first[..., None])[..., None], carried[:, :, None, :], 0.0)
   # 4. Each id's last row holds its sum over the sequence: scatter those rows alone.
