@@ -105,11 +105,13 @@ def _table_grad(ids: jax.Array, rows_grad: jax.Array, vocab: int) -> jax.Array:
   pos = jnp.arange(block)
   same_before = ((ids[..., :, None] == ids[..., None, :])
                  & (pos[:, None] >= pos[None, :]))                          # [B, n, i, j]
-  # Float32 sums (float64 for a float64 table); HIGHEST so that XLA:GPU does not run a float32
-  # product in TF32 (bfloat16 rows are exact either way).
+  # Float32 sums (float64 for a float64 table). A float32 table's product asks for HIGHEST, so
+  # that XLA:GPU does not run it in TF32; narrower rows are exact in any mode (and keep the
+  # plain bfloat16 GEMM).
   acc = jnp.promote_types(dtype, jnp.float32)
+  exact = jax.lax.Precision.HIGHEST if jnp.finfo(dtype).bits >= 32 else None
   partial = jnp.einsum("bnij,bnjh->bnih", same_before.astype(rows.dtype), rows,
-                       preferred_element_type=acc, precision=jax.lax.Precision.HIGHEST)
+                       preferred_element_type=acc, precision=exact)
   # 3. Across blocks: what earlier blocks' last rows hold for this block's first id (sorted,
   # so only the first id of a block can continue from earlier blocks).
   first, last = ids[..., 0], ids[..., -1]                                    # [B, n]
