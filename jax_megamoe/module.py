@@ -164,7 +164,7 @@ class MoE(nnx.Module):
                                             norm_topk_prob=self.norm_topk_prob,
                                             selection_bias=None if bias is None else bias[...],
                                             selection_norm=self.selection_norm,
-                                            selection_stats=stats)
+                                            selection_stats=stats, mesh=self.mesh)
       with jax.named_scope("experts"):
         y = moe(tokens.astype(self.dtype), topk_ids, topk_weights,
                 self.w_gate_up[...].astype(self.dtype), self.w_down[...].astype(self.dtype),

@@ -81,6 +81,17 @@ def shard_over_mesh(per_device: Callable[..., jax.Array], mesh: Mesh, expert_axi
   return shard_map(per_device, mesh, in_specs, tokens, check_vma=check_vma)(*args)
 
 
+def shard_over_tokens(per_device: Callable, mesh: Mesh, args, num_outputs: int, *,
+                      check_vma: bool = True):
+  """per_device(*args) on every device of `mesh` over its own tokens: every arg and each of the
+  `num_outputs` results sharded along their leading axis over every mesh axis (the tokens'
+  layout, DESIGN.md §3), e.g. a router statistic solved per device without collectives."""
+  in_specs = (P(token_axes(mesh)),) * len(args)
+  out_specs = (P(token_axes(mesh)),) * num_outputs
+  return shard_map(per_device, mesh, in_specs, out_specs, check_vma=check_vma)(
+      *_laid_out(mesh, args, in_specs))
+
+
 def shard_over_experts(per_device: Callable, mesh: Mesh, expert_axis: str, args):
   """per_device(*args) on every device of `mesh` over its experts: every arg (a pytree) and the
   result sharded along their leading axis over `expert_axis` (e.g. quantising the weights)."""

@@ -8,6 +8,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
+
+from jax_megamoe import parallel
 
 
 class RouterAux(NamedTuple):
@@ -198,10 +201,29 @@ def _balancing_offsets(z: jax.Array, top_k: int, *, sinkhorn: str | None = None,
   return best_b
 
 
+def _offset_chooser(z: jax.Array, top_k: int, mesh: Mesh | None
+                    ) -> tuple[jax.Array, jax.Array]:
+  """(z + offsets [T, E], offsets [E]): balance's offsets solved over all of z's tokens, or with
+  a mesh on each device's own tokens (no collective inside the solve; the [E] result is their
+  mean over the devices, for the statistics)."""
+  if mesh is None:
+    offset = _balancing_offsets(z, top_k)
+    return z + offset, offset
+
+  def per_device(z_local):
+    offset = _balancing_offsets(z_local, top_k)
+    return z_local + offset, offset[None]
+
+  # The solve's loops start from invariant constants and it runs no collective: nothing for
+  # shard_map's varying-axes check to protect.
+  chooser, offsets = parallel.shard_over_tokens(per_device, mesh, (z,), 2, check_vma=False)
+  return chooser, jnp.mean(offsets, axis=0)
+
+
 def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
           selection_bias: jax.Array | None = None, selection_norm: str = "none",
-          selection_stats: tuple[jax.Array, jax.Array, jax.Array] | None = None
-          ) -> tuple[jax.Array, jax.Array, RouterAux]:
+          selection_stats: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+          mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, RouterAux]:
   """Routes tokens to experts.
 
   Args:
@@ -228,6 +250,12 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
       batches, models.calibrate_selection_stats): with them the choice is made from
       (logits - mean) / std + offset, without batch statistics and without balance's
       perturbation, as batch norm does at inference. Ignored when selection_norm is "none".
+    mesh: the device mesh the tokens are sharded over (all its axes, as jax_megamoe.moe takes
+      them; the token count a multiple of its size). With it, "balance" solves its offsets on
+      each device's own tokens: balanced per device is balanced in sum, and the solve needs no
+      collective, where over all tokens each of its ~40-60 reductions over tokens is an
+      all-reduce of [E] values, in sequence (session 26, benchmarks/ROUTING_COLLAPSE_NOTES.md).
+      The statistics' offset is then the devices' mean. The mean and std stay over all tokens.
 
   Returns:
     (topk_weights float32 [T, k], topk_ids int32 [T, k], RouterAux). Ties pick the lower id.
@@ -241,6 +269,9 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
                      f"got {top_k!r}")
   if selection_norm not in SELECTION_NORMS:
     raise ValueError(f"selection_norm must be one of {SELECTION_NORMS}, got {selection_norm!r}")
+  if mesh is not None and logits.shape[0] % mesh.size:
+    raise ValueError(f"logits' token count ({logits.shape[0]}) must be a multiple of the mesh's "
+                     f"{mesh.size} devices (mesh {dict(mesh.shape)}): each holds its share")
   top_k = int(top_k)
   logits = logits.astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1)
@@ -263,9 +294,7 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
         std = jnp.std(chooser, axis=0) + 1e-6
         chooser = chooser / std
       if selection_norm == "balance":
-        chooser = _perturbed(chooser)
-        offset = _balancing_offsets(chooser, top_k)
-        chooser = chooser + offset
+        chooser, offset = _offset_chooser(_perturbed(chooser), top_k, mesh)
     if selection_bias is not None:
       if selection_bias.shape != (num_experts,):
         raise ValueError(f"selection_bias must be [num_experts={num_experts}], got shape "

@@ -10,6 +10,7 @@ alike). benchmarks/ROUTING_COLLAPSE_NOTES.md has the measurements."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import types
@@ -550,3 +551,58 @@ def test_selection_norm_reaches_every_moe_layer_and_is_validated():
                    dtype=jnp.float32)
   norms = [layer.mlp.selection_norm for layer in model.layers if layer.is_moe]
   assert norms and set(norms) == {"center"}
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_balance_with_a_mesh_solves_per_device_without_collectives(axis_type, monkeypatch):
+  """route(mesh=) on a 2 x 4 CPU mesh: balance's offsets are solved on each device's own 512
+  tokens, so each device's load is balanced (and so the sum). The solve's reductions over tokens
+  are then local: unrolled, the choice's program holds 3 all-reduces (the mean, the std, the
+  offsets' mean for the statistics) where the solve over all tokens holds one per reduction
+  (59)."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+  from jax_megamoe import router
+  kind = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}[axis_type]
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(kind,) * 2)
+  rng = np.random.default_rng(9)
+  tokens, experts, k = 4096, 128, 8
+  lg = (np.outer(rng.standard_normal(tokens), rng.standard_normal(experts))
+        + rng.standard_normal(experts) + rng.standard_normal((tokens, experts)) * 0.05)
+  x = jax.device_put(jnp.asarray(lg, jnp.float32), NamedSharding(mesh, P(("data", "expert"))))
+
+  def choose(logits, mesh):
+    return router.route(logits, k, selection_norm="balance", mesh=mesh)
+
+  with jax.set_mesh(mesh):
+    _, ids, aux = jax.jit(functools.partial(choose, mesh=mesh))(x)
+  ids = np.asarray(ids)
+  share = tokens // 8 * k / experts
+  per_device = [np.bincount(ids[d * 512:(d + 1) * 512].ravel(), minlength=experts).max() / share
+                for d in range(8)]
+  overall = np.bincount(ids.ravel(), minlength=experts).max() / (share * 8)
+  assert max(per_device) < 1.25 and overall < 1.15, (per_device, overall)
+  assert np.isfinite(np.asarray(aux.selection_stats)).all()
+
+  monkeypatch.setattr(router, "_balancing_offsets",
+                      functools.partial(router._balancing_offsets, unroll=True))
+  with jax.set_mesh(mesh):
+    counts = [jax.jit(lambda l, m=m: choose(l, m)[1]).lower(x).compile().as_text().count(
+        " all-reduce(") for m in (mesh, None)]
+  assert counts[0] <= 3 and counts[1] >= 36, counts
+
+
+def test_balance_with_a_one_device_mesh_is_the_solve_over_all_tokens():
+  """A mesh of one device holds every token: the same choice as without a mesh."""
+  from jax_megamoe import router
+  mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+  logits = jnp.asarray(np.random.default_rng(10).standard_normal((1024, 64)), jnp.float32)
+  with_mesh = jax.jit(lambda l: router.route(l, 4, selection_norm="balance", mesh=mesh)[1])
+  np.testing.assert_array_equal(with_mesh(logits),
+                                router.route(logits, 4, selection_norm="balance")[1])
+
+
+def test_route_mesh_needs_whole_shares_of_tokens():
+  mesh = jax.make_mesh((8,), ("expert",))
+  with pytest.raises(ValueError, match=r"logits' token count \(12\) must be a multiple of the "
+                                       r"mesh's 8 devices"):
+    jm.route(jnp.zeros((12, 16)), 2, selection_norm="balance", mesh=mesh)
