@@ -269,7 +269,8 @@ def route(logits: jax.Array, top_k: int, *, norm_topk_prob: bool = True,
                      f"got {top_k!r}")
   if selection_norm not in SELECTION_NORMS:
     raise ValueError(f"selection_norm must be one of {SELECTION_NORMS}, got {selection_norm!r}")
-  if mesh is not None and logits.shape[0] % mesh.size:
+  if (mesh is not None and selection_norm == "balance" and selection_stats is None
+      and logits.shape[0] % mesh.size):
     raise ValueError(f"logits' token count ({logits.shape[0]}) must be a multiple of the mesh's "
                      f"{mesh.size} devices (mesh {dict(mesh.shape)}): each holds its share")
   top_k = int(top_k)
