@@ -10,7 +10,6 @@ context term ("zipf+ctx"); a quarter of the tokens in one tight cluster ("cluste
   python3 benchmarks/balance_solve_quality.py [--tokens 16384]
 """
 import argparse
-import functools
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.bench_route import balance_solve  # noqa: E402
 from jax_megamoe import router  # noqa: E402
 
 EXPERTS, TOP_K = 128, 8
@@ -51,12 +51,10 @@ def synthetic_routers(tokens: int, seed: int = 0):
   yield "cluster", logits
 
 
-def solve_and_choose(logits, **kw):
-  """route's "balance" chooser with the given solve: (offsets [E], top-k ids [T, k])."""
-  x = jnp.asarray(logits, jnp.float32)
-  z = router._perturbed((x - x.mean(0)) / (x.std(0) + 1e-6))
-  b = router._balancing_offsets(z, TOP_K, **kw)
-  return b, jax.lax.top_k(z + b, TOP_K)[1]
+def solve_and_choose(logits):
+  """route's "balance" on the logits: (offsets [E], top-k ids [T, k])."""
+  _, ids, aux = router.route(logits, TOP_K, selection_norm="balance")
+  return aux.selection_stats[2], ids
 
 
 def main(argv=None):
@@ -66,12 +64,14 @@ def main(argv=None):
   print(f"{args.tokens} x {EXPERTS} logits, top {TOP_K}; imbalance = largest load / mean")
   for name, logits in synthetic_routers(args.tokens):
     reference = None
-    for variant, kw in VARIANTS.items():
-      fn = jax.jit(functools.partial(solve_and_choose, **kw))
-      jax.block_until_ready(fn(logits))
-      t = time.perf_counter()
-      b, ids = jax.block_until_ready(fn(logits))
-      ms = (time.perf_counter() - t) * 1e3
+    logits = jnp.asarray(logits, jnp.float32)
+    for variant, solve in VARIANTS.items():
+      with balance_solve(**solve):
+        fn = jax.jit(lambda l: solve_and_choose(l))  # a new function: jit traces it anew
+        jax.block_until_ready(fn(logits))
+        t = time.perf_counter()
+        b, ids = jax.block_until_ready(fn(logits))
+        ms = (time.perf_counter() - t) * 1e3
       b, ids = np.asarray(b), np.asarray(ids)
       load = np.bincount(ids.ravel(), minlength=EXPERTS) / ids.size * EXPERTS
       moved = ""

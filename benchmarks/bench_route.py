@@ -1,14 +1,15 @@
 """jax_megamoe.route's cost per call, for each selection norm, on the default device: alone
 (block_until_ready each call) and queued (a few calls back to back, one wait), medians
-(benchmarks/timing.py). For "balance"
-also the variants of its offset solve that router._balancing_offsets takes as keywords (the
-Sinkhorn stage in the log or the exp domain, its iterations, the load steps' candidates per
-row, the loops unrolled); each variant's choice and imbalance are compared with the default's.
+(benchmarks/timing.py). For "balance" also the variants of its offset solve that
+router._balancing_offsets takes as keywords (the Sinkhorn stage in the log or the exp domain,
+its iterations, the load steps' candidates per row, the loops unrolled); each variant's choice
+and imbalance are compared with the default's.
 (Session 25 measured two more and dropped them: the k-th largest by lax.top_k, 2.4x slower.)
 
   python3 benchmarks/bench_route.py [--tokens 16384] [--experts 128] [--top-k 8] [--reps 50]
 """
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -22,6 +23,18 @@ import numpy as np  # noqa: E402
 from benchmarks import timing  # noqa: E402
 
 from jax_megamoe import router  # noqa: E402
+
+
+@contextlib.contextmanager
+def balance_solve(**solve):
+  """Inside: route's "balance" solves its offsets with these router._balancing_offsets keywords,
+  in what is traced inside (jit a new function there: jit reuses a function's earlier trace)."""
+  shipped = router._balancing_offsets
+  router._balancing_offsets = functools.partial(shipped, **solve)
+  try:
+    yield
+  finally:
+    router._balancing_offsets = shipped
 
 
 def main(argv=None):
@@ -40,7 +53,6 @@ def main(argv=None):
     alone, queued = timing.alone_and_queued_ms(lambda: f(logits), jax.block_until_ready,
                                                args.reps)
     print(f"{norm:34s} alone {alone:.3f}  queued {queued:.3f}")
-  shipped = router._balancing_offsets
   variants = [("balance (default)", {}),
               ("balance, loops unrolled", dict(unroll=True)),
               ("balance, Sinkhorn exp", dict(sinkhorn="exp")),
@@ -51,25 +63,20 @@ def main(argv=None):
               ("balance, exp 10, candidates 24", dict(sinkhorn="exp", candidates=24,
                                                       sinkhorn_iterations=10))]
   reference = None
-  try:
-    for name, kw in variants:
-      router._balancing_offsets = functools.partial(shipped, **kw)
-      fn = lambda l: router.route(l, k, selection_norm="balance")[1]  # noqa: E731
-      f = jax.jit(fn)
+  for name, solve in variants:
+    with balance_solve(**solve):
+      f = jax.jit(lambda l: router.route(l, k, selection_norm="balance")[1])
       alone, queued = timing.alone_and_queued_ms(lambda: f(logits), jax.block_until_ready,
                                                  args.reps)
       ids = np.asarray(f(logits))
-      if reference is None:
-        reference, same = ids, ""
-      else:
-        same = ("same choice" if np.array_equal(ids, reference) else
-                f"choice differs in {np.mean(np.any(ids != reference, 1)):.4f} of the tokens")
-      load = np.bincount(ids.ravel(), minlength=args.experts) / ids.size * args.experts
-      print(f"{name:40s} alone {alone:.3f}  queued {queued:.3f}  imbalance {load.max():.3f}  "
-            f"{same}")
-  finally:
-    router._balancing_offsets = shipped
-
+    if reference is None:
+      reference, same = ids, ""
+    else:
+      same = ("same choice" if np.array_equal(ids, reference) else
+              f"choice differs in {np.mean(np.any(ids != reference, 1)):.4f} of the tokens")
+    load = np.bincount(ids.ravel(), minlength=args.experts) / ids.size * args.experts
+    print(f"{name:40s} alone {alone:.3f}  queued {queued:.3f}  imbalance {load.max():.3f}  "
+          f"{same}")
 
 if __name__ == "__main__":
   main()
