@@ -59,11 +59,9 @@ def main(argv=None):
   for kind in ("random", "bytes", "zipf"):
     ids_host = token_ids(kind, args.batch, args.seq, args.vocab, rng)
     ids = jnp.asarray(ids_host, jnp.int32)
-    exact = {}
-    for i, row in zip(ids_host.ravel(), cotangent_host.reshape(-1, args.hidden)):
-      exact[i] = exact.get(i, 0.0) + row
-    used = np.fromiter(exact, np.int64)
-    exact = np.stack([exact[i] for i in used])
+    used, where = np.unique(ids_host, return_inverse=True)
+    exact = np.zeros((len(used), args.hidden))
+    np.add.at(exact, where.ravel(), cotangent_host.reshape(-1, args.hidden))
     top = np.bincount(ids_host.ravel()).max() / ids_host.size
     for name, lookup in LOOKUPS.items():
       grad = jax.jit(lambda t, c, lookup=lookup: jax.vjp(lambda t: lookup(t, ids), t)[1](c)[0])
