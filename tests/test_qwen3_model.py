@@ -137,9 +137,13 @@ def test_published_shapes_trace_on_a_mesh(name):
   assert aux.expert_load.shape == (2, 128)
 
 
-def test_chunked_cross_entropy_matches_full_logits():
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_chunked_cross_entropy_matches_full_logits(one_pass, monkeypatch):
+  from jax_megamoe.models import losses
   from jax_megamoe.models.losses import chunked_cross_entropy
   import optax
+
+  monkeypatch.setattr(losses, "CE_LSE_ONE_PASS", one_pass)
 
   model = Qwen3Moe(SMALL, rngs=nnx.Rngs(0), dtype=jnp.float32)
   ids, targets = _ids(2, 8, seed=1), _ids(2, 8, seed=2)
@@ -158,6 +162,26 @@ def test_chunked_cross_entropy_matches_full_logits():
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
   with pytest.raises(ValueError, match="chunk must be a positive int dividing seq=8, got 3"):
     chunked_cross_entropy(jnp.zeros((2, 8, 4)), jnp.zeros((4, 5)), targets, chunk=3)
+
+
+def test_one_pass_logsumexp_matches_jax():
+  """The one-pass (max, sum) reduce against jax.nn.logsumexp: large spreads, an all -inf row,
+  a +inf logit, a NaN, and rows whose maximum comes last or first."""
+  from jax_megamoe.models import losses
+
+  x = np.random.default_rng(4).standard_normal((3, 5, 1001)).astype(np.float32) * 30
+  x[0, 0] = -np.inf
+  x[0, 1, 7] = np.inf
+  x[0, 2, 9] = np.nan
+  x[1, 0, -1] = 200.0
+  x[1, 1, 0] = 200.0
+  x[2, 3, :900] = -np.inf
+  want = np.asarray(jax.nn.logsumexp(jnp.asarray(x), axis=-1))
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(losses, "CE_LSE_ONE_PASS", True)
+    got = np.asarray(jax.jit(losses._logsumexp)(jnp.asarray(x)))
+  assert got[0, 0] == -np.inf and got[0, 1] == np.inf and np.isnan(got[0, 2])
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("chunk", [8, 32])

@@ -14,6 +14,12 @@ import jax.numpy as jnp
 # again for their gradient).
 LOGITS_BUDGET_BYTES = 1 << 30
 
+# Each chunk's log-sum-exp by one variadic (max, sum) reduce, one read of the float32 logits,
+# instead of jax.nn.logsumexp's max pass and sum-exp pass (two reads of 622 MB per chunk at the
+# 30B config's 1,024-token chunks). Off until a GPU profile shows the gain
+# (benchmarks/RESULTS.md, session 27).
+CE_LSE_ONE_PASS = False
+
 
 def auto_ce_chunk(vocab_size: int, batch_per_device: int, seq_len: int, *,
                   budget_bytes: int = LOGITS_BUDGET_BYTES) -> int:
@@ -87,6 +93,26 @@ def _logits(h: jax.Array, head: jax.Array) -> jax.Array:
     return jnp.einsum("bch,hv->bcv", h, head, preferred_element_type=jnp.float32)
 
 
+def _logsumexp(logits: jax.Array) -> jax.Array:
+  """log(sum(exp(logits))) over the last axis; CE_LSE_ONE_PASS picks the form."""
+  if not CE_LSE_ONE_PASS:
+    return jax.nn.logsumexp(logits, axis=-1)
+
+  # Partial results (m, s) stand for s * exp(m). Combining rescales the smaller one's sum to
+  # the larger max; equal maxima (both -inf or both +inf included) keep their sums unscaled,
+  # so (-inf, 0) is the identity, an all -inf row gives -inf and a +inf logit gives +inf.
+  def combine(a, b):
+    (m1, s1), (m2, s2) = a, b
+    m = jnp.maximum(m1, m2)
+    return m, (jnp.where(m1 == m, s1, s1 * jnp.exp(m1 - m)) +
+               jnp.where(m2 == m, s2, s2 * jnp.exp(m2 - m)))
+
+  m, s = jax.lax.reduce((logits, jnp.ones_like(logits)),
+                        (jnp.array(-jnp.inf, logits.dtype), jnp.array(0, logits.dtype)),
+                        combine, (logits.ndim - 1,))
+  return m + jnp.log(s)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _chunked_ce(hidden, head, targets, chunk):
   head_c = head.astype(hidden.dtype)
@@ -95,7 +121,7 @@ def _chunked_ce(hidden, head, targets, chunk):
     h, t = xs
     logits = _logits(h, head_c)
     target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    return total + jnp.sum(jax.nn.logsumexp(logits, axis=-1) - target_logit), None
+    return total + jnp.sum(_logsumexp(logits) - target_logit), None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
                           (_by_chunk(hidden, chunk), _by_chunk(targets, chunk)))
@@ -112,7 +138,7 @@ def _chunked_ce_fwd(hidden, head, targets, chunk):
     total, d_head = carry
     h, t = xs
     logits = _logits(h, head_c)
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse = _logsumexp(logits)
     target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
     one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t[..., None]
     d_logits = ((jnp.exp(logits - lse[..., None]) - one_hot) / targets.size).astype(h.dtype)
