@@ -82,6 +82,7 @@ def breakdown(trace: Trace, hlo: dict[str, HloModuleInfo] | None = None, *,
       optimizer_ms=ms(optimizer), outside_gemm_attention_optimizer_ms=ms(outside),
       outside_gemm_attention_optimizer_share=share(outside), rows=table,
       top_kernels=_top_kernels(per_device, steps, window),
+      top_kernel_kinds=_top_kernels(per_device, steps, window, by_op=False, top=60),
       other_modules_ms_total=other_modules)
 
 
@@ -181,15 +182,21 @@ def _mean_rows(per_device: list[dict], steps: int) -> list[dict]:
   return rows
 
 
-def _top_kernels(per_device: list[dict], steps: int, window_ns: float) -> list[dict]:
+def _top_kernels(per_device: list[dict], steps: int, window_ns: float, *,
+                 by_op: bool = True, top: int = TOP_KERNELS) -> list[dict]:
+  """The kernels that took the most time, per (kernel, HLO op, row label); with by_op=False
+  summed over the HLO ops that launch the same kind of kernel under one label, the kernel's
+  instance number dropped ("loop_convert_fusion_2" -> "loop_convert_fusion"): where a
+  category's time goes when each op is small (norms, RoPE, the router)."""
   merged = collections.defaultdict(lambda: dict(ns=0.0, count=0))
   for t in per_device:
-    for key, k in t["kernels"].items():
+    for (name, op, label), k in t["kernels"].items():
+      key = (name, op, label) if by_op else (re.sub(r"[._]\d+$", "", name), "*", label)
       merged[key]["ns"] += k["ns"]
       merged[key]["count"] += k["count"]
   n = len(per_device)
-  top = sorted(merged.items(), key=lambda item: -item[1]["ns"])[:TOP_KERNELS]
+  best = sorted(merged.items(), key=lambda item: -item[1]["ns"])[:top]
   return [dict(kernel=name[:120], hlo_op=op, label=label, ms=k["ns"] / n / steps / 1e6,
                share=k["ns"] / n / steps / window_ns if window_ns else 0.0,
                per_step=round(k["count"] / n / steps, 1))
-          for (name, op, label), k in top]
+          for (name, op, label), k in best]

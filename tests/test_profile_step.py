@@ -193,6 +193,12 @@ def test_gpu_trace_streams_annotations_idle_and_overlap(tmp_path, monkeypatch):
   assert rows["overlap (concurrent streams, counted twice above)"]["ms"] == pytest.approx(-0.002)
   assert p["step_ms"] == pytest.approx(0.0085)
   assert sum(r["ms"] for r in p["rows"]) == pytest.approx(p["step_ms"])
+  # Kernel kinds: instance numbers dropped, summed over HLO ops; the same total time.
+  kinds = {(k["kernel"], k["label"]) for k in p["top_kernel_kinds"]}
+  assert ("loop_fusion", "attention (softmax(QK)V: cuDNN flash / XLA)") in kinds
+  assert all(k["hlo_op"] == "*" for k in p["top_kernel_kinds"])
+  assert sum(k["ms"] for k in p["top_kernel_kinds"]) == pytest.approx(
+      sum(k["ms"] for k in p["top_kernels"]))
 
 
 HLO_TEXT = """HloModule jit_train_step, is_scheduled=true
