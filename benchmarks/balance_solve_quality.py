@@ -25,11 +25,9 @@ from jax_megamoe import router  # noqa: E402
 
 EXPERTS, TOP_K = 128, 8
 VARIANTS = {
-    "default": {},
-    "exp": dict(sinkhorn="exp"),
-    "exp, candidates 16": dict(sinkhorn="exp", candidates=16),
-    "exp, candidates 24": dict(sinkhorn="exp", candidates=24),
-    "exp, candidates 32": dict(sinkhorn="exp", candidates=32),
+    "default (exp)": {},
+    "log": dict(sinkhorn="log"),
+    "10 Sinkhorn iterations": dict(sinkhorn_iterations=10),
 }
 
 

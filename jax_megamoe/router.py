@@ -53,8 +53,8 @@ ROUTER_CHOICE_NAME = "megamoe_router_choice"
 #   call, drawn from key 0, so a step is reproducible) is noisy top-k gating (Shazeer et al.,
 #   2017): tokens that look alike to the router, such as a frequent byte at the first layer,
 #   would otherwise all choose the same experts, and no per-expert offset can split them.
-# - The offsets, in two stages: Sinkhorn's alternating normalisation (in the log domain, at
-#   BALANCE_TEMPERATURE) evens out the experts' soft shares; then steps on the hard top-k loads
+# - The offsets, in two stages: Sinkhorn's alternating normalisation (at BALANCE_TEMPERATURE,
+#   in BALANCE_SINKHORN's form) evens out the experts' soft shares; then steps on the hard top-k loads
 #   (offset -= step * log(load / mean load), the step shrinking geometrically from the first to
 #   the last value; the best offsets seen are kept) close the gap between soft and hard shares.
 # Chosen on synthetic logits shaped like a collapsing router's (a shared profile, a rank-1 or
@@ -68,14 +68,14 @@ BALANCE_TEMPERATURE = 0.1
 BALANCE_SINKHORN_ITERATIONS = 20
 BALANCE_LOAD_STEPS = 16
 BALANCE_LOAD_STEP_SIZE = (0.1, 0.01)  # the first and the last step
-# How the offsets are computed (router._balancing_offsets' keywords): the Sinkhorn stage in the
-# "log" domain (log-sum-exps: two reductions per direction) or the "exp" domain (one), and the
-# load steps' k-th largest over every expert (0: k row maxima) or over each row's few largest
-# candidates (3 reductions a step). The solve is ~280 small kernels, ~0.55 ms per layer on the
-# H200 at 16,384 x 128; the cheaper variants balance as well on CPU (session 26,
-# ROUTING_COLLAPSE_NOTES) but are not yet timed on a GPU (benchmarks/bench_route.py).
-BALANCE_SINKHORN = "log"
-BALANCE_CANDIDATES = 0
+# The Sinkhorn stage's form (router._balancing_offsets' `sinkhorn`): "exp" iterates on the
+# kernel exp(z / temperature) with one reduction per direction; "log" with log-sum-exps (two).
+# The same offsets. The solve is launch-bound (~280 small kernels per layer): on an H100 at
+# 16,384 x 128, route with balance took 0.730 ms queued with "log", 0.598 with "exp", the
+# choice differing in 1e-4 of the tokens (benchmarks/bench_route.py; RESULTS.md, session 27).
+# Counting the load steps' k-th largest among each row's 16 or 24 candidates instead of over
+# every expert was slower there (0.651, 0.663) and was dropped.
+BALANCE_SINKHORN = "exp"
 
 
 def _kth_largest(x: jax.Array, k: int) -> jax.Array:
@@ -139,37 +139,17 @@ def _loads_from_kth(z: jax.Array, b: jax.Array, top_k: int) -> jax.Array:
   return jnp.sum((chooser >= _kth_largest(chooser, top_k)).astype(jnp.float32), axis=0)
 
 
-def _loads_from_candidates(z: jax.Array, b: jax.Array, cand_z: jax.Array, cand_ids: jax.Array,
-                           top_k: int) -> jax.Array:
-  """[E] rows per expert whose threshold it reaches, as _loads_from_kth, the threshold being the
-  k-th largest value of z + b among each row's candidates (cand_z [T, C], the values of z at
-  cand_ids [T, C]): the smallest candidate that fewer than k candidates exceed (ties need no
-  order for the value). Three reductions whatever k, where k row maxima take k + 1 (and those
-  remove values tied with a row's maximum together: under exact ties the two counts differ).
-  Exact while a row's top k stay among its candidates. The compare runs over every expert, so
-  one that rises into a row's top k from outside its candidates is counted, as is the
-  candidate it displaced (that row counts k + 1); counting among the candidates alone missed
-  those experts, and the steps then pushed them far beyond their share."""
-  v = cand_z + b[cand_ids]
-  exceeded_by = jnp.sum(v[:, :, None] > v[:, None, :], axis=1, dtype=jnp.int32)  # [T, C]
-  kth = jnp.min(jnp.where(exceeded_by < top_k, v, jnp.inf), axis=1, keepdims=True)
-  return jnp.sum((z + b >= kth).astype(jnp.float32), axis=0)
-
-
 def _balancing_offsets(z: jax.Array, top_k: int, *, sinkhorn: str | None = None,
-                       sinkhorn_iterations: int | None = None, candidates: int | None = None,
+                       sinkhorn_iterations: int | None = None,
                        unroll: bool | int = 1) -> jax.Array:
   """Per-expert offsets b [E] under which the top k of the rows of z + b (z [T, E], T >= 1:
   the standardised, perturbed logits) load the experts about evenly over these tokens.
 
   The keywords (defaults: the BALANCE_* constants) choose how it is computed, for
-  benchmarks/bench_route.py: sinkhorn "log" or "exp" (_sinkhorn_log / _sinkhorn_exp), its
-  iterations, the load steps' candidates per row (0: every expert; else each row's C largest
-  of z + b after the Sinkhorn stage, found once, C at least 2 k: _loads_from_candidates), and
-  the loops' unrolling (lax.fori_loop's)."""
+  benchmarks/bench_route.py: sinkhorn "exp" or "log" (_sinkhorn_exp / _sinkhorn_log), its
+  iterations, and the loops' unrolling (lax.fori_loop's)."""
   sinkhorn = BALANCE_SINKHORN if sinkhorn is None else sinkhorn
   iterations = BALANCE_SINKHORN_ITERATIONS if sinkhorn_iterations is None else sinkhorn_iterations
-  candidates = BALANCE_CANDIDATES if candidates is None else candidates
   num_tokens, num_experts = z.shape
   solve = {"log": _sinkhorn_log, "exp": _sinkhorn_exp}[sinkhorn]
   b = BALANCE_TEMPERATURE * solve(z / BALANCE_TEMPERATURE, top_k, iterations, unroll)
@@ -177,17 +157,9 @@ def _balancing_offsets(z: jax.Array, top_k: int, *, sinkhorn: str | None = None,
   first, last = BALANCE_LOAD_STEP_SIZE
   decay = (last / first) ** (1.0 / max(BALANCE_LOAD_STEPS - 1, 1))
 
-  candidates = max(candidates, 2 * top_k) if candidates else num_experts
-  if candidates < num_experts:
-    _, cand_ids = jax.lax.top_k(z + b, candidates)
-    cand_z = jnp.take_along_axis(z, cand_ids, axis=1)  # so that cand_z + b[ids] is z + b there
-    loads = lambda b: _loads_from_candidates(z, b, cand_z, cand_ids, top_k)  # noqa: E731
-  else:
-    loads = lambda b: _loads_from_kth(z, b, top_k)  # noqa: E731
-
   def load_step(i, carry):
     b, best_b, best = carry
-    load = loads(b) / mean_load
+    load = _loads_from_kth(z, b, top_k) / mean_load
     peak = jnp.max(load)
     better = peak < best
     best_b, best = jnp.where(better, b, best_b), jnp.minimum(peak, best)

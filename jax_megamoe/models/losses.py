@@ -16,9 +16,9 @@ LOGITS_BUDGET_BYTES = 1 << 30
 
 # Each chunk's log-sum-exp by one variadic (max, sum) reduce, one read of the float32 logits,
 # instead of jax.nn.logsumexp's max pass and sum-exp pass (two reads of 622 MB per chunk at the
-# 30B config's 1,024-token chunks). Off until a GPU profile shows the gain
-# (benchmarks/RESULTS.md, session 27).
-CE_LSE_ONE_PASS = False
+# 30B config's 1,024-token chunks). On an H100 the chunk's log-sum-exp and d_logits took 0.603
+# ms queued against 0.767 (benchmarks/RESULTS.md, session 27; ~2.6 ms of a 16-chunk step).
+CE_LSE_ONE_PASS = True
 
 
 def auto_ce_chunk(vocab_size: int, batch_per_device: int, seq_len: int, *,
