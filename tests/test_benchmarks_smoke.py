@@ -326,16 +326,29 @@ def test_fused_phases_layer_call_under_the_bench_mesh():
 
 
 def test_bench_route_times_every_norm_and_compares_balance_variants(capsys):
-  """bench_route (CPU here): a line per selection norm, and a line per variant of balance's solve
-  (32 experts, so that the candidate variants take fewer than all), each compared with the
-  default's choice."""
+  """bench_route (CPU here): a line per selection norm, and a line per variant of balance's solve,
+  each compared with the default's choice."""
   from benchmarks import bench_route
   from jax_megamoe.router import SELECTION_NORMS
   bench_route.main(["--tokens", "64", "--experts", "32", "--top-k", "2", "--reps", "1"])
   out = capsys.readouterr().out
   for norm in SELECTION_NORMS[:-1]:
     assert f"\n{norm} " in out
-  assert out.count("same choice") + out.count("choice differs") == 6, out
+  assert out.count("same choice") + out.count("choice differs") == 3, out
+
+
+def test_ce_logsumexp_passes_times_both_forms(capsys):
+  """ce_logsumexp_passes at a 1,000-token vocabulary: a line per form of the log-sum-exp, each
+  against jax.nn.logsumexp; the module's switch is left as it was."""
+  from benchmarks import ce_logsumexp_passes
+  from jax_megamoe.models import losses
+  before = losses.CE_LSE_ONE_PASS
+  ce_logsumexp_passes.main(["--vocab", "1000", "--reps", "1"])
+  out = capsys.readouterr().out
+  assert losses.CE_LSE_ONE_PASS == before
+  diffs = [float(d) for d in re.findall(r"max \|diff\| (\S+)", out)]
+  assert "two passes" in out and "one pass" in out and len(diffs) == 2, out
+  assert max(diffs) < 1e-5, out
 
 
 def test_balance_solve_quality_compares_every_variant_on_every_router(capsys):
