@@ -54,9 +54,10 @@ ROUTER_CHOICE_NAME = "megamoe_router_choice"
 #   2017): tokens that look alike to the router, such as a frequent byte at the first layer,
 #   would otherwise all choose the same experts, and no per-expert offset can split them.
 # - The offsets, in two stages: Sinkhorn's alternating normalisation (at BALANCE_TEMPERATURE,
-#   in BALANCE_SINKHORN's form) evens out the experts' soft shares; then steps on the hard top-k loads
-#   (offset -= step * log(load / mean load), the step shrinking geometrically from the first to
-#   the last value; the best offsets seen are kept) close the gap between soft and hard shares.
+#   in BALANCE_SINKHORN's form) evens out the experts' soft shares; then steps on the hard
+#   top-k loads (offset -= step * log(load / mean load), the step shrinking geometrically from
+#   the first to the last value; the best offsets seen are kept) close the gap between soft
+#   and hard shares.
 # Chosen on synthetic logits shaped like a collapsing router's (a shared profile, a rank-1 or
 # rank-2 spread, Zipf-distributed token identities) and on the CPU proxy of the collapse
 # (benchmarks/ROUTING_COLLAPSE_NOTES.md, session 24). On the synthetic logits Sinkhorn alone left
