@@ -113,6 +113,14 @@ def _logsumexp(logits: jax.Array) -> jax.Array:
   return m + jnp.log(s)
 
 
+def _d_logits(logits: jax.Array, lse: jax.Array, targets: jax.Array, count: int,
+              dtype) -> jax.Array:
+  """The mean loss's gradient with respect to a chunk's logits [B, c, V] (the mean over
+  `count` positions), rounded to `dtype`: (softmax - one_hot(targets)) / count."""
+  one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets[..., None]
+  return ((jnp.exp(logits - lse[..., None]) - one_hot) / count).astype(dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _chunked_ce(hidden, head, targets, chunk):
   head_c = head.astype(hidden.dtype)
@@ -140,8 +148,7 @@ def _chunked_ce_fwd(hidden, head, targets, chunk):
     logits = _logits(h, head_c)
     lse = _logsumexp(logits)
     target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == t[..., None]
-    d_logits = ((jnp.exp(logits - lse[..., None]) - one_hot) / targets.size).astype(h.dtype)
+    d_logits = _d_logits(logits, lse, t, targets.size, h.dtype)
     with jax.named_scope("lm_head"):
       d_h = jnp.einsum("bcv,hv->bch", d_logits, head_c, preferred_element_type=jnp.float32)
       d_head = d_head + jnp.einsum("bch,bcv->hv", h, d_logits,
