@@ -136,6 +136,7 @@ def bench_backend(args, backend, num_gpus, deadline) -> dict:
   import jax  # noqa: PLC0415
   from benchmarks import train_step  # noqa: PLC0415
   from jax_megamoe import _ffi, backends  # noqa: PLC0415
+  from jax_megamoe.models import losses  # noqa: PLC0415
 
   record = {"backend": backend, "config": args.config, "layers": args.layers or "all"}
   if deadline.expired:
@@ -150,7 +151,8 @@ def bench_backend(args, backend, num_gpus, deadline) -> dict:
     setup = train_step.build(step_options(args, backend))
     for note in setup.notes:
       log(f"[{backend}] {note}")
-    record.update(attention=setup.args.attention, ce_chunk=setup.args.ce_chunk)
+    record.update(attention=setup.args.attention, ce_chunk=setup.args.ce_chunk,
+                  ce_kernel=losses.CE_KERNEL)
     last = {}
 
     def run():

@@ -1,8 +1,10 @@
 """The LM head's per-chunk log-sum-exp on the default device, in both forms of
 models.losses._logsumexp (CE_LSE_ONE_PASS): jax.nn.logsumexp (a max pass, then a sum-exp pass
 over the float32 logits) and one variadic (max, sum) reduce. Alone, and with the d_logits pass
-that follows it in losses._chunked_ce_fwd. At the 30B example's chunk: [4, 256, 151936] float32
-logits (622 MB).
+that follows it in losses._chunked_ce_fwd. Then the chunk's loss and d_logits as the training
+step makes them (losses._loss_and_d_logits): by the JAX definition, and by the kernel
+(CE_KERNEL: one read of the logits) where it runs. At the 30B example's chunk: [4, 256, 151936]
+float32 logits (622 MB).
 
   python3 benchmarks/ce_logsumexp_passes.py [--vocab 151936] [--reps 20]
 """
@@ -48,6 +50,36 @@ def main(argv=None):
             f"max |diff| {err:.2e}")
   finally:
     losses.CE_LSE_ONE_PASS = saved
+  _loss_and_d_logits_rows(x, t, args.reps)
+
+
+def _loss_and_d_logits_rows(x, t, reps):
+  """The chunk's loss + d_logits, JAX definition against the kernel (a line each; the kernel's
+  says "not run" where it does not run), whatever CE_KERNEL's default."""
+  def with_kernel(kernel, f, *args):
+    saved = losses.CE_KERNEL
+    losses.CE_KERNEL = kernel
+    try:
+      return f(*args)
+    finally:
+      losses.CE_KERNEL = saved
+
+  def path(kernel):  # CE_KERNEL is read while jit traces
+    return jax.jit(lambda x, t: with_kernel(
+        kernel, losses._loss_and_d_logits, x, t, 16384, jnp.bfloat16, None))
+
+  runs = with_kernel(True, losses._kernel_platforms, jnp.bfloat16, None)
+  loss, d = path(False)(x, t)
+  for name, f in (("jax", path(False)), ("kernel", path(True) if runs else None)):
+    if f is None:
+      print(f"{name:10s} loss + d_logits not run (no kernel for {jax.devices()[0].platform} "
+            f"with {jax.device_count()} devices)")
+      continue
+    got_loss, got_d = f(x, t)
+    err = float(jnp.abs(got_d.astype(jnp.float32) - d.astype(jnp.float32)).max())
+    a, q = timing.alone_and_queued_ms(lambda f=f: f(x, t), jax.block_until_ready, reps)
+    print(f"{name:10s} loss + d_logits {a:.3f} {q:.3f}   loss {float(got_loss):.6e} "
+          f"(jax {float(loss):.6e})   max |d diff| {err:.2e}")
 
 
 if __name__ == "__main__":

@@ -212,7 +212,7 @@ def main(argv=None):
     m = nnx.merge(graphdef, params)
     hidden, aux = m(inputs, return_aux=True, return_hidden=True)
     ce = chunked_cross_entropy(hidden, m.head(), targets,
-                               chunk=args.ce_chunk or targets.shape[1])
+                               chunk=args.ce_chunk or targets.shape[1], mesh=m.mesh)
     return ce, jnp.mean(aux.load_balancing_loss), jnp.mean(aux.z_loss), aux
 
   def loss_fn(params, inputs, targets):
@@ -326,7 +326,8 @@ def main(argv=None):
         m = nnx.merge(g_eval, p)
         hidden, aux = m(inputs, return_aux=True, return_hidden=True)
         return chunked_cross_entropy(hidden, m.head(), targets,
-                                     chunk=args.ce_chunk or targets.shape[1]), aux.expert_load
+                                     chunk=args.ce_chunk or targets.shape[1],
+                                     mesh=m.mesh), aux.expert_load
 
       ces, imbalances = [], []
       for b in range(1, args.eval_batches + 1):

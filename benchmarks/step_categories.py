@@ -54,6 +54,8 @@ _MOE_KERNEL_KINDS = (
     (r"Zero(PaddingRows|EmptyGroups)Kernel", "zero fill"),
 )
 _OUR_KERNEL = re.compile("|".join(pattern for pattern, _ in _MOE_KERNEL_KINDS))
+# Our custom calls outside the MoE layer, and the category of their work.
+_NON_MOE_TARGETS = {"megamoe_cross_entropy_grad": "lm_head"}
 # Inside one of our custom calls, a CUTLASS kernel is a grouped GEMM.
 _CUTLASS = re.compile(r"cutlass|GemmUniversal|device_kernel")
 _NCCL = re.compile(r"nccl|AllReduce|AllGather|ReduceScatter|SendRecv|AllToAll", re.IGNORECASE)
@@ -166,6 +168,8 @@ def place(kernel: str, op: HloOp | None, scope: str | None = None) -> Placement:
   target = op.target if op is not None else None
   op_names = list(op.op_names) if op is not None and op.op_names else ([scope] if scope else [])
   gemm = op.is_gemm if op is not None else bool(_GEMM_KERNEL.search(kernel))
+  if target in _NON_MOE_TARGETS:
+    return Placement(_NON_MOE_TARGETS[target])
   ours = bool(_OUR_KERNEL.search(kernel)) or bool(target and target.startswith("megamoe_"))
 
   if not ours and ((op is not None and op.is_collective) or (op is None and _NCCL.search(kernel))):

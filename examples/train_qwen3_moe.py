@@ -386,7 +386,7 @@ def make_train_step(graphdef, tx, aux_coef: float, z_coef: float, ce_chunk: int)
     hidden, aux = model(inputs, return_aux=True, return_hidden=True)
     # ce_chunk 0 (full logits) is one chunk: the same loss, and its backward's GEMMs in bf16.
     ce = chunked_cross_entropy(hidden, model.head(), targets,
-                               chunk=ce_chunk or targets.shape[1])
+                               chunk=ce_chunk or targets.shape[1], mesh=model.mesh)
     with jax.named_scope("aux_losses"):
       layers = max(1, aux.z_loss.shape[0])  # mean over MoE layers (none: zero, not NaN)
       balance, z = jnp.sum(aux.load_balancing_loss) / layers, jnp.sum(aux.z_loss) / layers

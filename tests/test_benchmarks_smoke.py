@@ -339,7 +339,8 @@ def test_bench_route_times_every_norm_and_compares_balance_variants(capsys):
 
 def test_ce_logsumexp_passes_times_both_forms(capsys):
   """ce_logsumexp_passes at a 1,000-token vocabulary: a line per form of the log-sum-exp, each
-  against jax.nn.logsumexp; the module's switch is left as it was."""
+  against jax.nn.logsumexp, and the loss + d_logits lines; the module's switch is left as it
+  was."""
   from benchmarks import ce_logsumexp_passes
   from jax_megamoe.models import losses
   before = losses.CE_LSE_ONE_PASS
@@ -349,6 +350,9 @@ def test_ce_logsumexp_passes_times_both_forms(capsys):
   diffs = [float(d) for d in re.findall(r"max \|diff\| (\S+)", out)]
   assert "two passes" in out and "one pass" in out and len(diffs) == 2, out
   assert max(diffs) < 1e-5, out
+  # The chunk's loss + d_logits: the JAX definition timed; the kernel where it runs.
+  assert re.search(r"jax +loss \+ d_logits [\d.]+ [\d.]+ ", out), out
+  assert re.search(r"kernel +loss \+ d_logits ([\d.]+ [\d.]+ |not run)", out), out
 
 
 def test_balance_solve_quality_compares_every_variant_on_every_router(capsys):

@@ -5,9 +5,14 @@ gradient)."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jax_megamoe import _ffi, parallel
 
 # The float32 logits one device may hold at once before the cross-entropy is chunked: 1 GiB
 # (the 30B config's 151,936-token vocabulary at 16,384 tokens would take 10 GB, and as much
@@ -19,6 +24,19 @@ LOGITS_BUDGET_BYTES = 1 << 30
 # 30B config's 1,024-token chunks). On an H100 the chunk's log-sum-exp and d_logits took 0.603
 # ms queued against 0.767 (benchmarks/RESULTS.md, session 27; ~2.6 ms of a 16-chunk step).
 CE_LSE_ONE_PASS = True
+
+# Each chunk's loss and d_logits by one CUDA kernel (ffi/impls/cross_entropy_grad.cu) that reads
+# the float32 logits once, where XLA's log-sum-exp reduce and d_logits pass read them twice
+# (~9 ms of a 16-chunk 30B step on an H100 outside any GEMM: benchmarks/RESULTS.md, session 28).
+# Taken on GPUs the kernels were built for, for bfloat16 hidden states, on one device or under
+# chunked_cross_entropy's `mesh`; everywhere else the JAX definition (_loss_and_d_logits_jax).
+# Off by default until its GPU tests and step profile have run (written without a GPU, session
+# 29): MEGAMOE_CE_KERNEL=1 turns it on.
+CE_KERNEL = os.environ.get("MEGAMOE_CE_KERNEL", "0") != "0"
+CE_KERNEL_TARGET = "megamoe_cross_entropy_grad"
+# The platforms (jax.lax.platform_dependent's names) whose handler the kernel path calls; tests
+# add "cpu", the handler's CPU twin, to run the path end to end in CI.
+CE_KERNEL_PLATFORMS = ("cuda",)
 
 
 def auto_ce_chunk(vocab_size: int, batch_per_device: int, seq_len: int, *,
@@ -41,7 +59,7 @@ def auto_ce_chunk(vocab_size: int, batch_per_device: int, seq_len: int, *,
 
 
 def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array, *,
-                          chunk: int) -> jax.Array:
+                          chunk: int, mesh: Mesh | None = None) -> jax.Array:
   """Mean next-token cross-entropy, computed `chunk` sequence positions at a time.
 
   Args:
@@ -53,6 +71,9 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
     chunk: positions per chunk; must divide S. Each chunk's logits [B, chunk, V] (float32
       out of a GEMM in hidden's dtype) are made, reduced and dropped, so peak memory is one
       chunk's logits. The batch axis keeps its sharding: chunks run over S.
+    mesh: the mesh whose every axis shards the batch (as Qwen3Moe's `mesh`), or None. Under a
+      mesh the loss's kernel (CE_KERNEL) runs on each device's own rows; with several devices
+      and no mesh it is not used (XLA would gather a custom call's operands onto every device).
 
   Returns:
     Scalar float32, equal to the mean of softmax cross-entropy over all B * S positions.
@@ -72,8 +93,10 @@ def chunked_cross_entropy(hidden: jax.Array, head: jax.Array, targets: jax.Array
     raise ValueError(f"chunk must be a positive int dividing seq={seq}, got {chunk!r}")
   if head.ndim != 2 or head.shape[0] != hidden.shape[-1]:
     raise ValueError(f"head must be [hidden={hidden.shape[-1]}, vocab], got shape {head.shape}")
+  if mesh is not None and batch % mesh.size:
+    raise ValueError(f"the batch ({batch}) must divide over the mesh's {mesh.size} devices")
   with jax.named_scope("cross_entropy"):  # the scans' own work too, for step profiles
-    return _chunked_ce(hidden, head, targets.astype(jnp.int32), chunk)
+    return _chunked_ce(hidden, head, targets.astype(jnp.int32), chunk, mesh)
 
 
 def _by_chunk(a: jax.Array, chunk: int) -> jax.Array:
@@ -117,26 +140,76 @@ def _d_logits(logits: jax.Array, lse: jax.Array, targets: jax.Array, count: int,
               dtype) -> jax.Array:
   """The mean loss's gradient with respect to a chunk's logits [B, c, V] (the mean over
   `count` positions), rounded to `dtype`: (softmax - one_hot(targets)) / count."""
-  one_hot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets[..., None]
+  one_hot = (jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1) ==
+             targets[..., None])
   return ((jnp.exp(logits - lse[..., None]) - one_hot) / count).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_ce(hidden, head, targets, chunk):
+def _loss_and_lse(logits, targets):
+  """A chunk's summed loss (lse - target logit over its positions) and its lse. A target
+  outside [0, V) makes the loss NaN (take_along_axis alone would count a negative one from the
+  end)."""
+  lse = _logsumexp(logits)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  valid = (targets >= 0) & (targets < logits.shape[-1])
+  return jnp.sum(lse - jnp.where(valid, target_logit, jnp.nan)), lse
+
+
+def _loss_and_d_logits_jax(logits, targets, count, dtype):
+  """A chunk's summed loss and d_logits (_d_logits): the kernel's definition."""
+  loss, lse = _loss_and_lse(logits, targets)
+  return loss, _d_logits(logits, lse, targets, count, dtype)
+
+
+def _kernel_platforms(dtype, mesh: Mesh | None) -> tuple[str, ...]:
+  """The platforms on which _loss_and_d_logits calls the kernel (CE_KERNEL); () for none."""
+  if not CE_KERNEL or jnp.dtype(dtype) != jnp.bfloat16:
+    return ()
+  if mesh is None and jax.device_count() > 1:
+    return ()
+  return tuple(p for p in CE_KERNEL_PLATFORMS
+               if (_ffi.cuda_available() if p == "cuda" else _ffi.has_target(CE_KERNEL_TARGET, p)))
+
+
+def _loss_and_d_logits(logits, targets, count, dtype, mesh):
+  """_loss_and_d_logits_jax, by the kernel where _kernel_platforms says (within float32 and
+  bfloat16 rounding of it: its exp is the SFU's)."""
+  platforms = _kernel_platforms(dtype, mesh)
+  if not platforms:
+    return _loss_and_d_logits_jax(logits, targets, count, dtype)
+
+  def rows(logits, targets):  # [N, V], [N] -> d_logits [N, V], row_loss [N]
+    out = (jax.ShapeDtypeStruct(logits.shape, jnp.bfloat16),
+           jax.ShapeDtypeStruct(targets.shape, jnp.float32))
+    return jax.ffi.ffi_call(CE_KERNEL_TARGET, out)(logits, targets, count=np.int64(count))
+
+  def kernel(logits, targets):
+    args = (logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    d_logits, row_loss = (rows(*args) if mesh is None
+                          else parallel.shard_over_tokens(rows, mesh, args, 2, check_vma=False))
+    return jnp.sum(row_loss), d_logits.reshape(logits.shape)
+
+  def definition(logits, targets):
+    return _loss_and_d_logits_jax(logits, targets, count, dtype)
+
+  return jax.lax.platform_dependent(logits, targets, default=definition,
+                                    **{p: kernel for p in platforms})
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_ce(hidden, head, targets, chunk, mesh):
   head_c = head.astype(hidden.dtype)
 
   def body(total, xs):
     h, t = xs
-    logits = _logits(h, head_c)
-    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    return total + jnp.sum(_logsumexp(logits) - target_logit), None
+    return total + _loss_and_lse(_logits(h, head_c), t)[0], None
 
   total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
                           (_by_chunk(hidden, chunk), _by_chunk(targets, chunk)))
   return total / targets.size
 
 
-def _chunked_ce_fwd(hidden, head, targets, chunk):
+def _chunked_ce_fwd(hidden, head, targets, chunk, mesh):
   """The loss and, in the same pass over each chunk's logits, its gradients (the loss is a
   scalar, so they are known up to the cotangent's factor): the backward does not make the
   logits again (3 GEMMs per chunk, not 4)."""
@@ -145,15 +218,12 @@ def _chunked_ce_fwd(hidden, head, targets, chunk):
   def body(carry, xs):
     total, d_head = carry
     h, t = xs
-    logits = _logits(h, head_c)
-    lse = _logsumexp(logits)
-    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    d_logits = _d_logits(logits, lse, t, targets.size, h.dtype)
+    loss, d_logits = _loss_and_d_logits(_logits(h, head_c), t, targets.size, h.dtype, mesh)
     with jax.named_scope("lm_head"):
       d_h = jnp.einsum("bcv,hv->bch", d_logits, head_c, preferred_element_type=jnp.float32)
       d_head = d_head + jnp.einsum("bch,bcv->hv", h, d_logits,
                                    preferred_element_type=jnp.float32)
-    return (total + jnp.sum(lse - target_logit), d_head), d_h.astype(h.dtype)
+    return (total + loss, d_head), d_h.astype(h.dtype)
 
   (total, d_head), d_hidden = jax.lax.scan(
       body, (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32)),
@@ -161,8 +231,8 @@ def _chunked_ce_fwd(hidden, head, targets, chunk):
   return total / targets.size, (_from_chunks(d_hidden), d_head.astype(head.dtype))
 
 
-def _chunked_ce_bwd(chunk, res, g):
-  del chunk
+def _chunked_ce_bwd(chunk, mesh, res, g):
+  del chunk, mesh
   d_hidden, d_head = res
   return (g * d_hidden).astype(d_hidden.dtype), (g * d_head).astype(d_head.dtype), None
 

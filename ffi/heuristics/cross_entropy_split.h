@@ -1,0 +1,35 @@
+// How CrossEntropyGrad (ffi/impls/cross_entropy_grad.cu) splits a row of logits: a cluster of
+// CTAs per row, each holding a segment of it in shared memory, so that the row is read from
+// memory once (the log-sum-exp needs all of it before the first d_logits element). Segments
+// up to kSegmentBytes let two CTAs share an SM (one loads while the other computes and
+// stores); a longer row takes segments up to kSoloSegmentBytes, one CTA per SM; past that the
+// CTAs read their segment from memory twice (no vocabulary is too large).
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe::heuristics {
+
+struct CrossEntropySplit {
+  int cluster;      // CTAs per row (a thread-block cluster: 1..kMaxCluster)
+  int64_t segment;  // logits per CTA, a multiple of 4 (16-byte aligned when vocab % 4 == 0)
+  bool cached;      // segment held in shared memory (else read twice)
+};
+
+inline constexpr int kCrossEntropyMaxCluster = 8;  // the portable cluster size
+inline constexpr int64_t kSegmentBytes = 96 * 1024;
+inline constexpr int64_t kSoloSegmentBytes = 200 * 1024;
+
+inline CrossEntropySplit SplitCrossEntropyRow(int64_t vocab) {
+  for (const int64_t budget : {kSegmentBytes, kSoloSegmentBytes}) {
+    const int64_t cluster = (vocab * 4 + budget - 1) / budget;
+    if (cluster <= kCrossEntropyMaxCluster) {
+      const int64_t per_cta = (vocab + cluster - 1) / cluster;
+      return {int(cluster), (per_cta + 3) / 4 * 4, true};
+    }
+  }
+  const int64_t per_cta = (vocab + kCrossEntropyMaxCluster - 1) / kCrossEntropyMaxCluster;
+  return {kCrossEntropyMaxCluster, (per_cta + 3) / 4 * 4, false};
+}
+
+}  // namespace megamoe::heuristics

@@ -1,0 +1,214 @@
+// The LM head's cross-entropy and its gradient in one read of the logits: see
+// cross_entropy_grad.h. A cluster of CTAs per row (heuristics/cross_entropy_split.h); each CTA
+// copies its segment of the row into shared memory, reduces it to (max, sum of exp), the
+// cluster's CTAs combine their partials through distributed shared memory in rank order (every
+// CTA the same way: the same lse bits, run to run too), and each CTA writes its segment's
+// d_logits from shared memory.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_pipeline.h>
+
+#include <cmath>
+
+#include "ffi/common/launch_error.h"
+#include "ffi/heuristics/cross_entropy_split.h"
+#include "ffi/impls/cross_entropy_grad.h"
+
+namespace megamoe::xent {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// exp(x) by the SFU's ex2 (relative error ~2^-21 on the ranges used here: x <= 0 up to
+// rounding, results rounded to bf16 or summed in float32).
+__device__ __forceinline__ float FastExp(float x) { return exp2f(x * kLog2e); }
+
+// The block's reduction of one float per thread; every thread gets the result. `scratch`
+// holds kWarps floats; the block's threads all call it.
+template <class Op>
+__device__ float BlockReduce(float v, float* scratch, Op op) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch free (a previous reduction's readers are done)
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int w = 1; w < kWarps; ++w) v = op(v, scratch[w]);  // fixed order: the same everywhere
+  return v;
+}
+
+// A segment's logits, from shared memory (kCached) or memory; kVec elements per access.
+template <bool kCached, int kVec>
+struct Segment {
+  const float* src;  // the segment in memory
+  const float* smem;  // its copy (kCached)
+  int64_t n;         // its length, a multiple of kVec
+
+  __device__ void Load(float (&x)[kVec], int64_t i) const {
+    const float* p = kCached ? smem + i : src + i;
+    if constexpr (kVec == 4) {
+      const float4 v = kCached ? *reinterpret_cast<const float4*>(p)
+                               : __ldg(reinterpret_cast<const float4*>(p));
+      x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else {
+      x[0] = kCached ? *p : __ldg(p);
+    }
+  }
+};
+
+template <int kVec>
+__device__ void StoreBf16(__nv_bfloat16* dst, const float (&d)[kVec]) {
+  if constexpr (kVec == 4) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(d[0], d[1]), hi = __floats2bfloat162_rn(d[2], d[3]);
+    uint2 packed;
+    packed.x = *reinterpret_cast<uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(dst) = packed;
+  } else {
+    dst[0] = __float2bfloat16_rn(d[0]);
+  }
+}
+
+struct Partial {
+  float max, sum;  // the segment's sum of exp(x - max), maxima counted as 1
+};
+
+template <bool kCached, int kVec>
+__global__ void __launch_bounds__(kThreads, 2)
+    CrossEntropyGradKernel(const float* __restrict__ logits, const int32_t* __restrict__ targets,
+                           int64_t vocab, int64_t segment, float inv_count,
+                           __nv_bfloat16* __restrict__ d_logits, float* __restrict__ row_loss) {
+  extern __shared__ float4 cache4[];
+  __shared__ float scratch[kWarps];
+  __shared__ Partial partial;
+  __shared__ float row_lse;
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank()), ranks = int(cluster.num_blocks());
+  const int64_t row = blockIdx.x / ranks;
+  const int64_t begin = rank * segment;
+  const int64_t n = begin < vocab ? (vocab - begin < segment ? vocab - begin : segment) : 0;
+  const float* src = logits + row * vocab + begin;
+  float* cache = reinterpret_cast<float*>(cache4);
+  const int64_t step = int64_t(kThreads) * kVec;
+
+  if constexpr (kCached) {  // every load in flight at once, then one wait
+    for (int64_t i = threadIdx.x * kVec; i < n; i += step) {
+      __pipeline_memcpy_async(cache + i, src + i, sizeof(float) * kVec);
+    }
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    __syncthreads();
+  }
+  const Segment<kCached, kVec> seg{src, cache, n};
+
+  float m = -INFINITY;
+  for (int64_t i = threadIdx.x * kVec; i < n; i += step) {
+    float x[kVec];
+    seg.Load(x, i);
+    for (int k = 0; k < kVec; ++k) m = fmaxf(m, x[k]);
+  }
+  m = BlockReduce(m, scratch, [](float a, float b) { return fmaxf(a, b); });
+  float s = 0.0f;
+  for (int64_t i = threadIdx.x * kVec; i < n; i += step) {
+    float x[kVec];
+    seg.Load(x, i);
+    for (int k = 0; k < kVec; ++k) s += x[k] == m ? 1.0f : FastExp(x[k] - m);
+  }
+  s = BlockReduce(s, scratch, [](float a, float b) { return a + b; });
+  if (threadIdx.x == 0) partial = {m, s};
+  cluster.sync();  // every CTA's partial written
+
+  if (threadIdx.x == 0) {  // the row's lse from the partials in rank order
+    float row_max = -INFINITY;
+    for (int r = 0; r < ranks; ++r) row_max = fmaxf(row_max, cluster.map_shared_rank(&partial, r)->max);
+    float row_sum = 0.0f;
+    for (int r = 0; r < ranks; ++r) {
+      const Partial p = *cluster.map_shared_rank(&partial, r);
+      row_sum += p.max == row_max ? p.sum : p.sum * FastExp(p.max - row_max);
+    }
+    row_lse = row_max + logf(row_sum);
+  }
+  cluster.sync();  // row_lse written; no CTA reads another's partial past here
+  const float lse = row_lse;
+
+  const int32_t target = targets[row];
+  const int64_t own_target = int64_t(target) - begin;  // in [0, n) in one CTA of the row
+  __nv_bfloat16* dst = d_logits + row * vocab + begin;
+  for (int64_t i = threadIdx.x * kVec; i < n; i += step) {
+    float x[kVec], d[kVec];
+    seg.Load(x, i);
+    for (int k = 0; k < kVec; ++k) {
+      const float one_hot = i + k == own_target ? 1.0f : 0.0f;
+      d[k] = (FastExp(x[k] - lse) - one_hot) * inv_count;
+    }
+    StoreBf16<kVec>(dst + i, d);
+  }
+  if (threadIdx.x == 0) {
+    if (own_target >= 0 && own_target < n) {
+      row_loss[row] = lse - (kCached ? cache[own_target] : src[own_target]);
+    } else if (rank == 0 && (target < 0 || target >= vocab)) {
+      row_loss[row] = NAN;
+    }
+  }
+}
+
+template <bool kCached, int kVec>
+std::string Launch(const float* logits, const int32_t* targets, int64_t rows, int64_t vocab,
+                   float inv_count, const heuristics::CrossEntropySplit& split, void* d_logits,
+                   float* row_loss, cudaStream_t stream) {
+  auto kernel = CrossEntropyGradKernel<kCached, kVec>;
+  const size_t smem = kCached ? size_t(split.segment) * sizeof(float) : 0;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(smem));
+      e != cudaSuccess) {
+    return std::string("CrossEntropyGrad: shared memory attribute: ") + cudaGetErrorString(e);
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(rows * split.cluster));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(split.cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  if (cudaError_t e = cudaLaunchKernelEx(&config, kernel, logits, targets, vocab, split.segment,
+                                         inv_count, static_cast<__nv_bfloat16*>(d_logits), row_loss);
+      e != cudaSuccess) {
+    return std::string("CrossEntropyGrad launch: ") + cudaGetErrorString(e);
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string CrossEntropyGrad(const float* logits, const int32_t* targets, int64_t rows,
+                             int64_t vocab, int64_t count, void* d_logits, float* row_loss,
+                             cudaStream_t stream) {
+  if (rows == 0) return "";
+  const heuristics::CrossEntropySplit split = heuristics::SplitCrossEntropyRow(vocab);
+  if (rows > int64_t(INT32_MAX) / split.cluster) {
+    return "CrossEntropyGrad: " + std::to_string(rows) + " rows exceed the grid";
+  }
+  // The JAX definition divides by `count`; a reciprocal differs by at most an ulp before the
+  // bf16 rounding (none for a power of two, such as the example's 16,384 tokens).
+  const float c = 1.0f / float(count);
+  // 16-byte accesses need every row (and segment) to start 16-byte aligned.
+  const bool vec = vocab % 4 == 0;
+  if (split.cached) {
+    return vec ? Launch<true, 4>(logits, targets, rows, vocab, c, split, d_logits, row_loss, stream)
+               : Launch<true, 1>(logits, targets, rows, vocab, c, split, d_logits, row_loss, stream);
+  }
+  return vec ? Launch<false, 4>(logits, targets, rows, vocab, c, split, d_logits, row_loss, stream)
+             : Launch<false, 1>(logits, targets, rows, vocab, c, split, d_logits, row_loss, stream);
+}
+
+}  // namespace megamoe::xent
