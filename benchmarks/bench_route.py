@@ -3,7 +3,8 @@
 (benchmarks/timing.py). For "balance" also the variants of its offset solve that
 router._balancing_offsets takes as keywords (the Sinkhorn stage in the exp or the log domain,
 its iterations, the loops unrolled); each variant's choice and imbalance are compared with the
-default's. (Dropped after measuring: the k-th largest by lax.top_k, 2.4x slower, session 25;
+default's; and the solve by its CUDA kernel (router.BALANCE_KERNEL) where it runs. (Dropped
+after measuring: the k-th largest by lax.top_k, 2.4x slower, session 25;
 the load steps over each row's 16 or 24 largest candidates, slower than over every expert,
 session 27.)
 
@@ -27,15 +28,17 @@ from jax_megamoe import router  # noqa: E402
 
 
 @contextlib.contextmanager
-def balance_solve(**solve):
-  """Inside: route's "balance" solves its offsets with these router._balancing_offsets keywords,
-  in what is traced inside (jit a new function there: jit reuses a function's earlier trace)."""
-  shipped = router._balancing_offsets
+def balance_solve(kernel=False, **solve):
+  """Inside: route's "balance" solves its offsets with these router._balancing_offsets keywords
+  (the JAX loops), or with kernel=True by its kernel (router.BALANCE_KERNEL), in what is traced
+  inside (jit a new function there: jit reuses a function's earlier trace)."""
+  shipped, shipped_kernel = router._balancing_offsets, router.BALANCE_KERNEL
   router._balancing_offsets = functools.partial(shipped, **solve)
+  router.BALANCE_KERNEL = kernel
   try:
     yield
   finally:
-    router._balancing_offsets = shipped
+    router._balancing_offsets, router.BALANCE_KERNEL = shipped, shipped_kernel
 
 
 def main(argv=None):
@@ -54,13 +57,18 @@ def main(argv=None):
     alone, queued = timing.alone_and_queued_ms(lambda: f(logits), jax.block_until_ready,
                                                args.reps)
     print(f"{norm:34s} alone {alone:.3f}  queued {queued:.3f}")
-  variants = [("balance (default)", {}),
+  variants = [("balance (JAX loops)", {}),
               ("balance, loops unrolled", dict(unroll=True)),
               ("balance, Sinkhorn log", dict(sinkhorn="log")),
-              ("balance, 10 Sinkhorn iterations", dict(sinkhorn_iterations=10))]
+              ("balance, 10 Sinkhorn iterations", dict(sinkhorn_iterations=10)),
+              ("balance, kernel", dict(kernel=True))]
   reference = None
   for name, solve in variants:
     with balance_solve(**solve):
+      if solve.get("kernel") and not router._kernel_platforms(args.experts, None):
+        print(f"{name:40s} not run (no kernel for {jax.devices()[0].platform} with "
+              f"{jax.device_count()} devices)")
+        continue
       f = jax.jit(lambda l: router.route(l, k, selection_norm="balance")[1])
       alone, queued = timing.alone_and_queued_ms(lambda: f(logits), jax.block_until_ready,
                                                  args.reps)

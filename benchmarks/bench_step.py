@@ -135,7 +135,7 @@ def peak_memory_gib(devices) -> float | None:
 def bench_backend(args, backend, num_gpus, deadline) -> dict:
   import jax  # noqa: PLC0415
   from benchmarks import train_step  # noqa: PLC0415
-  from jax_megamoe import _ffi, backends  # noqa: PLC0415
+  from jax_megamoe import _ffi, backends, router  # noqa: PLC0415
   from jax_megamoe.models import losses  # noqa: PLC0415
 
   record = {"backend": backend, "config": args.config, "layers": args.layers or "all"}
@@ -152,7 +152,7 @@ def bench_backend(args, backend, num_gpus, deadline) -> dict:
     for note in setup.notes:
       log(f"[{backend}] {note}")
     record.update(attention=setup.args.attention, ce_chunk=setup.args.ce_chunk,
-                  ce_kernel=losses.CE_KERNEL)
+                  ce_kernel=losses.CE_KERNEL, balance_kernel=router.BALANCE_KERNEL)
     last = {}
 
     def run():

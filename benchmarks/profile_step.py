@@ -100,7 +100,7 @@ def run_and_trace(args) -> tuple[dict, pathlib.Path, dict]:
   to back (as a training loop runs them). Returns (meta about the step, trace dir, HLO)."""
   import jax  # noqa: PLC0415
   from benchmarks import train_step  # noqa: PLC0415
-  from jax_megamoe import backends  # noqa: PLC0415
+  from jax_megamoe import backends, router  # noqa: PLC0415
   from jax_megamoe.models import losses  # noqa: PLC0415
 
   recipe = None if args.recipe == "bf16" else args.recipe
@@ -125,7 +125,8 @@ def run_and_trace(args) -> tuple[dict, pathlib.Path, dict]:
   meta = dict(config=args.config, layers=config.num_layers, tokens_per_gpu=args.tokens_per_gpu,
               seq_len=args.seq, backend=backend, recipe=args.recipe, remat=args.remat,
               attention=setup.args.attention, ce_chunk=setup.args.ce_chunk,
-              ce_kernel=losses.CE_KERNEL, compute_copy=setup.args.compute_copy, ep=args.ep or jax.device_count(),
+              ce_kernel=losses.CE_KERNEL, balance_kernel=router.BALANCE_KERNEL,
+              compute_copy=setup.args.compute_copy, ep=args.ep or jax.device_count(),
               data=args.data, imbalance=setup.imbalance(metrics),
               loss=float(metrics["loss"]), warmup_s=round(warm_s, 2))
   return meta, trace_dir, {info.name: info}

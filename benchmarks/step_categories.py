@@ -55,7 +55,7 @@ _MOE_KERNEL_KINDS = (
 )
 _OUR_KERNEL = re.compile("|".join(pattern for pattern, _ in _MOE_KERNEL_KINDS))
 # Our custom calls outside the MoE layer, and the category of their work.
-_NON_MOE_TARGETS = {"megamoe_cross_entropy_grad": "lm_head"}
+_NON_MOE_TARGETS = {"megamoe_cross_entropy_grad": "lm_head", "megamoe_balance_offsets": "router"}
 # Inside one of our custom calls, a CUTLASS kernel is a grouped GEMM.
 _CUTLASS = re.compile(r"cutlass|GemmUniversal|device_kernel")
 _NCCL = re.compile(r"nccl|AllReduce|AllGather|ReduceScatter|SendRecv|AllToAll", re.IGNORECASE)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import numbers
+import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
-from jax_megamoe import parallel
+from jax_megamoe import _ffi, parallel
 
 
 class RouterAux(NamedTuple):
@@ -77,6 +79,17 @@ BALANCE_LOAD_STEP_SIZE = (0.1, 0.01)  # the first and the last step
 # Counting the load steps' k-th largest among each row's 16 or 24 candidates instead of over
 # every expert was slower there (0.651, 0.663) and was dropped.
 BALANCE_SINKHORN = "exp"
+# The solve (its "exp" form) as one cooperative CUDA kernel (ffi/impls/balance_offsets.cu): on
+# GPUs the kernels were built for, up to BALANCE_KERNEL_MAX_EXPERTS experts, on one device or
+# per device under route's `mesh`; elsewhere the JAX loops. Off by default until its GPU tests
+# and bench_route.py have run (rewritten without a GPU in session 29, after session 28's branch
+# was lost): MEGAMOE_BALANCE_KERNEL=1 turns it on.
+BALANCE_KERNEL = os.environ.get("MEGAMOE_BALANCE_KERNEL", "0") != "0"
+BALANCE_KERNEL_TARGET = "megamoe_balance_offsets"
+BALANCE_KERNEL_MAX_EXPERTS = 512  # ffi/layout/balance_problem.h's kBalanceMaxExperts
+# The platforms (jax.lax.platform_dependent's names) whose handler the kernel path calls; tests
+# add "cpu", the handler's CPU twin, to run the path end to end in CI.
+BALANCE_KERNEL_PLATFORMS = ("cuda",)
 
 
 def _kth_largest(x: jax.Array, k: int) -> jax.Array:
@@ -140,6 +153,13 @@ def _loads_from_kth(z: jax.Array, b: jax.Array, top_k: int) -> jax.Array:
   return jnp.sum((chooser >= _kth_largest(chooser, top_k)).astype(jnp.float32), axis=0)
 
 
+def _load_step_sizes() -> tuple[float, float]:
+  """(first, decay): load step i moves the offsets by first * decay**i (BALANCE_LOAD_STEP_SIZE
+  from its first value to its last over BALANCE_LOAD_STEPS steps)."""
+  first, last = BALANCE_LOAD_STEP_SIZE
+  return first, (last / first) ** (1.0 / max(BALANCE_LOAD_STEPS - 1, 1))
+
+
 def _balancing_offsets(z: jax.Array, top_k: int, *, sinkhorn: str | None = None,
                        sinkhorn_iterations: int | None = None,
                        unroll: bool | int = 1) -> jax.Array:
@@ -155,8 +175,7 @@ def _balancing_offsets(z: jax.Array, top_k: int, *, sinkhorn: str | None = None,
   solve = {"log": _sinkhorn_log, "exp": _sinkhorn_exp}[sinkhorn]
   b = BALANCE_TEMPERATURE * solve(z / BALANCE_TEMPERATURE, top_k, iterations, unroll)
   mean_load = num_tokens * top_k / num_experts
-  first, last = BALANCE_LOAD_STEP_SIZE
-  decay = (last / first) ** (1.0 / max(BALANCE_LOAD_STEPS - 1, 1))
+  first, decay = _load_step_sizes()
 
   def load_step(i, carry):
     b, best_b, best = carry
@@ -174,17 +193,55 @@ def _balancing_offsets(z: jax.Array, top_k: int, *, sinkhorn: str | None = None,
   return best_b
 
 
+def _balancing_offsets_kernel(z: jax.Array, top_k: int) -> jax.Array:
+  """_balancing_offsets (its default settings) by the CUDA kernel (or the CPU twin): the same
+  offsets within float32 rounding of its sums' order."""
+  first, decay = _load_step_sizes()
+  num_experts = z.shape[1]
+  out = (jax.ShapeDtypeStruct((num_experts,), jnp.float32),
+         jax.ShapeDtypeStruct((_ffi.scratch_bytes(BALANCE_KERNEL_TARGET, num_experts),),
+                              jnp.uint8))
+  offsets, _ = jax.ffi.ffi_call(BALANCE_KERNEL_TARGET, out)(
+      z, top_k=np.int64(top_k), temperature=np.float32(BALANCE_TEMPERATURE),
+      sinkhorn_iterations=np.int64(BALANCE_SINKHORN_ITERATIONS),
+      load_steps=np.int64(BALANCE_LOAD_STEPS), step_first=np.float32(first),
+      step_decay=np.float32(decay))
+  return offsets
+
+
+def _kernel_platforms(num_experts: int, mesh: Mesh | None) -> tuple[str, ...]:
+  """The platforms on which _solve_offsets calls the kernel (BALANCE_KERNEL); () for none.
+  Without a mesh only on one device: XLA would gather a custom call's operands onto each."""
+  if (not BALANCE_KERNEL or BALANCE_SINKHORN != "exp"
+      or num_experts > BALANCE_KERNEL_MAX_EXPERTS or (mesh is None and jax.device_count() > 1)):
+    return ()
+  return tuple(p for p in BALANCE_KERNEL_PLATFORMS
+               if _ffi.has_target(BALANCE_KERNEL_TARGET, "CUDA" if p == "cuda" else p)
+               and (p != "cuda" or _ffi.cuda_available()))
+
+
+def _solve_offsets(z: jax.Array, top_k: int, mesh: Mesh | None) -> jax.Array:
+  """balance's offsets [E] of z [T, E]: by the kernel where _kernel_platforms says, else (and
+  on other platforms) by the JAX loops of _balancing_offsets."""
+  platforms = _kernel_platforms(z.shape[1], mesh)
+  if not platforms:
+    return _balancing_offsets(z, top_k)
+  return jax.lax.platform_dependent(
+      z, default=lambda z: _balancing_offsets(z, top_k),
+      **{p: lambda z: _balancing_offsets_kernel(z, top_k) for p in platforms})
+
+
 def _offset_chooser(z: jax.Array, top_k: int, mesh: Mesh | None
                     ) -> tuple[jax.Array, jax.Array]:
   """(z + offsets [T, E], offsets [E]): balance's offsets solved over all of z's tokens, or with
   a mesh on each device's own tokens (no collective inside the solve; the [E] result is their
   mean over the devices, for the statistics)."""
   if mesh is None:
-    offset = _balancing_offsets(z, top_k)
+    offset = _solve_offsets(z, top_k, None)
     return z + offset, offset
 
   def per_device(z_local):
-    offset = _balancing_offsets(z_local, top_k)
+    offset = _solve_offsets(z_local, top_k, mesh)
     return z_local + offset, offset[None]
 
   # The solve's loops start from invariant constants and it runs no collective: nothing for

@@ -327,14 +327,18 @@ def test_fused_phases_layer_call_under_the_bench_mesh():
 
 def test_bench_route_times_every_norm_and_compares_balance_variants(capsys):
   """bench_route (CPU here): a line per selection norm, and a line per variant of balance's solve,
-  each compared with the default's choice."""
+  each compared with the default's choice; the kernel's line says it did not run (8 CPU
+  devices, no mesh); the module's kernel switch is left as it was."""
   from benchmarks import bench_route
-  from jax_megamoe.router import SELECTION_NORMS
+  from jax_megamoe import router
+  before = router.BALANCE_KERNEL
   bench_route.main(["--tokens", "64", "--experts", "32", "--top-k", "2", "--reps", "1"])
   out = capsys.readouterr().out
-  for norm in SELECTION_NORMS[:-1]:
+  assert router.BALANCE_KERNEL == before
+  for norm in router.SELECTION_NORMS[:-1]:
     assert f"\n{norm} " in out
   assert out.count("same choice") + out.count("choice differs") == 3, out
+  assert re.search(r"balance, kernel +not run", out), out
 
 
 def test_ce_logsumexp_passes_times_both_forms(capsys):

@@ -166,10 +166,12 @@ def test_mesh_must_divide_the_batch():
 
 # --- on the GPU -----------------------------------------------------------------------------
 
-# Vocabularies for every split (ffi/heuristics/cross_entropy_split.h): Qwen3's (7 CTAs per
-# row, segments in shared memory), small and odd ones (one CTA, 4-byte accesses), one CTA per SM
-# (300,000) and segments read twice (500,000).
-GPU_CASES = [(64, 151936), (7, 1001), (33, 320), (1, 5), (9, 32000), (6, 300000), (6, 500000)]
+# Vocabularies for every split (ffi/heuristics/cross_entropy_split.h): Qwen3's (6 CTAs per
+# row, segments in shared memory), small and odd ones (one CTA, 4-byte accesses), an odd one
+# over a cluster (GPT-2's 50,257), one CTA per SM (300,000), segments read from memory
+# (500,000; and odd, 409,603).
+GPU_CASES = [(64, 151936), (7, 1001), (33, 320), (1, 5), (9, 32000), (5, 50257), (6, 300000),
+             (6, 500000), (2, 409603)]
 
 
 @pytest.mark.gpu
@@ -191,8 +193,24 @@ def test_cuda_kernel_matches_the_definition_bitwise_run_to_run(rows, vocab):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [151936, 50257])
+def test_cuda_kernel_gives_nan_for_a_target_outside_the_vocabulary(vocab):
+  """Rank 0 of a row's cluster writes the NaN; no column gets the one-hot."""
+  logits, _ = _problem(3, vocab, seed=2, special=False)
+  targets = jnp.asarray([-1, vocab, 7], jnp.int32)
+  d, loss = jax.jit(_handler, static_argnums=2)(logits, targets, 3)
+  assert np.isnan(loss[0]) and np.isnan(loss[1]) and np.isfinite(loss[2])
+  np.testing.assert_allclose(np.asarray(d[:2], np.float32),
+                             np.asarray(jax.nn.softmax(logits[:2], axis=-1) / 3, np.float32),
+                             rtol=2 ** -7, atol=1e-30)
+
+
+@pytest.mark.gpu
 def test_cuda_kernel_path_matches_the_jax_path(monkeypatch):
-  """chunked_cross_entropy on one GPU takes the kernel (CE_KERNEL's default platforms): the
-  loss and both gradients as the JAX path's."""
-  monkeypatch.setattr(jax, "device_count", lambda *a: 1)  # only the GPU counts here
-  _compare_paths(monkeypatch, None, losses.CE_KERNEL_PLATFORMS)
+  """chunked_cross_entropy on a GPU takes the kernel (CE_KERNEL's default platforms): the
+  loss and both gradients as the JAX path's; on one device without a mesh, and on a
+  one-device mesh."""
+  if jax.device_count() == 1:
+    _compare_paths(monkeypatch, None, losses.CE_KERNEL_PLATFORMS)
+  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+  _compare_paths(monkeypatch, mesh, losses.CE_KERNEL_PLATFORMS)

@@ -3,10 +3,12 @@
 // memory once (the log-sum-exp needs all of it before the first d_logits element). Segments
 // up to kSegmentBytes let two CTAs share an SM (one loads while the other computes and
 // stores); a longer row takes segments up to kSoloSegmentBytes, one CTA per SM; past that the
-// CTAs read their segment from memory twice (no vocabulary is too large).
+// CTAs read their segment from memory three times (max, sum, d_logits; no vocabulary is too
+// large).
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 namespace megamoe::heuristics {
 
@@ -17,7 +19,8 @@ struct CrossEntropySplit {
 };
 
 inline constexpr int kCrossEntropyMaxCluster = 8;  // the portable cluster size
-inline constexpr int64_t kSegmentBytes = 96 * 1024;
+// Two CTAs of 112 KB and the kernel's static shared memory fit an sm_90 SM (228 KB).
+inline constexpr int64_t kSegmentBytes = 112 * 1024;
 inline constexpr int64_t kSoloSegmentBytes = 200 * 1024;
 
 inline CrossEntropySplit SplitCrossEntropyRow(int64_t vocab) {

@@ -9,8 +9,8 @@
 #include <cuda_pipeline.h>
 
 #include <cmath>
+#include <cstdint>
 
-#include "ffi/common/launch_error.h"
 #include "ffi/heuristics/cross_entropy_split.h"
 #include "ffi/impls/cross_entropy_grad.h"
 
@@ -23,9 +23,12 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// exp(x) by the SFU's ex2 (relative error ~2^-21 on the ranges used here: x <= 0 up to
-// rounding, results rounded to bf16 or summed in float32).
-__device__ __forceinline__ float FastExp(float x) { return exp2f(x * kLog2e); }
+// exp(x - shift) as one FFMA and the SFU's ex2, shift_log2e = shift * log2(e): relative error
+// ~2^-22 plus ~(|x| + |shift|) * 2^-24 from rounding the exponent (~2^-17 at 100): nothing
+// next to the bf16 rounding of d_logits or to the float32 sum of a row.
+__device__ __forceinline__ float ExpShifted(float x, float shift_log2e) {
+  return exp2f(fmaf(x, kLog2e, -shift_log2e));
+}
 
 // The block's reduction of one float per thread; every thread gets the result. `scratch`
 // holds kWarps floats; the block's threads all call it.
@@ -44,11 +47,10 @@ __device__ float BlockReduce(float v, float* scratch, Op op) {
 // A segment's logits, from shared memory (kCached) or memory; kVec elements per access.
 template <bool kCached, int kVec>
 struct Segment {
-  const float* src;  // the segment in memory
+  const float* src;   // the segment in memory
   const float* smem;  // its copy (kCached)
-  int64_t n;         // its length, a multiple of kVec
 
-  __device__ void Load(float (&x)[kVec], int64_t i) const {
+  __device__ void Load(float (&x)[kVec], int i) const {
     const float* p = kCached ? smem + i : src + i;
     if constexpr (kVec == 4) {
       const float4 v = kCached ? *reinterpret_cast<const float4*>(p)
@@ -77,10 +79,25 @@ struct Partial {
   float max, sum;  // the segment's sum of exp(x - max), maxima counted as 1
 };
 
+// The row's lse from the cluster's partials, by warp 0 (lane r reads rank r's): the maximum,
+// then the rescaled sums added in rank order by lane 0. Every CTA of the row computes the same
+// bits. Maxima equal to the row's count unscaled (losses._logsumexp's rule for +-inf).
+__device__ float ClusterLse(cg::cluster_group& cluster, Partial* partial, int ranks) {
+  const int lane = threadIdx.x % 32;
+  Partial p = {-INFINITY, 0.0f};
+  if (lane < ranks) p = *cluster.map_shared_rank(partial, lane);
+  float row_max = p.max;
+  for (int o = 16; o > 0; o >>= 1) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, o));
+  const float term = p.max == row_max ? p.sum : p.sum * ExpShifted(p.max, row_max * kLog2e);
+  float row_sum = 0.0f;
+  for (int r = 0; r < ranks; ++r) row_sum += __shfl_sync(0xffffffffu, term, r);
+  return row_max + logf(row_sum);
+}
+
 template <bool kCached, int kVec>
 __global__ void __launch_bounds__(kThreads, 2)
     CrossEntropyGradKernel(const float* __restrict__ logits, const int32_t* __restrict__ targets,
-                           int64_t vocab, int64_t segment, float inv_count,
+                           int64_t vocab, int segment, float inv_count,
                            __nv_bfloat16* __restrict__ d_logits, float* __restrict__ row_loss) {
   extern __shared__ float4 cache4[];
   __shared__ float scratch[kWarps];
@@ -90,71 +107,77 @@ __global__ void __launch_bounds__(kThreads, 2)
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank()), ranks = int(cluster.num_blocks());
   const int64_t row = blockIdx.x / ranks;
-  const int64_t begin = rank * segment;
-  const int64_t n = begin < vocab ? (vocab - begin < segment ? vocab - begin : segment) : 0;
+  const int64_t begin = int64_t(rank) * segment;
+  // This CTA's length (int: a segment is at most a few hundred thousand logits).
+  const int n = begin < vocab ? int(vocab - begin < segment ? vocab - begin : segment) : 0;
   const float* src = logits + row * vocab + begin;
   float* cache = reinterpret_cast<float*>(cache4);
-  const int64_t step = int64_t(kThreads) * kVec;
+  constexpr int kStep = kThreads * kVec;
 
   if constexpr (kCached) {  // every load in flight at once, then one wait
-    for (int64_t i = threadIdx.x * kVec; i < n; i += step) {
+    for (int i = threadIdx.x * kVec; i < n; i += kStep) {
       __pipeline_memcpy_async(cache + i, src + i, sizeof(float) * kVec);
     }
     __pipeline_commit();
     __pipeline_wait_prior(0);
     __syncthreads();
   }
-  const Segment<kCached, kVec> seg{src, cache, n};
+  const Segment<kCached, kVec> seg{src, cache};
 
   float m = -INFINITY;
-  for (int64_t i = threadIdx.x * kVec; i < n; i += step) {
+  for (int i = threadIdx.x * kVec; i < n; i += kStep) {
     float x[kVec];
     seg.Load(x, i);
+#pragma unroll
     for (int k = 0; k < kVec; ++k) m = fmaxf(m, x[k]);
   }
   m = BlockReduce(m, scratch, [](float a, float b) { return fmaxf(a, b); });
   float s = 0.0f;
-  for (int64_t i = threadIdx.x * kVec; i < n; i += step) {
+  const float m_log2e = m * kLog2e;
+  const bool infinite = isinf(m);  // -inf: all -inf (each counts 1); +inf: the +inf ones do
+  for (int i = threadIdx.x * kVec; i < n; i += kStep) {
     float x[kVec];
     seg.Load(x, i);
-    for (int k = 0; k < kVec; ++k) s += x[k] == m ? 1.0f : FastExp(x[k] - m);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      s += infinite ? (x[k] == m ? 1.0f : (isnan(x[k]) ? x[k] : 0.0f))
+                    : ExpShifted(x[k], m_log2e);
+    }
   }
   s = BlockReduce(s, scratch, [](float a, float b) { return a + b; });
   if (threadIdx.x == 0) partial = {m, s};
   cluster.sync();  // every CTA's partial written
 
-  if (threadIdx.x == 0) {  // the row's lse from the partials in rank order
-    float row_max = -INFINITY;
-    for (int r = 0; r < ranks; ++r) row_max = fmaxf(row_max, cluster.map_shared_rank(&partial, r)->max);
-    float row_sum = 0.0f;
-    for (int r = 0; r < ranks; ++r) {
-      const Partial p = *cluster.map_shared_rank(&partial, r);
-      row_sum += p.max == row_max ? p.sum : p.sum * FastExp(p.max - row_max);
-    }
-    row_lse = row_max + logf(row_sum);
+  if (threadIdx.x < 32) {
+    const float lse = ClusterLse(cluster, &partial, ranks);
+    if (threadIdx.x == 0) row_lse = lse;
   }
-  cluster.sync();  // row_lse written; no CTA reads another's partial past here
-  const float lse = row_lse;
+  __syncthreads();  // row_lse written
+  // Done reading the others' partials; they stay until every CTA has said so (before exit).
+  cluster.barrier_arrive();
+  const float lse = row_lse, lse_log2e = lse * kLog2e;
 
   const int32_t target = targets[row];
-  const int64_t own_target = int64_t(target) - begin;  // in [0, n) in one CTA of the row
+  // The target's index in this segment, or -1 (one CTA of the row holds it, when in range).
+  const int own = target >= begin && target - begin < n ? int(target - begin) : -1;
   __nv_bfloat16* dst = d_logits + row * vocab + begin;
-  for (int64_t i = threadIdx.x * kVec; i < n; i += step) {
+  for (int i = threadIdx.x * kVec; i < n; i += kStep) {
     float x[kVec], d[kVec];
     seg.Load(x, i);
+#pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      const float one_hot = i + k == own_target ? 1.0f : 0.0f;
-      d[k] = (FastExp(x[k] - lse) - one_hot) * inv_count;
+      d[k] = (ExpShifted(x[k], lse_log2e) - (i + k == own ? 1.0f : 0.0f)) * inv_count;
     }
     StoreBf16<kVec>(dst + i, d);
   }
   if (threadIdx.x == 0) {
-    if (own_target >= 0 && own_target < n) {
-      row_loss[row] = lse - (kCached ? cache[own_target] : src[own_target]);
+    if (own >= 0) {
+      row_loss[row] = lse - (kCached ? cache[own] : src[own]);
     } else if (rank == 0 && (target < 0 || target >= vocab)) {
       row_loss[row] = NAN;
     }
   }
+  cluster.barrier_wait();
 }
 
 template <bool kCached, int kVec>
@@ -162,16 +185,24 @@ std::string Launch(const float* logits, const int32_t* targets, int64_t rows, in
                    float inv_count, const heuristics::CrossEntropySplit& split, void* d_logits,
                    float* row_loss, cudaStream_t stream) {
   auto kernel = CrossEntropyGradKernel<kCached, kVec>;
-  const size_t smem = kCached ? size_t(split.segment) * sizeof(float) : 0;
+  // The most any launch of this kernel takes (the same value from every thread: no race with
+  // another's launch), and the SM's largest shared-memory carveout, so that two CTAs fit.
+  const int most = kCached ? int(heuristics::kSoloSegmentBytes) : 0;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(smem));
+                                           most);
       e != cudaSuccess) {
     return std::string("CrossEntropyGrad: shared memory attribute: ") + cudaGetErrorString(e);
+  }
+  if (cudaError_t e = cudaFuncSetAttribute(kernel,
+                                           cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           int(cudaSharedmemCarveoutMaxShared));
+      e != cudaSuccess) {
+    return std::string("CrossEntropyGrad: carveout attribute: ") + cudaGetErrorString(e);
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(rows * split.cluster));
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
+  config.dynamicSmemBytes = kCached ? size_t(split.segment) * sizeof(float) : 0;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -180,8 +211,9 @@ std::string Launch(const float* logits, const int32_t* targets, int64_t rows, in
   attr[0].val.clusterDim.z = 1;
   config.attrs = attr;
   config.numAttrs = 1;
-  if (cudaError_t e = cudaLaunchKernelEx(&config, kernel, logits, targets, vocab, split.segment,
-                                         inv_count, static_cast<__nv_bfloat16*>(d_logits), row_loss);
+  if (cudaError_t e = cudaLaunchKernelEx(&config, kernel, logits, targets, vocab,
+                                         int(split.segment), inv_count,
+                                         static_cast<__nv_bfloat16*>(d_logits), row_loss);
       e != cudaSuccess) {
     return std::string("CrossEntropyGrad launch: ") + cudaGetErrorString(e);
   }
@@ -201,8 +233,9 @@ std::string CrossEntropyGrad(const float* logits, const int32_t* targets, int64_
   // The JAX definition divides by `count`; a reciprocal differs by at most an ulp before the
   // bf16 rounding (none for a power of two, such as the example's 16,384 tokens).
   const float c = 1.0f / float(count);
-  // 16-byte accesses need every row (and segment) to start 16-byte aligned.
-  const bool vec = vocab % 4 == 0;
+  // 16-byte loads (8-byte stores) need every row and segment to start so aligned.
+  const bool vec = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(d_logits) % 8 == 0;
   if (split.cached) {
     return vec ? Launch<true, 4>(logits, targets, rows, vocab, c, split, d_logits, row_loss, stream)
                : Launch<true, 1>(logits, targets, rows, vocab, c, split, d_logits, row_loss, stream);

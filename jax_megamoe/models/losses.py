@@ -168,7 +168,8 @@ def _kernel_platforms(dtype, mesh: Mesh | None) -> tuple[str, ...]:
   if mesh is None and jax.device_count() > 1:
     return ()
   return tuple(p for p in CE_KERNEL_PLATFORMS
-               if (_ffi.cuda_available() if p == "cuda" else _ffi.has_target(CE_KERNEL_TARGET, p)))
+               if _ffi.has_target(CE_KERNEL_TARGET, "CUDA" if p == "cuda" else p)
+               and (p != "cuda" or _ffi.cuda_available()))
 
 
 def _loss_and_d_logits(logits, targets, count, dtype, mesh):

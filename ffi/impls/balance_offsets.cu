@@ -1,0 +1,291 @@
+// The router's "balance" offsets in one cooperative kernel: see balance_offsets.h. Each CTA
+// owns a slice of the rows (held in shared memory when it fits), a warp takes a row at a time
+// with the row's experts spread over its lanes (expert e on lane e % 32), and every pass over
+// the rows ends in per-column sums over the whole grid: per-CTA partials in global memory, a
+// grid barrier, then every CTA adds all CTAs' partials in the same fixed order, so that every
+// CTA holds the same bits of the Sinkhorn scalings, the loads and the offsets (and each run
+// the same as the last). Passes: router.BALANCE_SINKHORN_ITERATIONS Sinkhorn steps on the
+// kernel exp(z / temperature - row max), then router.BALANCE_LOAD_STEPS steps on the hard
+// top-k loads, each a k-th largest per row (k rounds of a warp maximum on order-preserving
+// integer keys) and a count per column.
+#include <cooperative_groups.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "ffi/common/device_info.h"
+#include "ffi/impls/balance_offsets.h"
+
+namespace megamoe::router {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr float kTiny = 1e-30f;  // router._sinkhorn_exp's floor of a row or column sum
+
+struct Problem {
+  const float* z;
+  int rows, experts, rows_per_cta;
+  BalanceSettings s;
+  float col_target;  // rows * top_k / experts: a column's Sinkhorn sum, and the mean load
+  float* offsets;
+  float* partials;  // [2][gridDim.x][experts]: per-CTA column partials, alternate passes
+};
+
+// The shared memory every CTA keeps besides its rows of z.
+struct Shared {
+  float v[kBalanceMaxExperts];       // Sinkhorn's column scalings
+  float b[kBalanceMaxExperts];       // the offsets of the current load step
+  float best_b[kBalanceMaxExperts];  // the offsets with the smallest peak load so far
+  float sums[kBalanceMaxExperts];    // the grid's column sums of the last pass
+  float warp_part[kWarps][kBalanceMaxExperts];
+  float group_part[kThreads];
+  float warp_max[kWarps];
+  float best;                        // the smallest peak load so far
+};
+
+__device__ __forceinline__ float WarpMax(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float WarpSum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// An unsigned key ordered as the float (-0 as +0, so that ties compare as floats do); 0 is
+// below every key (the k-th largest's "removed").
+__device__ __forceinline__ unsigned OrderKey(float x) {
+  const unsigned u = __float_as_uint(x + 0.0f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The block's maximum of one float per thread (every thread gets it).
+__device__ float BlockMax(float x, Shared& sh) {
+  x = WarpMax(x);
+  if (threadIdx.x % 32 == 0) sh.warp_max[threadIdx.x / 32] = x;
+  __syncthreads();
+  float m = sh.warp_max[0];
+  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, sh.warp_max[w]);
+  __syncthreads();  // warp_max free for the next call
+  return m;
+}
+
+// sh.sums[e] = the sum over the grid's rows of the partials each lane left in
+// sh.warp_part[warp][e]: warps in order, then CTAs in order, split over the threads in groups
+// of CTAs (every load in flight) whose sums are added in group order.
+__device__ void GridColumnSum(const Problem& p, Shared& sh, int& pass, cg::grid_group& grid) {
+  const int e_count = p.experts, ctas = int(gridDim.x);
+  __syncthreads();
+  float* buffer = p.partials + size_t(pass & 1) * ctas * e_count;
+  for (int e = threadIdx.x; e < e_count; e += kThreads) {
+    float s = 0.0f;
+    for (int w = 0; w < kWarps; ++w) s += sh.warp_part[w][e];
+    buffer[size_t(blockIdx.x) * e_count + e] = s;
+  }
+  grid.sync();
+  const int groups = kThreads / e_count;  // >= 1: experts <= kThreads
+  if (int(threadIdx.x) < groups * e_count) {
+    const int e = threadIdx.x % e_count, q = threadIdx.x / e_count;
+    const int begin = q * ctas / groups, end = (q + 1) * ctas / groups;
+    float s = 0.0f;
+#pragma unroll 8
+    for (int c = begin; c < end; ++c) s += __ldcg(buffer + size_t(c) * e_count + e);
+    sh.group_part[threadIdx.x] = s;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < e_count; e += kThreads) {
+    float s = 0.0f;
+    for (int q = 0; q < groups; ++q) s += sh.group_part[q * e_count + e];
+    sh.sums[e] = s;
+  }
+  __syncthreads();
+  ++pass;  // the next pass writes the other buffer: a CTA still reading this one has not
+           // reached the next grid barrier, which every writer of the next pass has passed
+}
+
+template <int kPerLane, bool kCached>
+__global__ void __launch_bounds__(kThreads, 1) BalanceOffsetsKernel(Problem p) {
+  extern __shared__ float z_rows[];  // kCached: this CTA's rows of z
+  __shared__ Shared sh;
+  cg::grid_group grid = cg::this_grid();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, e_count = p.experts;
+  const int first_row = blockIdx.x * p.rows_per_cta;
+  const int rows = max(0, min(p.rows - first_row, p.rows_per_cta));
+  const float* z = p.z + size_t(first_row) * e_count;
+  if constexpr (kCached) {
+    for (int i = threadIdx.x; i < rows * e_count; i += kThreads) z_rows[i] = z[i];
+  }
+  auto z_at = [&](int r, int e) {
+    return kCached ? z_rows[r * e_count + e] : __ldg(z + size_t(r) * e_count + e);
+  };
+  for (int e = threadIdx.x; e < e_count; e += kThreads) sh.v[e] = 1.0f;
+  if (threadIdx.x == 0) sh.best = INFINITY;
+  __syncthreads();
+  int pass = 0;
+
+  // Sinkhorn (router._sinkhorn_exp): u = k / K v over the rows, v = col / K^T u.
+  for (int it = 0; it < p.s.sinkhorn_iterations; ++it) {
+    float col[kPerLane] = {};
+    for (int r = warp; r < rows; r += kWarps) {
+      float s[kPerLane], m = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int e = j * 32 + lane;
+        s[j] = e < e_count ? z_at(r, e) / p.s.temperature : -INFINITY;
+        m = fmaxf(m, s[j]);
+      }
+      m = WarpMax(m);
+      float dot = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int e = j * 32 + lane;
+        s[j] = e < e_count ? expf(s[j] - m) : 0.0f;  // the kernel K's entry
+        if (e < e_count) dot += s[j] * sh.v[e];
+      }
+      const float u = float(p.s.top_k) / fmaxf(WarpSum(dot), kTiny);
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) col[j] += s[j] * u;
+    }
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      if (j * 32 + lane < e_count) sh.warp_part[warp][j * 32 + lane] = col[j];
+    }
+    GridColumnSum(p, sh, pass, grid);
+    for (int e = threadIdx.x; e < e_count; e += kThreads) {
+      sh.v[e] = p.col_target / fmaxf(sh.sums[e], kTiny);
+    }
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < e_count; e += kThreads) {
+    sh.b[e] = sh.best_b[e] = p.s.temperature * logf(sh.v[e]);
+  }
+  __syncthreads();
+
+  // Load steps (router._balancing_offsets): the rows' top-k loads under b, the best b kept.
+  for (int step = 0; step < p.s.load_steps; ++step) {
+    float count[kPerLane] = {};
+    for (int r = warp; r < rows; r += kWarps) {
+      unsigned key[kPerLane], left[kPerLane];
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        const int e = j * 32 + lane;
+        key[j] = left[j] = e < e_count ? OrderKey(z_at(r, e) + sh.b[e]) : 0u;
+      }
+      // The k-th largest as router._kth_largest: k - 1 times remove the row's maximum (ties
+      // together), then the maximum of what is left.
+      unsigned kth = 0;
+      for (int round = 0; round < p.s.top_k; ++round) {
+        unsigned m = 0;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) m = max(m, left[j]);
+        kth = __reduce_max_sync(0xffffffffu, m);
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) left[j] = left[j] >= kth ? 0u : left[j];
+      }
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        count[j] += (j * 32 + lane < e_count && key[j] >= kth) ? 1.0f : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      if (j * 32 + lane < e_count) sh.warp_part[warp][j * 32 + lane] = count[j];
+    }
+    GridColumnSum(p, sh, pass, grid);  // counts: whole numbers, exact in any order
+    float peak = -INFINITY;
+    for (int e = threadIdx.x; e < e_count; e += kThreads) {
+      peak = fmaxf(peak, sh.sums[e] / p.col_target);
+    }
+    peak = BlockMax(peak, sh);
+    const bool better = peak < sh.best;
+    const float size = p.s.step_first * powf(p.s.step_decay, float(step));
+    for (int e = threadIdx.x; e < e_count; e += kThreads) {
+      const float load = sh.sums[e] / p.col_target;
+      if (better) sh.best_b[e] = sh.b[e];
+      // An idle expert's log load is clipped (at 1/4 of the mean): one step stays small.
+      sh.b[e] -= size * logf(fmaxf(load, 0.25f));
+    }
+    __syncthreads();  // every thread has read best
+    if (threadIdx.x == 0 && better) sh.best = peak;
+    __syncthreads();
+  }
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < e_count; e += kThreads) p.offsets[e] = sh.best_b[e];
+  }
+}
+
+template <int kPerLane, bool kCached>
+std::string Launch(Problem p, int ctas, size_t smem, cudaStream_t stream) {
+  auto kernel = BalanceOffsetsKernel<kPerLane, kCached>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(smem));
+      e != cudaSuccess) {
+    return std::string("BalanceOffsets: shared memory attribute: ") + cudaGetErrorString(e);
+  }
+  int per_sm = 0;
+  if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
+                                                                     smem);
+      e != cudaSuccess || per_sm < 1) {
+    return std::string("BalanceOffsets: no CTA fits an SM (") +
+           (e != cudaSuccess ? cudaGetErrorString(e) : "occupancy 0") + ")";
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(ctas);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;  // every CTA co-resident: the grid barriers
+  attr[0].val.cooperative = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  if (cudaError_t e = cudaLaunchKernelEx(&config, kernel, p); e != cudaSuccess) {
+    return std::string("BalanceOffsets launch: ") + cudaGetErrorString(e);
+  }
+  return "";
+}
+
+template <int kPerLane>
+std::string LaunchFor(const Problem& p, int ctas, cudaStream_t stream) {
+  // Rows in shared memory when they fit beside the static part (~42 KB).
+  constexpr size_t kDynamicBudget = 176 * 1024;
+  const size_t rows_bytes = size_t(p.rows_per_cta) * p.experts * sizeof(float);
+  return rows_bytes <= kDynamicBudget ? Launch<kPerLane, true>(p, ctas, rows_bytes, stream)
+                                      : Launch<kPerLane, false>(p, ctas, 0, stream);
+}
+
+}  // namespace
+
+std::string BalanceOffsets(const float* z, int64_t rows, int64_t experts,
+                           const BalanceSettings& settings, float* offsets, void* scratch,
+                           size_t scratch_bytes, cudaStream_t stream) {
+  if (experts < 1 || experts > kBalanceMaxExperts || rows < 1 || rows > INT32_MAX / experts) {
+    return "BalanceOffsets: bad shape [" + std::to_string(rows) + ", " +
+           std::to_string(experts) + "]";
+  }
+  const int sms = CurrentDeviceSmCount();
+  if (scratch_bytes < BalanceScratchBytes(experts, sms)) {
+    return "BalanceOffsets: scratch of " + std::to_string(scratch_bytes) + " bytes, needs " +
+           std::to_string(BalanceScratchBytes(experts, sms));
+  }
+  const int ctas = int(std::min<int64_t>(rows, sms));  // one CTA per SM at most
+  Problem p;
+  p.z = z;
+  p.rows = int(rows);
+  p.experts = int(experts);
+  p.rows_per_cta = int((rows + ctas - 1) / ctas);
+  p.s = settings;
+  // As the definition's Python float num_tokens * top_k / num_experts, rounded to float32.
+  p.col_target = float(double(rows) * settings.top_k / double(experts));
+  p.offsets = offsets;
+  p.partials = static_cast<float*>(scratch);
+  if (experts <= 128) return LaunchFor<4>(p, ctas, stream);
+  if (experts <= 256) return LaunchFor<8>(p, ctas, stream);
+  return LaunchFor<16>(p, ctas, stream);
+}
+
+}  // namespace megamoe::router
