@@ -58,11 +58,17 @@ def shard_map(f, mesh: Mesh, in_specs, out_specs, *, check_vma: bool = True):
                          check_rep=check_vma)
 
 
+def auto_axes(mesh: Mesh) -> bool:
+  """Whether `mesh` has Auto axes (shardings left to XLA), not only Explicit ones (shardings
+  in the arrays' types)."""
+  return AxisType.Auto in tuple(getattr(mesh, "axis_types", (AxisType.Auto,)))
+
+
 def _laid_out(mesh: Mesh, args, in_specs):
   """args as shard_map expects them: explicit-axes meshes type their shardings, so the inputs
   are resharded to the specs whatever sharding they arrive with (Auto meshes let shard_map
   reshard by itself). An arg may be a pytree (its spec applies to every leaf)."""
-  if AxisType.Auto in tuple(getattr(mesh, "axis_types", (AxisType.Auto,))):
+  if auto_axes(mesh):
     return args
   return [jax.tree.map(lambda a, spec=spec: jax.reshard(a, NamedSharding(mesh, spec)), arg)
           for arg, spec in zip(args, in_specs)]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jax_megamoe import _ffi, parallel
 
@@ -247,6 +247,8 @@ def _offset_chooser(z: jax.Array, top_k: int, mesh: Mesh | None
   # The solve's loops start from invariant constants and it runs no collective: nothing for
   # shard_map's varying-axes check to protect.
   chooser, offsets = parallel.shard_over_tokens(per_device, mesh, (z,), 2, check_vma=False)
+  if not parallel.auto_axes(mesh):  # explicit axes type the result: back to z's own sharding
+    chooser = jax.reshard(chooser, NamedSharding(mesh, jax.typeof(z).sharding.spec))
   return chooser, jnp.mean(offsets, axis=0)
 
 

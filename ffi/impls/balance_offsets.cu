@@ -1,6 +1,7 @@
 // The router's "balance" offsets in one cooperative kernel: see balance_offsets.h. Each CTA
-// owns a slice of the rows (held in shared memory when it fits), a warp takes a row at a time
-// with the row's experts spread over its lanes (expert e on lane e % 32), and every pass over
+// owns a slice of the rows (held in shared memory with their Sinkhorn kernel when they fit),
+// a warp takes two rows at a time with a row's experts spread over its lanes (expert e on lane
+// e % 32; the two rows' shuffles interleaved), and every pass over
 // the rows ends in per-column sums over the whole grid: per-CTA partials in global memory, a
 // grid barrier, then every CTA adds all CTAs' partials in the same fixed order, so that every
 // CTA holds the same bits of the Sinkhorn scalings, the loads and the offsets (and each run
@@ -109,46 +110,87 @@ __device__ void GridColumnSum(const Problem& p, Shared& sh, int& pass, cg::grid_
 
 template <int kPerLane, bool kCached>
 __global__ void __launch_bounds__(kThreads, 1) BalanceOffsetsKernel(Problem p) {
-  extern __shared__ float z_rows[];  // kCached: this CTA's rows of z
+  // kCached: this CTA's rows of z, then of the Sinkhorn kernel K = exp(z / temperature - row
+  // max), each [rows_per_cta][experts].
+  extern __shared__ float cached_rows[];
   __shared__ Shared sh;
   cg::grid_group grid = cg::this_grid();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, e_count = p.experts;
   const int first_row = blockIdx.x * p.rows_per_cta;
   const int rows = max(0, min(p.rows - first_row, p.rows_per_cta));
   const float* z = p.z + size_t(first_row) * e_count;
-  if constexpr (kCached) {
-    for (int i = threadIdx.x; i < rows * e_count; i += kThreads) z_rows[i] = z[i];
-  }
+  float* z_rows = cached_rows;
+  float* k_rows = cached_rows + size_t(p.rows_per_cta) * e_count;
   auto z_at = [&](int r, int e) {
     return kCached ? z_rows[r * e_count + e] : __ldg(z + size_t(r) * e_count + e);
   };
+  // Row r's entries of K on this lane (0 past the experts; the row must exist).
+  auto kernel_row = [&](int r, float (&k)[kPerLane]) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int e = j * 32 + lane;
+      k[j] = e < e_count ? z_at(r, e) / p.s.temperature : -INFINITY;
+      m = fmaxf(m, k[j]);
+    }
+    m = WarpMax(m);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) k[j] = j * 32 + lane < e_count ? expf(k[j] - m) : 0.0f;
+  };
+  if constexpr (kCached) {
+    for (int i = threadIdx.x; i < rows * e_count; i += kThreads) z_rows[i] = z[i];
+    __syncthreads();
+    for (int r = warp; r < rows; r += kWarps) {
+      float k[kPerLane];
+      kernel_row(r, k);
+#pragma unroll
+      for (int j = 0; j < kPerLane; ++j) {
+        if (j * 32 + lane < e_count) k_rows[r * e_count + j * 32 + lane] = k[j];
+      }
+    }
+  }
   for (int e = threadIdx.x; e < e_count; e += kThreads) sh.v[e] = 1.0f;
   if (threadIdx.x == 0) sh.best = INFINITY;
   __syncthreads();
   int pass = 0;
 
-  // Sinkhorn (router._sinkhorn_exp): u = k / K v over the rows, v = col / K^T u.
+  // Sinkhorn (router._sinkhorn_exp): u = k / K v over the rows, v = col / K^T u. Each warp
+  // takes two rows at a time (rows r and r + kWarps), their shuffles interleaved.
   for (int it = 0; it < p.s.sinkhorn_iterations; ++it) {
     float col[kPerLane] = {};
-    for (int r = warp; r < rows; r += kWarps) {
-      float s[kPerLane], m = -INFINITY;
+    for (int r0 = warp; r0 < rows; r0 += 2 * kWarps) {
+      float k[2][kPerLane], dot[2];
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        const int e = j * 32 + lane;
-        s[j] = e < e_count ? z_at(r, e) / p.s.temperature : -INFINITY;
-        m = fmaxf(m, s[j]);
+      for (int q = 0; q < 2; ++q) {
+        const int r = r0 + q * kWarps;
+        if (r >= rows) {
+#pragma unroll
+          for (int j = 0; j < kPerLane; ++j) k[q][j] = 0.0f;
+        } else if constexpr (kCached) {
+#pragma unroll
+          for (int j = 0; j < kPerLane; ++j) {
+            const int e = j * 32 + lane;
+            k[q][j] = e < e_count ? k_rows[r * e_count + e] : 0.0f;
+          }
+        } else {
+          kernel_row(r, k[q]);
+        }
+        dot[q] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) {
+          if (j * 32 + lane < e_count) dot[q] += k[q][j] * sh.v[j * 32 + lane];
+        }
       }
-      m = WarpMax(m);
-      float dot = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        const int e = j * 32 + lane;
-        s[j] = e < e_count ? expf(s[j] - m) : 0.0f;  // the kernel K's entry
-        if (e < e_count) dot += s[j] * sh.v[e];
+      for (int o = 16; o > 0; o >>= 1) {
+        dot[0] += __shfl_xor_sync(0xffffffffu, dot[0], o);
+        dot[1] += __shfl_xor_sync(0xffffffffu, dot[1], o);
       }
-      const float u = float(p.s.top_k) / fmaxf(WarpSum(dot), kTiny);
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) col[j] += s[j] * u;
+      for (int q = 0; q < 2; ++q) {
+        const float u = float(p.s.top_k) / fmaxf(dot[q], kTiny);  // a missing row's k is 0
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) col[j] += k[q][j] * u;
+      }
     }
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
@@ -165,30 +207,46 @@ __global__ void __launch_bounds__(kThreads, 1) BalanceOffsetsKernel(Problem p) {
   }
   __syncthreads();
 
-  // Load steps (router._balancing_offsets): the rows' top-k loads under b, the best b kept.
+  // Load steps (router._balancing_offsets): the rows' top-k loads under b, the best b kept;
+  // two rows at a time, as above.
   for (int step = 0; step < p.s.load_steps; ++step) {
     float count[kPerLane] = {};
-    for (int r = warp; r < rows; r += kWarps) {
-      unsigned key[kPerLane], left[kPerLane];
+    for (int r0 = warp; r0 < rows; r0 += 2 * kWarps) {
+      unsigned key[2][kPerLane], left[2][kPerLane];
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        const int e = j * 32 + lane;
-        key[j] = left[j] = e < e_count ? OrderKey(z_at(r, e) + sh.b[e]) : 0u;
+      for (int q = 0; q < 2; ++q) {
+        const int r = r0 + q * kWarps;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) {
+          const int e = j * 32 + lane;
+          key[q][j] = left[q][j] = r < rows && e < e_count ? OrderKey(z_at(r, e) + sh.b[e]) : 0u;
+        }
       }
       // The k-th largest as router._kth_largest: k - 1 times remove the row's maximum (ties
       // together), then the maximum of what is left.
-      unsigned kth = 0;
+      unsigned kth[2] = {0u, 0u};
       for (int round = 0; round < p.s.top_k; ++round) {
-        unsigned m = 0;
+        unsigned m[2] = {0u, 0u};
 #pragma unroll
-        for (int j = 0; j < kPerLane; ++j) m = max(m, left[j]);
-        kth = __reduce_max_sync(0xffffffffu, m);
+        for (int q = 0; q < 2; ++q) {
 #pragma unroll
-        for (int j = 0; j < kPerLane; ++j) left[j] = left[j] >= kth ? 0u : left[j];
+          for (int j = 0; j < kPerLane; ++j) m[q] = max(m[q], left[q][j]);
+        }
+        kth[0] = __reduce_max_sync(0xffffffffu, m[0]);
+        kth[1] = __reduce_max_sync(0xffffffffu, m[1]);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+#pragma unroll
+          for (int j = 0; j < kPerLane; ++j) left[q][j] = left[q][j] >= kth[q] ? 0u : left[q][j];
+        }
       }
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) {
-        count[j] += (j * 32 + lane < e_count && key[j] >= kth) ? 1.0f : 0.0f;
+      for (int q = 0; q < 2; ++q) {
+        if (r0 + q * kWarps >= rows) continue;
+#pragma unroll
+        for (int j = 0; j < kPerLane; ++j) {
+          count[j] += (j * 32 + lane < e_count && key[q][j] >= kth[q]) ? 1.0f : 0.0f;
+        }
       }
     }
 #pragma unroll
@@ -251,9 +309,9 @@ std::string Launch(Problem p, int ctas, size_t smem, cudaStream_t stream) {
 
 template <int kPerLane>
 std::string LaunchFor(const Problem& p, int ctas, cudaStream_t stream) {
-  // Rows in shared memory when they fit beside the static part (~42 KB).
+  // Rows of z and K in shared memory when they fit beside the static part (~42 KB).
   constexpr size_t kDynamicBudget = 176 * 1024;
-  const size_t rows_bytes = size_t(p.rows_per_cta) * p.experts * sizeof(float);
+  const size_t rows_bytes = 2 * size_t(p.rows_per_cta) * p.experts * sizeof(float);
   return rows_bytes <= kDynamicBudget ? Launch<kPerLane, true>(p, ctas, rows_bytes, stream)
                                       : Launch<kPerLane, false>(p, ctas, 0, stream);
 }

@@ -19,7 +19,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kThreads = 512;
+constexpr int kThreads = 256;  // four CTAs per SM (heuristics/cross_entropy_split.h)
 constexpr int kWarps = kThreads / 32;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -95,7 +95,7 @@ __device__ float ClusterLse(cg::cluster_group& cluster, Partial* partial, int ra
 }
 
 template <bool kCached, int kVec>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, 4)
     CrossEntropyGradKernel(const float* __restrict__ logits, const int32_t* __restrict__ targets,
                            int64_t vocab, int segment, float inv_count,
                            __nv_bfloat16* __restrict__ d_logits, float* __restrict__ row_loss) {
@@ -198,6 +198,13 @@ std::string Launch(const float* logits, const int32_t* targets, int64_t rows, in
                                            int(cudaSharedmemCarveoutMaxShared));
       e != cudaSuccess) {
     return std::string("CrossEntropyGrad: carveout attribute: ") + cudaGetErrorString(e);
+  }
+  if (split.cluster > 8) {  // a non-portable cluster size (up to 16 on sm_90)
+    if (cudaError_t e = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+        e != cudaSuccess) {
+      return std::string("CrossEntropyGrad: cluster size attribute: ") + cudaGetErrorString(e);
+    }
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(rows * split.cluster));
