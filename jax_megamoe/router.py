@@ -201,7 +201,7 @@ def _balancing_offsets_kernel(z: jax.Array, top_k: int) -> jax.Array:
   out = (jax.ShapeDtypeStruct((num_experts,), jnp.float32),
          jax.ShapeDtypeStruct((_ffi.scratch_bytes(BALANCE_KERNEL_TARGET, num_experts),),
                               jnp.uint8))
-  offsets, _ = jax.ffi.ffi_call(BALANCE_KERNEL_TARGET, out)(
+  offsets, _ = jax.ffi.ffi_call(BALANCE_KERNEL_TARGET, out, vmap_method="sequential")(
       z, top_k=np.int64(top_k), temperature=np.float32(BALANCE_TEMPERATURE),
       sinkhorn_iterations=np.int64(BALANCE_SINKHORN_ITERATIONS),
       load_steps=np.int64(BALANCE_LOAD_STEPS), step_first=np.float32(first),

@@ -182,7 +182,8 @@ def _loss_and_d_logits(logits, targets, count, dtype, mesh):
   def rows(logits, targets):  # [N, V], [N] -> d_logits [N, V], row_loss [N]
     out = (jax.ShapeDtypeStruct(logits.shape, jnp.bfloat16),
            jax.ShapeDtypeStruct(targets.shape, jnp.float32))
-    return jax.ffi.ffi_call(CE_KERNEL_TARGET, out)(logits, targets, count=np.int64(count))
+    return jax.ffi.ffi_call(CE_KERNEL_TARGET, out, vmap_method="sequential")(
+        logits, targets, count=np.int64(count))
 
   def kernel(logits, targets):
     args = (logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
