@@ -50,6 +50,19 @@ def has_target(name: str, platform: str) -> bool:
   return (name, platform) in register_targets()
 
 
+def custom_call_platforms(target: str, platforms: tuple[str, ...], mesh) -> tuple[str, ...]:
+  """Of `platforms` (jax.lax.platform_dependent's names: "cuda", "cpu"), those where a custom
+  call to `target` runs here: its handler is registered and, for "cuda", every visible GPU is
+  one the kernels were built for. With no mesh (`mesh` None), none where JAX sees several
+  devices: XLA would gather a custom call's operands onto every device; under a mesh the
+  caller runs it per device (shard_map)."""
+  if mesh is None and jax.device_count() > 1:
+    return ()
+  return tuple(p for p in platforms
+               if has_target(target, "CUDA" if p == "cuda" else p)
+               and (p != "cuda" or cuda_available()))
+
+
 def scratch_bytes(target: str, num_groups: int) -> int:
   """Bytes of the scratch (`workspace`) result FFI target `target` needs for `num_groups` expert
   groups, as its handlers compute it (the CUDA one for the visible GPUs; CPU handlers need none).

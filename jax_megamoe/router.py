@@ -210,14 +210,10 @@ def _balancing_offsets_kernel(z: jax.Array, top_k: int) -> jax.Array:
 
 
 def _kernel_platforms(num_experts: int, mesh: Mesh | None) -> tuple[str, ...]:
-  """The platforms on which _solve_offsets calls the kernel (BALANCE_KERNEL); () for none.
-  Without a mesh only on one device: XLA would gather a custom call's operands onto each."""
-  if (not BALANCE_KERNEL or BALANCE_SINKHORN != "exp"
-      or num_experts > BALANCE_KERNEL_MAX_EXPERTS or (mesh is None and jax.device_count() > 1)):
+  """The platforms on which _solve_offsets calls the kernel (BALANCE_KERNEL); () for none."""
+  if not BALANCE_KERNEL or BALANCE_SINKHORN != "exp" or num_experts > BALANCE_KERNEL_MAX_EXPERTS:
     return ()
-  return tuple(p for p in BALANCE_KERNEL_PLATFORMS
-               if _ffi.has_target(BALANCE_KERNEL_TARGET, "CUDA" if p == "cuda" else p)
-               and (p != "cuda" or _ffi.cuda_available()))
+  return _ffi.custom_call_platforms(BALANCE_KERNEL_TARGET, BALANCE_KERNEL_PLATFORMS, mesh)
 
 
 def _solve_offsets(z: jax.Array, top_k: int, mesh: Mesh | None) -> jax.Array:

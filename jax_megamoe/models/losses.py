@@ -166,11 +166,7 @@ def _kernel_platforms(dtype, mesh: Mesh | None) -> tuple[str, ...]:
   """The platforms on which _loss_and_d_logits calls the kernel (CE_KERNEL); () for none."""
   if not CE_KERNEL or jnp.dtype(dtype) != jnp.bfloat16:
     return ()
-  if mesh is None and jax.device_count() > 1:
-    return ()
-  return tuple(p for p in CE_KERNEL_PLATFORMS
-               if _ffi.has_target(CE_KERNEL_TARGET, "CUDA" if p == "cuda" else p)
-               and (p != "cuda" or _ffi.cuda_available()))
+  return _ffi.custom_call_platforms(CE_KERNEL_TARGET, CE_KERNEL_PLATFORMS, mesh)
 
 
 def _loss_and_d_logits(logits, targets, count, dtype, mesh):
