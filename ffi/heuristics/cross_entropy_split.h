@@ -2,10 +2,11 @@
 // CTAs per row, each holding a segment of it in shared memory, so that the row is read from
 // memory once (the log-sum-exp needs all of it before the first d_logits element). Segments
 // up to kSegmentBytes let four CTAs share an SM, so that some load while others compute and
-// store (with two, each CTA's phases ran in step with its partner's: 0.447 ms per 30B chunk on
-// an H100 against 0.31 at its bandwidth, benchmarks/RESULTS.md, session 29); a longer row takes
-// segments up to kSoloSegmentBytes, one CTA per SM; past that the CTAs read their segment from
-// memory three times (max, sum, d_logits; no vocabulary is too large).
+// store (a 30B chunk on an H100, queued alone: 0.410 ms at four, 0.447 at two; inside the
+// training step 0.385 either way, against ~0.31 at the H100's bandwidth: benchmarks/RESULTS.md,
+// session 29); a longer row takes segments up to kSoloSegmentBytes, one CTA per SM; past that
+// the CTAs read their segment from memory three times (max, sum, d_logits; no vocabulary is too
+// large).
 #pragma once
 
 #include <cstdint>
