@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -49,6 +51,28 @@ inline const char* DataTypeName(ffi::DataType t) {
     case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
     default: return "other";
   }
+}
+
+// A buffer's shape and dtype against what an op expects; the message names the buffer.
+inline ffi::Error ExpectShape(const char* name, ffi::Span<const int64_t> dims,
+                              std::initializer_list<int64_t> want) {
+  bool ok = dims.size() == want.size();
+  size_t i = 0;
+  for (int64_t w : want) ok = ok && dims[i++] == w;
+  if (!ok) {
+    std::vector<int64_t> w(want);
+    return InvalidArgument(name, " has shape ", ShapeString(dims), ", expected ",
+                           ShapeString(ffi::Span<const int64_t>(w.data(), w.size())));
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error ExpectDtype(const char* name, ffi::DataType got, ffi::DataType want) {
+  if (got != want) {
+    return InvalidArgument(name, " has dtype ", DataTypeName(got), ", expected ",
+                           DataTypeName(want));
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace megamoe

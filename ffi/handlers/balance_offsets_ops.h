@@ -11,7 +11,6 @@
 #include <utility>
 
 #include "ffi/common/checks.h"
-#include "ffi/handlers/grouped_mlp_op.h"
 #include "ffi/layout/balance_problem.h"
 
 namespace megamoe::router {
@@ -22,7 +21,7 @@ inline ffi::Error CheckBalanceOffsets(const ffi::AnyBuffer& z,
                                       int64_t load_steps, float step_first, float step_decay,
                                       int64_t* rows, int64_t* experts,
                                       BalanceSettings* settings) {
-  MEGAMOE_RETURN_IF_ERROR(grouped::ExpectDtype("z", z.element_type(), ffi::DataType::F32));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("z", z.element_type(), ffi::DataType::F32));
   auto zd = z.dimensions();
   if (zd.size() != 2 || zd[0] < 1 || zd[1] < 1 || zd[1] > kBalanceMaxExperts) {
     return InvalidArgument("z must be [T, E] with T >= 1 and 1 <= E <= ", kBalanceMaxExperts,
@@ -49,8 +48,8 @@ inline ffi::Error CheckBalanceOffsets(const ffi::AnyBuffer& z,
                            step_first, " and ", step_decay);
   }
   MEGAMOE_RETURN_IF_ERROR(
-      grouped::ExpectDtype("offsets", offsets->element_type(), ffi::DataType::F32));
-  MEGAMOE_RETURN_IF_ERROR(grouped::ExpectShape("offsets", offsets->dimensions(), {*experts}));
+      ExpectDtype("offsets", offsets->element_type(), ffi::DataType::F32));
+  MEGAMOE_RETURN_IF_ERROR(ExpectShape("offsets", offsets->dimensions(), {*experts}));
   *settings = {int(top_k), temperature, int(sinkhorn_iterations), int(load_steps), step_first,
                step_decay};
   return ffi::Error::Success();

@@ -10,7 +10,6 @@
 #include <utility>
 
 #include "ffi/common/checks.h"
-#include "ffi/handlers/grouped_mlp_op.h"
 
 namespace megamoe::xent {
 
@@ -19,8 +18,6 @@ inline ffi::Error CheckCrossEntropyGrad(const ffi::AnyBuffer& logits,
                                         ffi::Result<ffi::AnyBuffer>& d_logits,
                                         ffi::Result<ffi::AnyBuffer>& row_loss, int64_t count,
                                         int64_t* rows, int64_t* vocab) {
-  using grouped::ExpectDtype;
-  using grouped::ExpectShape;
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("logits", logits.element_type(), ffi::DataType::F32));
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("targets", targets.element_type(), ffi::DataType::S32));
   auto ld = logits.dimensions();

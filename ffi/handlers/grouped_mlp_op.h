@@ -27,27 +27,6 @@ struct MlpDims {
   ffi::DataType dtype = ffi::DataType::INVALID;
 };
 
-inline ffi::Error ExpectShape(const char* name, ffi::Span<const int64_t> dims,
-                              std::initializer_list<int64_t> want) {
-  bool ok = dims.size() == want.size();
-  size_t i = 0;
-  for (int64_t w : want) ok = ok && dims[i++] == w;
-  if (!ok) {
-    std::vector<int64_t> w(want);
-    return InvalidArgument(name, " has shape ", ShapeString(dims), ", expected ",
-                           ShapeString(ffi::Span<const int64_t>(w.data(), w.size())));
-  }
-  return ffi::Error::Success();
-}
-
-inline ffi::Error ExpectDtype(const char* name, ffi::DataType got, ffi::DataType want) {
-  if (got != want) {
-    return InvalidArgument(name, " has dtype ", DataTypeName(got), ", expected ",
-                           DataTypeName(want));
-  }
-  return ffi::Error::Success();
-}
-
 // Reads N, H, F, E from x, group_sizes, w_gate_up, w_down and checks their consistency.
 inline ffi::Error ReadMlpDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& group_sizes,
                               const ffi::AnyBuffer& w_gate_up, const ffi::AnyBuffer& w_down,

@@ -1,20 +1,20 @@
 // The router's "balance" offsets in one cooperative kernel: see balance_offsets.h. Each CTA
 // owns a slice of the rows (held in shared memory with their Sinkhorn kernel when they fit),
 // a warp takes two rows at a time with a row's experts spread over its lanes (expert e on lane
-// e % 32; the two rows' shuffles interleaved), and every pass over
-// the rows ends in per-column sums over the whole grid: per-CTA partials in global memory, a
-// grid barrier, then every CTA adds all CTAs' partials in the same fixed order, so that every
-// CTA holds the same bits of the Sinkhorn scalings, the loads and the offsets (and each run
-// the same as the last). Passes: router.BALANCE_SINKHORN_ITERATIONS Sinkhorn steps on the
-// kernel exp(z / temperature - row max), then router.BALANCE_LOAD_STEPS steps on the hard
-// top-k loads, each a k-th largest per row (k rounds of a warp maximum on order-preserving
-// integer keys) and a count per column.
+// e % 32; the two rows' shuffles interleaved), and every pass over the rows ends in per-column
+// sums over the whole grid: per-CTA partials in global memory, a grid barrier, then every CTA
+// adds all CTAs' partials in the same fixed order, so that every CTA holds the same bits of
+// the Sinkhorn scalings, the loads and the offsets (and each run the same as the last).
+// Passes: router.BALANCE_SINKHORN_ITERATIONS Sinkhorn steps on the kernel exp(z / temperature
+// - row max), then router.BALANCE_LOAD_STEPS steps on the hard top-k loads, each a k-th largest
+// per row (k rounds of a warp maximum on order-preserving integer keys) and a count per column.
 #include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cmath>
 
 #include "ffi/common/device_info.h"
+#include "ffi/common/warp_reduce.cuh"
 #include "ffi/impls/balance_offsets.h"
 
 namespace megamoe::router {
@@ -47,32 +47,11 @@ struct Shared {
   float best;                        // the smallest peak load so far
 };
 
-__device__ __forceinline__ float WarpMax(float x) {
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
-__device__ __forceinline__ float WarpSum(float x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
 // An unsigned key ordered as the float (-0 as +0, so that ties compare as floats do); 0 is
 // below every key (the k-th largest's "removed").
 __device__ __forceinline__ unsigned OrderKey(float x) {
   const unsigned u = __float_as_uint(x + 0.0f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// The block's maximum of one float per thread (every thread gets it).
-__device__ float BlockMax(float x, Shared& sh) {
-  x = WarpMax(x);
-  if (threadIdx.x % 32 == 0) sh.warp_max[threadIdx.x / 32] = x;
-  __syncthreads();
-  float m = sh.warp_max[0];
-  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, sh.warp_max[w]);
-  __syncthreads();  // warp_max free for the next call
-  return m;
 }
 
 // sh.sums[e] = the sum over the grid's rows of the partials each lane left in
@@ -258,7 +237,8 @@ __global__ void __launch_bounds__(kThreads, 1) BalanceOffsetsKernel(Problem p) {
     for (int e = threadIdx.x; e < e_count; e += kThreads) {
       peak = fmaxf(peak, sh.sums[e] / p.col_target);
     }
-    peak = BlockMax(peak, sh);
+    peak = BlockReduce<kWarps>(peak, sh.warp_max,
+                               [](float a, float b) { return fmaxf(a, b); });
     const bool better = peak < sh.best;
     const float size = p.s.step_first * powf(p.s.step_decay, float(step));
     for (int e = threadIdx.x; e < e_count; e += kThreads) {

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "ffi/common/warp_reduce.cuh"
 #include "ffi/heuristics/cross_entropy_split.h"
 #include "ffi/impls/cross_entropy_grad.h"
 
@@ -28,20 +29,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 // next to the bf16 rounding of d_logits or to the float32 sum of a row.
 __device__ __forceinline__ float ExpShifted(float x, float shift_log2e) {
   return exp2f(fmaf(x, kLog2e, -shift_log2e));
-}
-
-// The block's reduction of one float per thread; every thread gets the result. `scratch`
-// holds kWarps floats; the block's threads all call it.
-template <class Op>
-__device__ float BlockReduce(float v, float* scratch, Op op) {
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // scratch free (a previous reduction's readers are done)
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = scratch[0];
-  for (int w = 1; w < kWarps; ++w) v = op(v, scratch[w]);  // fixed order: the same everywhere
-  return v;
 }
 
 // A segment's logits, from shared memory (kCached) or memory; kVec elements per access.
@@ -86,8 +73,7 @@ __device__ float ClusterLse(cg::cluster_group& cluster, Partial* partial, int ra
   const int lane = threadIdx.x % 32;
   Partial p = {-INFINITY, 0.0f};
   if (lane < ranks) p = *cluster.map_shared_rank(partial, lane);
-  float row_max = p.max;
-  for (int o = 16; o > 0; o >>= 1) row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, o));
+  const float row_max = WarpMax(p.max);
   const float term = p.max == row_max ? p.sum : p.sum * ExpShifted(p.max, row_max * kLog2e);
   float row_sum = 0.0f;
   for (int r = 0; r < ranks; ++r) row_sum += __shfl_sync(0xffffffffu, term, r);
@@ -131,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
     for (int k = 0; k < kVec; ++k) m = fmaxf(m, x[k]);
   }
-  m = BlockReduce(m, scratch, [](float a, float b) { return fmaxf(a, b); });
+  m = BlockReduce<kWarps>(m, scratch, [](float a, float b) { return fmaxf(a, b); });
   float s = 0.0f;
   const float m_log2e = m * kLog2e;
   const bool infinite = isinf(m);  // -inf: all -inf (each counts 1); +inf: the +inf ones do
@@ -144,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 4)
                     : ExpShifted(x[k], m_log2e);
     }
   }
-  s = BlockReduce(s, scratch, [](float a, float b) { return a + b; });
+  s = BlockReduce<kWarps>(s, scratch, [](float a, float b) { return a + b; });
   if (threadIdx.x == 0) partial = {m, s};
   cluster.sync();  // every CTA's partial written
 
@@ -244,8 +230,10 @@ std::string CrossEntropyGrad(const float* logits, const int32_t* targets, int64_
   const bool vec = vocab % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(d_logits) % 8 == 0;
   if (split.cached) {
-    return vec ? Launch<true, 4>(logits, targets, rows, vocab, c, split, d_logits, row_loss, stream)
-               : Launch<true, 1>(logits, targets, rows, vocab, c, split, d_logits, row_loss, stream);
+    return vec ? Launch<true, 4>(logits, targets, rows, vocab, c, split, d_logits, row_loss,
+                                 stream)
+               : Launch<true, 1>(logits, targets, rows, vocab, c, split, d_logits, row_loss,
+                                 stream);
   }
   return vec ? Launch<false, 4>(logits, targets, rows, vocab, c, split, d_logits, row_loss, stream)
              : Launch<false, 1>(logits, targets, rows, vocab, c, split, d_logits, row_loss, stream);
