@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The device call the last session prepared and could not run: one call of ~6-8 minutes. Each
-# session that leaves GPU work behind rewrites it; its results go to benchmarks/RESULTS.md.
+# The device call the last session prepared and could not run. Each session that leaves GPU
+# work behind rewrites it; its results go to benchmarks/RESULTS.md.
 #
-# After session 29 (issue 15 on an H200, which session 29 could not get): the LM head's
-# cross-entropy kernel and balance's solve kernel (both on by default since their H100 tests)
-# against the XLA forms in bar 2's own figure, the step profile at 8 layers with remat full
-# (as bench_step.py runs it; an H100's 80 GB does not hold it), then bar 3 (the issue's
-# command, 50 steps) on the H200. LAYERS, REMAT: the profile's (default 8, full); BAR3=0 skips
-# bar 3.
+# After session 30 (issue 15's bars all measured on an H200): what is left needs two GPUs
+# (kind nvidia-h200-x2, not lent since session 8). Issue 14's items 3 and 7 and its EP = 2 bars:
+#   1. the multi-GPU tests: the fused layer beside an all_gather, both process models, FP8; the
+#      cuda backend's two-process EP and training tests (the CE and balance kernels run per
+#      device under the example's mesh: never yet on 2 GPUs);
+#   2. the layer at EP = 2, cuda and fused in one run (issue 14's EP = 2 bars);
+#   3. the example on a data=1,expert=2 mesh, 20 steps.
+# Each step has its own time limit, so that one hang does not take the others.
 #
 #   OUT=... scripts/next_device_call.sh      (carry .whl: the CUTLASS wheel)
 set -uo pipefail
@@ -16,26 +18,17 @@ OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false MEGAMOE_EP_TIMEOUT_S=10
-LAYERS=${LAYERS:-8}
-REMAT=${REMAT:-full}
 
+nvidia-smi -L | tee "$OUT/gpus.txt"
+[ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "needs two GPUs"; exit 2; }
 JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
-python3 -m pytest -q -rs -m gpu tests/test_cross_entropy_kernel.py tests/test_balance_kernel.py \
-  2>&1 | tee "$OUT/tests_kernels.log"
-profile() {  # $1: both kernels on (1) or off (0)
-  MEGAMOE_CE_KERNEL=$1 MEGAMOE_BALANCE_KERNEL=$1 timeout 240 python3 benchmarks/profile_step.py \
-    --backend cuda --data random --layers "$LAYERS" --remat "$REMAT" --trace-dir "/tmp/prof_k$1" \
-    --out "$OUT/profile_step_30b_${LAYERS}l_${REMAT}_kernels$1.json" --md "" 2>&1 \
-    | tee "$OUT/profile_${LAYERS}l_${REMAT}_kernels$1.log" | tail -40
-}
-# Bar 2's figure first, then bar 3, then the kernels-off comparison: a call cut by its time
-# limit loses the least needed part.
-profile 1
-if [ "${BAR3:-1}" != 0 ]; then
-  timeout 240 python3 examples/train_qwen3_moe.py --config qwen3-30b-a3b --num-layers 4 \
-    --seq-len 4096 --batch 4 --ce-chunk 1024 --lr 3e-4 --backend cuda --attention cudnn \
-    --steps 50 --log_every 10 --checkpoint_every 0 --out /tmp/bar3 2>&1 | tail -20 \
-    | tee "$OUT/bar3.log"
-  cp /tmp/bar3/metrics.jsonl "$OUT/metrics_bar3.jsonl"
-fi
-profile 0
+timeout 240 python3 -m pytest -q -rs -m multigpu tests/test_fused_multigpu.py \
+  tests/test_ep_two_process.py tests/test_two_process_training.py 2>&1 \
+  | tee "$OUT/tests_multigpu.log" | tail -15
+timeout 200 python3 benchmarks/bench_layer.py --passes fwd --shapes 30b,235b \
+  --recipes bf16,fp8 --impls megamoe:cuda,megamoe:fused --ep 2 --reps 10 --isolate off \
+  --out "$OUT/layer_fwd_ep2.json" 2>&1 | tee "$OUT/layer_fwd_ep2.log" | tail -20
+timeout 150 python3 examples/train_qwen3_moe.py --config qwen3-30b-a3b --num-layers 4 \
+  --seq-len 4096 --batch 8 --ce-chunk 1024 --lr 3e-4 --backend cuda --attention cudnn \
+  --mesh data=1,expert=2 --steps 20 --log_every 10 --checkpoint_every 0 --out /tmp/ep2 2>&1 \
+  | tr '\r' '\n' | grep -v "step/s\|s/step" | tail -12 | tee "$OUT/example_ep2.log"
