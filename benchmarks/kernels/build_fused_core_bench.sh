@@ -1,7 +1,9 @@
 #!/bin/sh
 # Builds the standalone harnesses of the fused MoE GEMM core (sm_90a, static cudart, no JAX):
 # fused_core_bench (bf16), fused_core_fp8_bench (the e4m3 path) and fused_dgrad_bench (the
-# backward's dgrad GEMMs, linked with backend cuda's SwiGLU kernels to check against them).
+# backward's dgrad GEMMs, linked with backend cuda's SwiGLU kernels to check against them); and
+# the first two again with the engine's cycle accounting (ffi/gemm/sm90_engine_profile.cuh) as
+# fused_core_bench_profile and fused_core_fp8_bench_profile.
 # Usage: benchmarks/kernels/build_fused_core_bench.sh [out_dir]   (default: build/fused_core)
 set -e
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -9,7 +11,7 @@ OUT=${1:-$ROOT/build/fused_core}
 CUTLASS=${CUTLASS_INCLUDE:-/work/venv/lib/python3.11/site-packages/cutlass_library/source/include}
 mkdir -p "$OUT"
 # build NAME LOG KERNEL [SOURCE...]: benchmarks/kernels/NAME.cu (+ SOURCEs under the root) ->
-# $OUT/NAME, ptxas's report in $OUT/LOG (its register, spill and stack lines for KERNEL printed,
+# $OUT/NAME$SUFFIX, compiled with $DEFINES; ptxas's report in $OUT/LOG (its register, spill and stack lines for KERNEL printed,
 # and its C75xx notes: wgmma serialised, printed as "info" lines).
 build() {
   name=$1 log=$2 kernel=$3
@@ -18,12 +20,14 @@ build() {
   for s in "$@"; do extra="$extra $ROOT/$s"; done
   # shellcheck disable=SC2086
   nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a \
-    --expt-relaxed-constexpr -Xptxas -v -DNDEBUG \
+    --expt-relaxed-constexpr -Xptxas -v -DNDEBUG ${DEFINES:-} \
     -I"$ROOT" -I"$CUTLASS" \
-    "$ROOT/benchmarks/kernels/$name.cu" $extra -o "$OUT/$name" 2>&1 | \
+    "$ROOT/benchmarks/kernels/$name.cu" $extra -o "$OUT/$name${SUFFIX:-}" 2>&1 | \
     tee "$OUT/$log" | grep -E "error|warning|C75|registers|spill|stack|$kernel" || true
-  test -x "$OUT/$name"
+  test -x "$OUT/$name${SUFFIX:-}"
 }
 build fused_core_bench ptxas.log MoeCore
 build fused_core_fp8_bench ptxas_fp8.log Fp8Core
 build fused_dgrad_bench ptxas_dgrad.log MoeCore ffi/impls/grouped_swiglu.cu
+DEFINES=-DMEGAMOE_ENGINE_PROFILE=1 SUFFIX=_profile build fused_core_bench ptxas_profile.log MoeCore
+DEFINES=-DMEGAMOE_ENGINE_PROFILE=1 SUFFIX=_profile build fused_core_fp8_bench ptxas_fp8_profile.log Fp8Core

@@ -40,6 +40,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "benchmarks/kernels/engine_profile_report.h"
 #include "benchmarks/kernels/harness_host.h"
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
@@ -442,6 +443,12 @@ static bool RunProblem(const Problem& pb, bool pow2, int sms, bool time_it, bool
         printf("    %s%s median %.3f ms  %.0f TFLOP/s (useful)\n",
                kind == kL1GateUp ? "L1" : "L2", mode.name, ms[ms.size() / 2],
                flop / (ms[ms.size() / 2] * 1e-3) / 1e12);
+        if (profile::kEnabled) {  // the last launch's cycle accounting
+          char label[128];
+          snprintf(label, sizeof(label), "%s %s%s", pb.name.c_str(),
+                   kind == kL1GateUp ? "L1" : "L2", mode.name);
+          engine_profile::Report(label, sms);
+        }
       }
     }
     prm.bench_skip_epilogue = 0;

@@ -143,6 +143,7 @@
 #include "cutlass/arch/reg_reconfig.h"
 #include "ffi/common/fp8_quotient.cuh"
 #include "ffi/common/swiglu_math.cuh"
+#include "ffi/gemm/sm90_engine_profile.cuh"
 #include "ffi/layout/fp8_blocks.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
 
@@ -573,17 +574,22 @@ struct Sm90MoeTileEngine {
       }
     }
     uint32_t it = 0, jn = 0;
+    profile::RoleSums<profile::kProducerSlots> prof;  // (empty unless MEGAMOE_ENGINE_PROFILE)
+    prof.set(profile::kPBeginClk, profile::clock32());
     while (true) {
       ExpertTile job;
       const bool more = sched.next(job);
       if (!more) job.kind = -1;
       const int slot = jn % kJobSlots;
+      const uint32_t job_clk = profile::clock32();
       Barrier::wait(&ss.job_empty[slot], ((jn / kJobSlots) & 1) ^ 1);
+      prof.since(profile::kPJobEmptyWait, job_clk);
       if (lane == 0) ss.jobs[slot] = job;
       __syncwarp();  // the job's store before the arrive (ClusterBarrier::arrive has no clobber)
       if (lane == 0) Barrier::arrive(&ss.job_full[slot]);
       ++jn;
       if (!more) break;
+      prof.count(profile::kPTiles, 1);
 
       const GemmOperands& op = p.op[job.kind];
       if constexpr (kFp8) {
@@ -620,7 +626,9 @@ struct Sm90MoeTileEngine {
                             : nb * kBlockN + lane * 64;
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
         const int s = it % kStages;
+        const uint32_t empty_clk = profile::clock32();
         Barrier::wait(&ss.empty[s], ((it / kStages) & 1) ^ 1);
+        prof.since(profile::kPEmptyWait, empty_clk);
         if (lane == 0) Barrier::expect_transaction(&ss.full[s], kBBytes + a_bytes);
         __syncwarp();
         if constexpr (kBKMajor) {
@@ -648,8 +656,10 @@ struct Sm90MoeTileEngine {
         }
         if (kb == 0) {
           // B of the first stage is already on its way; now wait for the tile's rows.
+          const uint32_t rows_clk = profile::clock32();
           if (lane == 0) hooks.wait_rows_ready(job);
           __syncwarp();
+          prof.since(profile::kPRowsWait, rows_clk);
           detail::fence_proxy_async_global();
         }
         if (mode == ALoad::kTmaBlock) {
@@ -684,6 +694,8 @@ struct Sm90MoeTileEngine {
         }
       }
     }
+    prof.set(profile::kPEndClk, profile::clock32());
+    if (lane == 0) prof.flush(profile::kProducer, profile::kProducerEndNs);
   }
 
   // One FP8 tile's stages (producer warp, all lanes): per 128 of K the two B blocks (lanes 0, 1),
@@ -1008,10 +1020,15 @@ struct Sm90MoeTileEngine {
                             ((uint32_t(rd_chunk) ^ uint32_t(rd_row0 & 7)) << 4);
     // FP8: one 128-column half of a stage, before its promotion.
     [[maybe_unused]] float tmp[kFp8 ? 64 : 1];
+    profile::RoleSums<profile::kWgSlots> prof;  // (empty unless MEGAMOE_ENGINE_PROFILE)
+    prof.set(profile::kWgBeginClk, profile::clock32());
+    uint32_t epilogue_clk = 0;
     while (true) {
       const int slot = jn % kJobSlots;
       const uint32_t job_phase = (jn / kJobSlots) & 1;
+      const uint32_t job_clk = profile::clock32();
       Barrier::wait(&ss.job_full[slot], job_phase);
+      prof.since(profile::kWgJobWait, job_clk);
       detail::compiler_barrier();  // the wait's asm has no memory clobber: read the job after it
       const ExpertTile job = ss.jobs[slot];
       __syncwarp();
@@ -1049,13 +1066,16 @@ struct Sm90MoeTileEngine {
       // the staging vectors spill).
 #pragma unroll
       for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+      const uint32_t mainloop_clk = profile::clock32();
       if constexpr (kFp8) {
         mainloop_fp8(ss, num_kb, op.sa_unaligned ? 0 : (job.row_begin & 3), wg, warp_in_wg,
                      lane, it, acc, tmp);
       } else {
       for (int kb = 0; kb < num_kb; ++kb, ++it) {
         const int s = it % kStages;
+        const uint32_t full_clk = profile::clock32();
         Barrier::wait(&ss.full[s], (it / kStages) & 1);
+        prof.since(profile::kWgFullWait, full_clk);
         if (fence_a) cutlass::arch::fence_view_async_shared();  // cp.async (generic) -> wgmma
         const uint32_t a_addr = detail::smem_u32(ss.a[s]) + wg * (64 * 128);
         const uint32_t b_addr = detail::smem_u32(ss.b[s]);
@@ -1095,6 +1115,10 @@ struct Sm90MoeTileEngine {
 #pragma unroll
       for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
       }
+      prof.since(profile::kWgMainloop, mainloop_clk);
+      prof.count(profile::kWgKBlocks, uint32_t(num_kb));
+      prof.count(profile::kWgTiles, 1);
+      epilogue_clk = profile::clock32();
 
       // Warpgroup wg stages into stage s_w (0: the tile's last, 1: the one before), once both
       // warpgroups are done reading the tile's stages.
@@ -1185,6 +1209,7 @@ struct Sm90MoeTileEngine {
                 put_tma(2, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
               }
               epilogue_h_fp8(ss, p, job, hv, slot_base, s_w, wg, warp_in_wg, lane, t);
+              prof.since(profile::kWgEpilogue, epilogue_clk);
               Barrier::arrive(&ss.stored[slot]);
               continue;
             }
@@ -1251,10 +1276,14 @@ struct Sm90MoeTileEngine {
       if (gate_up_tma) cute::tma_store_wait<0>();  // TMA has read gate_up's slots
       __syncwarp();
       if (lane == 0) release_stage(ss, s_w, 2);  // 4 warps x 2 = 8
+      prof.since(profile::kWgEpilogue, epilogue_clk);
       Barrier::arrive(&ss.stored[slot]);
     }
     // gate_up's TMA stores complete before the kernel's blocks may exit.
     if (p.gate_up != nullptr && t == 0) detail::bulk_store_wait_all();
+    prof.set(profile::kWgEndClk, profile::clock32());
+    if (t == 0) prof.flush(wg == 0 ? profile::kWg0 : profile::kWg1,
+                           wg == 0 ? profile::kWg0EndNs : profile::kWg1EndNs);
   }
 
   // A math warp hands stage s back (bf16 path): `count` arrivals on this CTA's empty[s] and,
@@ -1319,6 +1348,7 @@ struct Sm90MoeTileEngine {
   __device__ static void run_roles(SharedStorage& ss, const Params& p, Scheduler& sched,
                                    const Hooks& hooks) {
     const int warp = threadIdx.x / 32;
+    if (threadIdx.x == 0) profile::cta_begin();
     if (warp < kFirstMathWarp) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       if (warp == kProducerWarp) producer(ss, p, sched, hooks);
