@@ -11,6 +11,7 @@
 #pragma once
 
 #include "ffi/comm/row_transfer.cuh"
+#include "ffi/common/warp_reduce.cuh"
 
 namespace megamoe::ep {
 
@@ -100,9 +101,7 @@ __device__ __forceinline__ float WarpSlotScaleDot(const uint4 (&gv)[kVecs],
       drow[c] = Pack(df, static_cast<const T*>(nullptr));
     }
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-  return dot;
+  return WarpReduce(dot, [](float a, float b) { return a + b; });
 }
 
 }  // namespace megamoe::ep

@@ -7,6 +7,7 @@
 #include "ffi/common/fp8_quotient.cuh"
 #include "ffi/common/launch_error.h"
 #include "ffi/common/swiglu_math.cuh"
+#include "ffi/common/warp_reduce.cuh"
 #include "ffi/impls/fp8_quantize.h"
 #include "ffi/layout/fp8_blocks.h"
 #include "ffi/scheduler/group_offsets.h"
@@ -63,8 +64,7 @@ __device__ __forceinline__ bool LocateSixteen(int64_t rows, int64_t blocks_per_r
 // The max of `amax` over the 256 threads of the block (all of them must call it).
 __device__ __forceinline__ float BlockAmax256(float amax) {
   __shared__ float warp_max[8];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  amax = WarpMax(amax);
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
   __syncthreads();
   amax = warp_max[0];
