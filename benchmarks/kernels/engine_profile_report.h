@@ -1,7 +1,7 @@
 // The tile engine's cycle accounting (ffi/gemm/sm90_engine_profile.cuh), read back after one
 // launch of a harness built with -DMEGAMOE_ENGINE_PROFILE=1 and printed as one block: where
-// each consumer warpgroup's cycles went, the mainloop's cycles per stage against the tensor
-// cores' 1,024 (a 128 x 256 x 64 bf16 stage, or 128 x 256 x 128 e4m3, at 4,096 / 8,192 dense
+// each consumer warpgroup's cycles went (the bf16 epilogue by part), the mainloop's cycles per
+// stage against the tensor cores' 1,024 (a 128 x 256 x 64 bf16 stage, or 128 x 256 x 128 e4m3, at 4,096 / 8,192 dense
 // FLOP per SM cycle), what the producer waited for, and how unevenly the CTAs finished.
 #pragma once
 
@@ -46,6 +46,7 @@ inline void Report(const char* label, int grid) {
     const int b = wg == 0 ? prof::kWg0 : prof::kWg1;
     const int end_ns = wg == 0 ? prof::kWg0EndNs : prof::kWg1EndNs;
     double total = 0, job = 0, full = 0, ml = 0, epi = 0, kbs = 0, tiles = 0, ns = 0;
+    double parts[4] = {0, 0, 0, 0};  // the epilogue's: other warpgroup, staging, dst, stores
     for (int c = 0; c < n; ++c) {
       // 32-bit clock: the role's span is its end minus its start, modulo 2^32.
       total += double(uint32_t(uint32_t(at(c, b + prof::kWgEndClk)) -
@@ -56,6 +57,7 @@ inline void Report(const char* label, int grid) {
       epi += at(c, b + prof::kWgEpilogue);
       kbs += at(c, b + prof::kWgKBlocks);
       tiles += at(c, b + prof::kWgTiles);
+      for (int i = 0; i < 4; ++i) parts[i] += at(c, b + prof::kWgEpiBothWg + i);
       ns += at(c, end_ns) - at(c, prof::kBeginNs);
     }
     const double other = total - job - ml - epi;
@@ -64,9 +66,15 @@ inline void Report(const char* label, int grid) {
            wg, total * 1e-6, n, ns > 0 ? total / ns : 0.0, 100 * job / total, 100 * ml / total,
            100 * full / total, 100 * epi / total, 100 * other / total);
     if (tiles > 0 && kbs > 0)
-      printf("       per tile: mainloop %.0f cycles (%.1f stages, %.0f cycles a stage without "
-             "the data waits; the tensor cores' floor 1024), epilogue %.0f, job wait %.0f\n",
-             ml / tiles, kbs / tiles, (ml - full) / kbs, epi / tiles, job / tiles);
+      printf("       per tile: mainloop %.0f cycles (%.1f stages: %.0f cycles a stage, the tensor "
+             "cores' floor 1024; %.0f less the data waits, which overlap wgmma in flight), "
+             "epilogue %.0f, job wait %.0f\n",
+             ml / tiles, kbs / tiles, ml / kbs, (ml - full) / kbs, epi / tiles, job / tiles);
+    if (tiles > 0)
+      printf("       epilogue per tile: other warpgroup %.0f, math + staging %.0f, gate_up + "
+             "row destinations %.0f, reads + stores %.0f, fence + release %.0f cycles\n",
+             parts[0] / tiles, parts[1] / tiles, parts[2] / tiles, parts[3] / tiles,
+             (epi - parts[0] - parts[1] - parts[2] - parts[3]) / tiles);
   }
   double total = 0, job = 0, empty = 0, rows = 0, tiles = 0;
   for (int c = 0; c < n; ++c) {

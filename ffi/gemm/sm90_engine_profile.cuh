@@ -28,6 +28,11 @@ enum WgSlot : int {
   kWgEpilogue,      // last wgmma retired .. the tile's `stored` arrival
   kWgKBlocks,       // stages consumed (count)
   kWgTiles,         // tiles (count)
+  // The bf16 epilogue's parts (their sum is kWgEpilogue, less the release at its end):
+  kWgEpiBothWg,     // waiting for the other warpgroup to finish reading the tile's stages
+  kWgEpiStage,      // math (SwiGLU) and fragments into the staging slots, warpgroup barrier
+  kWgEpiDst,        // gate_up's TMA stores issued; waiting for the rows' destinations
+  kWgEpiStore,      // the slots read back and the global stores issued
   kWgBeginClk,      // clock at the role's start and end
   kWgEndClk,
   kWgSlots

@@ -1127,6 +1127,8 @@ struct Sm90MoeTileEngine {
                                      detail::smem_u32(ss.b[s_w]) + kSlotBytes,
                                      detail::smem_u32(ss.a[s_w])};
       detail::named_barrier_sync(kBothWgBarrier, kMathThreads);
+      prof.since(profile::kWgEpiBothWg, epilogue_clk);
+      uint32_t part_clk = profile::clock32();
 
       // Fragment -> staging slot: v(ii, hh) is this thread's packed bf16x2 of slot columns
       // 8 ii + 2 (lane % 4) + {0, 1}, row (lane / 4) + 8 hh of its 16-row slice; accumulator
@@ -1226,6 +1228,8 @@ struct Sm90MoeTileEngine {
         }
         detail::named_barrier_sync(kFirstWgBarrier + wg, 128);
       }
+      prof.since(profile::kWgEpiStage, part_clk);
+      part_clk = profile::clock32();
       // Each row of a slot is 256 contiguous bytes of the destination row: 16 lanes per row,
       // 2 rows per warp instruction. Slot by slot (h; L2's two column halves): a thread's 8
       // vectors of the slot read and stored, then the stage handed back to the producer (the
@@ -1251,6 +1255,8 @@ struct Sm90MoeTileEngine {
         if (!uses_row_dst(p, job)) __trap();
         Barrier::wait(&ss.dst_ready[slot], job_phase);
       }
+      prof.since(profile::kWgEpiDst, part_clk);
+      part_clk = profile::clock32();
       if constexpr (kDgrad) {
         if (dh_tile)
           epilogue_swiglu_backward(p, job, slot_base, read_slots, wg, rd_row0, rd_chunk, rd_off);
@@ -1272,6 +1278,7 @@ struct Sm90MoeTileEngine {
           }
         }
       }
+      prof.since(profile::kWgEpiStore, part_clk);
       cutlass::arch::fence_view_async_shared();
       if (gate_up_tma) cute::tma_store_wait<0>();  // TMA has read gate_up's slots
       __syncwarp();
