@@ -367,6 +367,35 @@ def test_copy_before_or_beside_the_gemms_changes_no_bit(monkeypatch, num_ranks, 
     ws.close()
 
 
+@pytest.mark.parametrize("recipe", [None, "fp8"])
+@pytest.mark.parametrize("tokens, kind", [(1000, "masked"), (37, "uniform"), (300, "sparse")])
+def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
+  """One rank alone, L2's rows go out by TMA boxes (MEGAMOE_FUSED_L2_TMA=1) or by 16-byte
+  stores (0; unset: the default of ffi/heuristics/fused_l2_store.h): y, the residuals the backward reads and every gradient are the same bit
+  for bit. Full and part-filled warpgroups (an expert's last tile: its rows go by generic
+  stores either way), empty experts and one-row experts ("sparse"). A bad value is refused by
+  name."""
+  args = _inputs(91 + tokens, tokens, 24, 4, kind)
+  layer = lambda *a: jm.moe(*a, backend="fused", recipe=recipe)
+  outs = {}
+  for mode in ("0", "1", None):
+    if mode is None:
+      monkeypatch.delenv("MEGAMOE_FUSED_L2_TMA", raising=False)
+    else:
+      monkeypatch.setenv("MEGAMOE_FUSED_L2_TMA", mode)
+    _poison()
+    outs[mode] = _value_and_grads(layer, *args)
+  assert np.all(np.isfinite(np.asarray(outs[None][0], np.float32))), "y has non-finite rows"
+  _assert_bitwise(outs["0"], outs["1"])
+  _assert_bitwise(outs["0"], outs[None])
+  if recipe is None:
+    ep_helpers.assert_errors_below(_errors(outs[None], _value_and_grads(_reference, *args)),
+                                   1e-2)
+  monkeypatch.setenv("MEGAMOE_FUSED_L2_TMA", "2")
+  with pytest.raises(Exception, match=r"MEGAMOE_FUSED_L2_TMA must be 0 or 1"):
+    jax.block_until_ready(jax.jit(layer)(*args[:5]))
+
+
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
 @pytest.mark.parametrize("kind", ["uniform", "one_expert", "masked"])
 def test_virtual_ranks_match_reference(num_ranks, kind):

@@ -140,6 +140,9 @@ struct Variant {
   // rate), 2 the epilogue without its global stores, 3 the staging only, 4 as 1 with the row
   // destinations looked up.
   int skip_epi = 0;
+  // L2's rows contiguous at their group rows (identity destinations), stored by TMA boxes
+  // (EngineParams::l2_rows), as the fused forward does with one rank alone.
+  bool l2_tma = false;
 };
 
 struct Launcher {
@@ -222,6 +225,11 @@ static Params MakeParams(DeviceProblem& d, const Variant& v, int xi, bool b_kmaj
   prm.l1_raw_gate = v.raw_gate ? 1 : 0;
   prm.bench_skip_epilogue = v.skip_epi;
   prm.l2_dest = IndexedRowDest{d.out, d.dest_row, H};
+  if (v.l2_tma) {
+    prm.l2_rows = d.out;
+    prm.l2_rows_ld = H;
+    CheckStr(MakeRowMajorTensorMap(&prm.l2_rows_map, d.out, R, H, H, 64, 64));
+  }
   return prm;
 }
 
@@ -266,7 +274,7 @@ static CheckResult Check(DeviceProblem& d, const Variant& v, int xi,
     s_expert[i] = int32_t(std::upper_bound(p.offsets.begin(), p.offsets.end(), r) -
                           p.offsets.begin() - 1);
     s_token[i] = p.row_token[r];
-    s_dest[i] = p.dest_row[r];
+    s_dest[i] = v.l2_tma ? r : p.dest_row[r];
   }
   int32_t* d_samples = DevCopy(samples);
   int32_t* d_expert = DevCopy(s_expert);
@@ -445,6 +453,10 @@ int main(int argc, char** argv) {
        false, 4},
       {"L1 contiguous-A, no global stores (timing)", 1, ALoad::kTmaBlock, false, 0, false, 2},
       {"L1 contiguous-A, staging only (timing)", 1, ALoad::kTmaBlock, false, 0, false, 3},
+      // L2's rows by TMA to contiguous destinations (the fused forward at one rank).
+      {"L2, rows by TMA (contiguous)", 2, ALoad::kTmaBlock, false, 0, false, 0, true},
+      {"L1+L2 one launch, L2 rows by TMA", 3, ALoad::kTmaBlock, false, 0, false, 0, true},
+      {"L1+L2 one launch +gate_up, L2 rows by TMA", 3, ALoad::kTmaBlock, true, 0, false, 0, true},
   };
   constexpr int kOneLaunchVariant = 10;  // "L1+L2 one launch, contiguous-A"
 

@@ -230,6 +230,17 @@ struct alignas(128) EngineParams {
   // l2_copy_ld (nullptr: none). The fused forward keeps L2's rows there for the backward.
   __nv_bfloat16* l2_copy = nullptr;
   int64_t l2_copy_ld = 0;
+  // Optional (the forward, either element type: L2's output is bf16; l2_copy unset): every L2
+  // output row r of a tile goes to l2_rows + (row_begin + r) * l2_rows_ld, i.e. the rows are
+  // contiguous in group order (the fused kernel's comb buffer with one rank alone). L2 then
+  // stages its tile in TMA layout and a full warpgroup's 64 rows go out as four {64, 64} boxes
+  // of l2_rows_map ([rows, N] bf16, 128B swizzle): the stage goes back once TMA has read it,
+  // while the stores drain beside the next tile (FUSED_CORE_NOTES, session 31: the generic
+  // stores took ~2,800 cycles a 30B tile). The stores complete before the role ends
+  // (bulk_store_wait_all). l2_dest is not used then.
+  CUtensorMap l2_rows_map;
+  __nv_bfloat16* l2_rows = nullptr;
+  int64_t l2_rows_ld = 0;
   // FP8 only: L1 stores h as e4m3 rows h_q [rows, f] and its 1 x 128 scales
   // h_scale[(c / 128) * h_scale_pitch + row] (h is not stored in bf16; gate_up is when given).
   uint8_t* h_q;
@@ -538,6 +549,12 @@ struct Sm90MoeTileEngine {
     cutlass::arch::fence_barrier_init();
   }
 
+  // Whether an L2 tile's rows go out by TMA to p.l2_rows (see EngineParams::l2_rows).
+  template <class Params>
+  __device__ static bool l2_rows_by_tma(const Params& p, const ExpertTile& job) {
+    return !kDgrad && job.kind == kL2Down && p.l2_rows != nullptr && p.l2_copy == nullptr;
+  }
+
   // Whether a tile's epilogue stores through ss.row_dst: not FP8 L1 (its own epilogue), not a
   // dgrad dh tile (the SwiGLU backward writes dgate_up itself), not bench mode 1.
   template <class Params>
@@ -545,6 +562,7 @@ struct Sm90MoeTileEngine {
     const bool l1 = job.kind == kL1GateUp && !kDgrad;
     if (kFp8 && l1) return false;
     if (kDgrad && job.kind == kDgradDh) return false;
+    if (l2_rows_by_tma(p, job)) return false;
     return p.bench_skip_epilogue != 1;
   }
 
@@ -832,42 +850,50 @@ struct Sm90MoeTileEngine {
   // L1's residual gate_up of one consumer warpgroup, staged in slots 1 (gate) and 2 (up) in the
   // TMA layout (kTmaHalfBytes) and made visible to the async proxy before the warpgroup's
   // barrier. A warpgroup whose 64 rows all lie in the tile hands them to TMA: thread 0 issues
-  // four {64, 64} boxes and returns true; it must wait for their shared-memory reads
-  // (cute::tma_store_wait<0>) before the stage goes back. The stores themselves then drain
+  // four {64, 64} boxes and returns true (store_slots_tma). The stores themselves then drain
   // while the next tile runs. (Stored by generic stores, as before session 22, they held up the
-  // release: its proxy fence waits for them; +0.94 ms of the 235B one-rank forward, RESULTS
-  // session 21; with TMA +0.18.) A part-filled
-  // warpgroup (an expert's last tile) stores its rows with 16-byte stores, rows t / 16 + 8 k,
-  // chunk t % 16, as the staged slots are read elsewhere; the rows past the tile belong to the
-  // next expert, so no box may write them.
+  // release: +0.94 ms of the 235B one-rank forward, RESULTS session 21; with TMA +0.18.)
   template <class Params>
   __device__ static bool store_gate_up(SharedStorage& ss, const Params& p, const ExpertTile& job,
                                        const uint32_t (&slot_base)[3], int s_w, int wg, int t) {
-    const int row0 = 64 * wg;
     if (p.bench_skip_epilogue == 2) return false;
+    return store_slots_tma(p.gate_up_map, p.gate_up, 2 * int64_t(p.f),
+                           {ss.b[s_w] + kSlotBytes, ss.a[s_w]}, {slot_base[1], slot_base[2]},
+                           {job.n_block * 128, p.f + job.n_block * 128}, job, wg, t);
+  }
+
+  // Two TMA-layout staging slots of warpgroup wg (64 rows x 128 columns each: slot i holds the
+  // destination's columns col[i] ..) to rows row_begin + 64 wg .. of a row-major bf16 matrix
+  // `dst` (row pitch ld elements; `map` its TMA map, box {64, 64}). A full warpgroup: thread 0
+  // issues four boxes and commits them as one bulk group (returns true there: that thread must
+  // wait for TMA's reads, cute::tma_store_wait<0>, before the stage goes back). A part-filled
+  // one (an expert's last tile): 16-byte stores of the rows inside the tile, rows t / 16 + 8 k,
+  // chunk t % 16; the rows past the tile belong to the next expert, so no box may write them.
+  __device__ static bool store_slots_tma(const CUtensorMap& map, __nv_bfloat16* dst, int64_t ld,
+                                         uint8_t* const (&slot_ptr)[2],
+                                         const uint32_t (&slot_addr)[2], const int (&col)[2],
+                                         const ExpertTile& job, int wg, int t) {
+    const int row0 = 64 * wg;
     if (job.rows >= row0 + 64) {
       if (t != 0) return false;
-      uint8_t* const slot_ptr[2] = {ss.b[s_w] + kSlotBytes, ss.a[s_w]};
 #pragma unroll
       for (int sl = 0; sl < 2; ++sl)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-          cute::SM90_TMA_STORE_2D::copy(&p.gate_up_map, slot_ptr[sl] + half * kTmaHalfBytes,
-                                        (sl == 1 ? p.f : 0) + job.n_block * 128 + half * 64,
-                                        job.row_begin + row0);
+          cute::SM90_TMA_STORE_2D::copy(&map, slot_ptr[sl] + half * kTmaHalfBytes,
+                                        col[sl] + half * 64, job.row_begin + row0);
       cute::tma_store_arrive();
       return true;
     }
     const int r0 = t >> 4, chunk = t & 15;
 #pragma unroll
-    for (int sl = 1; sl < 3; ++sl) {
+    for (int sl = 0; sl < 2; ++sl) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const int r = r0 + 8 * k;
         if (row0 + r >= job.rows) continue;
-        const uint4 val = detail::ld_shared_v4(slot_base[sl] + tma_slot_offset(r, chunk));
-        detail::st_global_v4(p.gate_up + int64_t(job.row_begin + row0 + r) * 2 * p.f +
-                                 (sl == 2 ? p.f : 0) + job.n_block * 128 + chunk * 8,
+        const uint4 val = detail::ld_shared_v4(slot_addr[sl] + tma_slot_offset(r, chunk));
+        detail::st_global_v4(dst + int64_t(job.row_begin + row0 + r) * ld + col[sl] + chunk * 8,
                              val);
       }
     }
@@ -1047,6 +1073,8 @@ struct Sm90MoeTileEngine {
       const int nslots = p.bench_skip_epilogue == 1 || p.bench_skip_epilogue == 4 ? 0
                          : l1 ? (!kFp8 && p.gate_up != nullptr ? 3 : 1)
                               : 2;
+      // L2's rows by TMA (EngineParams::l2_rows): staged in the TMA layout.
+      const bool l2_tma = nslots > 0 && l2_rows_by_tma(p, job);
       // (Each row's destination is in ss.row_dst[slot], from the signaller: dst_ready[slot].)
       if (dh_tile && nslots > 0) {
         // The epilogue's gate and up columns into L2 while the mainloop runs: 128 rows x
@@ -1222,6 +1250,10 @@ struct Sm90MoeTileEngine {
             put_tma(2, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
             cutlass::arch::fence_view_async_shared();
           }
+        } else if (l2_tma) {  // read by TMA: generic writes -> async proxy
+          put_tma(0, [&](int ii, int hh) { return acc_pair(ii, hh); });
+          put_tma(1, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
+          cutlass::arch::fence_view_async_shared();
         } else {
           put(0, [&](int ii, int hh) { return acc_pair(ii, hh); });
           put(1, [&](int ii, int hh) { return acc_pair(ii + 16, hh); });
@@ -1250,7 +1282,12 @@ struct Sm90MoeTileEngine {
       const int read_slots = p.bench_skip_epilogue == 3 ? 0 : nslots;
       const bool gate_up_tma =
           l1 && read_slots == 3 && store_gate_up(ss, p, job, slot_base, s_w, wg, t);
-      if (read_slots > 0 && !dh_tile) {
+      const bool l2_rows_tma =
+          l2_tma && read_slots > 0 && p.bench_skip_epilogue != 2 &&
+          store_slots_tma(p.l2_rows_map, p.l2_rows, p.l2_rows_ld,
+                          {ss.b[s_w], ss.b[s_w] + kSlotBytes}, {slot_base[0], slot_base[1]},
+                          {job.n_block * kBlockN, job.n_block * kBlockN + 128}, job, wg, t);
+      if (read_slots > 0 && !dh_tile && !l2_tma) {
         // The rows' destinations (the signaller's); uses_row_dst must agree with this path.
         if (!uses_row_dst(p, job)) __trap();
         Barrier::wait(&ss.dst_ready[slot], job_phase);
@@ -1261,8 +1298,9 @@ struct Sm90MoeTileEngine {
         if (dh_tile)
           epilogue_swiglu_backward(p, job, slot_base, read_slots, wg, rd_row0, rd_chunk, rd_off);
       }
-      const int generic_slots = dh_tile ? 0 : l1 ? (read_slots > 0 ? 1 : 0) : read_slots;
-      for (int sl = 0; sl < generic_slots; ++sl) {  // (dh tiles: above; gate_up: store_gate_up)
+      const int generic_slots = dh_tile || l2_tma ? 0 : l1 ? (read_slots > 0 ? 1 : 0) : read_slots;
+      // (dh tiles: above; gate_up: store_gate_up; L2 by TMA: store_slots_tma)
+      for (int sl = 0; sl < generic_slots; ++sl) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const uint4 val = detail::ld_shared_v4(slot_base[sl] + rd_off + k * 8 * kSlotRowBytes);
@@ -1280,14 +1318,19 @@ struct Sm90MoeTileEngine {
       }
       prof.since(profile::kWgEpiStore, part_clk);
       cutlass::arch::fence_view_async_shared();
-      if (gate_up_tma) cute::tma_store_wait<0>();  // TMA has read gate_up's slots
+      if (gate_up_tma || l2_rows_tma) cute::tma_store_wait<0>();  // TMA has read the slots
       __syncwarp();
       if (lane == 0) release_stage(ss, s_w, 2);  // 4 warps x 2 = 8
       prof.since(profile::kWgEpilogue, epilogue_clk);
       Barrier::arrive(&ss.stored[slot]);
     }
-    // gate_up's TMA stores complete before the kernel's blocks may exit.
-    if (p.gate_up != nullptr && t == 0) detail::bulk_store_wait_all();
+    // The TMA stores complete before the kernel's blocks may exit; L2's rows (read by the
+    // caller's later phases, e.g. the fused kernel's combine) are then made visible to generic
+    // reads as well.
+    if ((p.gate_up != nullptr || p.l2_rows != nullptr) && t == 0) {
+      detail::bulk_store_wait_all();
+      if (p.l2_rows != nullptr) detail::fence_proxy_async_global();
+    }
     prof.set(profile::kWgEndClk, profile::clock32());
     if (t == 0) prof.flush(wg == 0 ? profile::kWg0 : profile::kWg1,
                            wg == 0 ? profile::kWg0EndNs : profile::kWg1EndNs);

@@ -53,6 +53,7 @@
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
 #include "ffi/heuristics/fused_copy_head.h"
+#include "ffi/heuristics/fused_l2_store.h"
 #include "ffi/heuristics/fused_tile_order.h"
 #include "ffi/impls/fused_moe.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
@@ -896,6 +897,20 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     }
     ep_.l2_dest.num_ranks = R;
     ep_.l2_dest.hidden = static_cast<int32_t>(H);
+    // One rank alone: a slot's comb row is its pool row (fused_routing.cuh: both are the prefix
+    // of the same counts), so L2's rows are contiguous there and go out by TMA.
+    const int64_t comb_rows = std::min<int64_t>(p.n_cap, int64_t(p.num_tokens) * p.top_k);
+    bool l2_tma = false;
+    if (!(err = heuristics::FusedL2RowsByTma(R == 1 && count == 1 && comb_rows > 0, &l2_tma))
+             .empty())
+      return "fused forward: " + err;
+    if (l2_tma) {
+      ep_.l2_rows = reinterpret_cast<__nv_bfloat16*>(ep_.l2_dest.base[0] + ep_.l2_dest.comb_offset);
+      ep_.l2_rows_ld = H;
+      if (!(err = MakeRowMajorTensorMap(&ep_.l2_rows_map, ep_.l2_rows, comb_rows, H, H, 64, 64))
+               .empty())
+        return "fused forward: " + err;
+    }
     if (cudaError_t e = cudaMemsetAsync(o.stats, 0, 4 * sizeof(int32_t), stream); e != cudaSuccess)
       return std::string("fused forward: stats memset: ") + cudaGetErrorString(e);
   }

@@ -1,0 +1,39 @@
+// How the fused forward's L2 epilogue stores its rows when they are contiguous in pool order
+// (one rank alone: the comb buffer's row of a slot is its pool row), decided here for every
+// launch, with an environment override for benchmarking:
+//   MEGAMOE_FUSED_L2_TMA   "0": 16-byte generic stores through the per-row destinations, as
+//                          with several ranks; "1": TMA boxes of the staged tile
+//                          (sm90::EngineParams::l2_rows); unset: kFusedL2RowsByTmaDefault;
+//                          anything else refuses the call.
+// Why TMA: the engine's cycle accounting (benchmarks/kernels/FUSED_CORE_NOTES.md, session 31)
+// put the generic stores of a 30B L2 tile at ~2,800 cycles with the tensor cores idle; by TMA
+// the warpgroup waits only for TMA's shared-memory reads and the writes drain beside the next
+// tile. With several ranks the rows of a tile go to their sources' comb buffers, row by row,
+// and per-row TMA ops are op-bound (FUSED_CORE_NOTES, run 1): generic stores stay there.
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace megamoe::heuristics {
+
+// Off until measured on a GPU (session 31 wrote it; its tests and timings had not run yet).
+inline constexpr bool kFusedL2RowsByTmaDefault = false;
+
+// Whether L2's rows go out by TMA (one rank alone only). Returns an error text for a bad
+// override, else "" and sets *use.
+inline std::string FusedL2RowsByTma(bool one_rank, bool* use) {
+  bool on = kFusedL2RowsByTmaDefault;
+  if (const char* env = std::getenv("MEGAMOE_FUSED_L2_TMA"); env != nullptr && env[0] != '\0') {
+    if (std::strcmp(env, "0") == 0) {
+      on = false;
+    } else if (std::strcmp(env, "1") != 0) {
+      return std::string("MEGAMOE_FUSED_L2_TMA must be 0 or 1, got '") + env + "'";
+    }
+  }
+  *use = on && one_rank;
+  return "";
+}
+
+}  // namespace megamoe::heuristics
