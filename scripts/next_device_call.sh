@@ -2,16 +2,25 @@
 # The device call the last session prepared and could not run. Each session that leaves GPU
 # work behind rewrites it; its results go to benchmarks/RESULTS.md.
 #
-# After session 30 (issue 15's bars all measured on an H200): what is left needs two GPUs
-# (kind nvidia-h200-x2, not lent since session 8). Issue 14's items 3 and 7 and its EP = 2 bars:
+# With two GPUs (kind nvidia-h200-x2, not lent since session 8), issue 14's items 3 and 7 and
+# its EP = 2 bars:
 #   1. the multi-GPU tests: the fused layer beside an all_gather, both process models, FP8; the
 #      cuda backend's two-process EP and training tests (the CE and balance kernels run per
 #      device under the example's mesh: never yet on 2 GPUs);
 #   2. the layer at EP = 2, cuda and fused in one run (issue 14's EP = 2 bars);
 #   3. the example on a data=1,expert=2 mesh, 20 steps.
+# With one GPU (after session 31, whose calls all ran on an H100), issue 14 on the H200:
+#   1. the tile engine's cycle accounting at the layer's shapes (run_engine_profile.sh), and the
+#      mainloop with three stages against four (the handoff design's first price:
+#      FUSED_CORE_NOTES, session 31, "What would close it");
+#   2. L2's rows by TMA in the fused kernel, off and on (MEGAMOE_FUSED_L2_TMA; default off
+#      after the H100's parity);
+#   3. the fused tests that session 31's last call ran out of time for.
+# One GPU takes two calls (each under the 600 s limit): PART=profile (1 and 2, ~9 min with
+# the builds), then PART=tests on the same warm machine (3, ~5 min).
 # Each step has its own time limit, so that one hang does not take the others.
 #
-#   OUT=... scripts/next_device_call.sh      (carry .whl: the CUTLASS wheel)
+#   OUT=... [PART=profile|tests] scripts/next_device_call.sh      (carry .whl: the CUTLASS wheel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
@@ -20,8 +29,34 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export XLA_PYTHON_CLIENT_PREALLOCATE=false MEGAMOE_EP_TIMEOUT_S=10
 
 nvidia-smi -L | tee "$OUT/gpus.txt"
-[ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "needs two GPUs"; exit 2; }
+if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-profile}" = tests ]; then
+  ls jax_megamoe/_megamoe*.so >/dev/null 2>&1 || cp build/device/_megamoe*.so jax_megamoe/ ||
+    JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+  timeout 420 python3 -m pytest -q -rs -m gpu -k "not fp8 and not virtual" \
+    tests/test_fused_moe.py 2>&1 | tee "$OUT/tests_fused.log" | tail -5
+  exit 0
+fi
 JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
+  # device_run.sh's build unpacked the wheel's CUTLASS headers here.
+  export CUTLASS_INCLUDE=/tmp/cutlass/cutlass_library/source/include
+  timeout 240 sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
+    > "$OUT/harness_build.log" 2>&1
+  timeout 180 benchmarks/kernels/run_engine_profile.sh build/fused_core \
+    > "$OUT/engine_profile.log" 2>&1
+  grep -E "TFLOP|^profile|^  wg|^       " "$OUT/engine_profile.log" | tail -40
+  for e in 0 1; do for v in 4 9; do
+    timeout 60 build/fused_core/fused_core_bench --problem 2 --engine $e --variant $v --nocheck \
+      2>&1 | grep TFLOP | head -1 | tee -a "$OUT/stages_s3_s4.log"
+  done; done
+  for m in 0 1; do
+    MEGAMOE_FUSED_L2_TMA=$m timeout 120 python3 benchmarks/fused_phases.py --shapes 30b,235b \
+      --recipe bf16 --reps 10 2>&1 | tee -a "$OUT/fused_l2_tma.log" | grep kernel
+    MEGAMOE_FUSED_L2_TMA=$m timeout 90 python3 benchmarks/fused_phases.py --shapes 30b \
+      --recipe fp8 --reps 10 2>&1 | tee -a "$OUT/fused_l2_tma.log" | grep kernel
+  done
+  exit 0
+fi
 timeout 240 python3 -m pytest -q -rs -m multigpu tests/test_fused_multigpu.py \
   tests/test_ep_two_process.py tests/test_two_process_training.py 2>&1 \
   | tee "$OUT/tests_multigpu.log" | tail -15

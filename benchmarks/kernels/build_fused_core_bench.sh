@@ -11,8 +11,9 @@ OUT=${1:-$ROOT/build/fused_core}
 CUTLASS=${CUTLASS_INCLUDE:-/work/venv/lib/python3.11/site-packages/cutlass_library/source/include}
 mkdir -p "$OUT"
 # build NAME LOG KERNEL [SOURCE...]: benchmarks/kernels/NAME.cu (+ SOURCEs under the root) ->
-# $OUT/NAME$SUFFIX, compiled with $DEFINES; ptxas's report in $OUT/LOG (its register, spill and stack lines for KERNEL printed,
-# and its C75xx notes: wgmma serialised, printed as "info" lines).
+# $OUT/NAME$SUFFIX, compiled with $DEFINES; ptxas's report in $OUT/LOG (its register, spill and
+# stack lines for KERNEL printed, and its C75xx notes: wgmma serialised, printed as "info"
+# lines).
 build() {
   name=$1 log=$2 kernel=$3
   shift 3
@@ -26,8 +27,19 @@ build() {
     tee "$OUT/$log" | grep -E "error|warning|C75|registers|spill|stack|$kernel" || true
   test -x "$OUT/$name${SUFFIX:-}"
 }
-build fused_core_bench ptxas.log MoeCore
-build fused_core_fp8_bench ptxas_fp8.log Fp8Core
-build fused_dgrad_bench ptxas_dgrad.log MoeCore ffi/impls/grouped_swiglu.cu
-DEFINES=-DMEGAMOE_ENGINE_PROFILE=1 SUFFIX=_profile build fused_core_bench ptxas_profile.log MoeCore
-DEFINES=-DMEGAMOE_ENGINE_PROFILE=1 SUFFIX=_profile build fused_core_fp8_bench ptxas_fp8_profile.log Fp8Core
+# The five builds are independent: run at once (each prints its ptxas lines when it ends).
+build fused_core_bench ptxas.log MoeCore > "$OUT/.b1" 2>&1 &
+build fused_core_fp8_bench ptxas_fp8.log Fp8Core > "$OUT/.b2" 2>&1 &
+build fused_dgrad_bench ptxas_dgrad.log MoeCore ffi/impls/grouped_swiglu.cu > "$OUT/.b3" 2>&1 &
+DEFINES=-DMEGAMOE_ENGINE_PROFILE=1 SUFFIX=_profile \
+  build fused_core_bench ptxas_profile.log MoeCore > "$OUT/.b4" 2>&1 &
+DEFINES=-DMEGAMOE_ENGINE_PROFILE=1 SUFFIX=_profile \
+  build fused_core_fp8_bench ptxas_fp8_profile.log Fp8Core > "$OUT/.b5" 2>&1 &
+wait
+failed=0
+for i in 1 2 3 4 5; do cat "$OUT/.b$i"; rm -f "$OUT/.b$i"; done
+for b in fused_core_bench fused_core_fp8_bench fused_dgrad_bench fused_core_bench_profile \
+         fused_core_fp8_bench_profile; do
+  test -x "$OUT/$b" || { echo "build failed: $b"; failed=1; }
+done
+exit $failed
