@@ -21,8 +21,8 @@ namespace megamoe::heuristics {
 // Measured (benchmarks/RESULTS.md, session 31, one H100; both modes bitwise equal): the
 // harness's L2 alone 0.671 -> 0.635 ms at 30B and 3.645 -> 2.986 at 235B, but the fused kernel
 // (fused_phases.py) 2.401 -> 2.407 ms at 30B bf16, 9.767 -> 9.640 at 235B, 1.808 -> 1.809 at
-// 30B fp8: its tiles are held by the row copy beside them, not by L2's stores. Off until an
-// H200 shows a gain.
+// 30B fp8: the gain does not carry over to the kernel, whose tiles run beside the row copy
+// (how their cycles split there is not measured yet). Off until an H200 shows a gain.
 inline constexpr bool kFusedL2RowsByTmaDefault = false;
 
 // Whether L2's rows go out by TMA (one rank alone only). Returns an error text for a bad

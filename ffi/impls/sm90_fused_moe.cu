@@ -905,7 +905,8 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
              .empty())
       return "fused forward: " + err;
     if (l2_tma) {
-      ep_.l2_rows = reinterpret_cast<__nv_bfloat16*>(ep_.l2_dest.base[0] + ep_.l2_dest.comb_offset);
+      ep_.l2_rows =
+          reinterpret_cast<__nv_bfloat16*>(ep_.l2_dest.base[0] + ep_.l2_dest.comb_offset);
       ep_.l2_rows_ld = H;
       if (!(err = MakeRowMajorTensorMap(&ep_.l2_rows_map, ep_.l2_rows, comb_rows, H, H, 64, 64))
                .empty())
