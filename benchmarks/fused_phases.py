@@ -25,6 +25,13 @@ from there, waiting for every CTA's tiles). --copy-heads 100,12,0 times the kern
 those MEGAMOE_FUSED_COPY_HEAD values (the percent of the rows copied before the GEMMs; 100:
 the whole copy first), the calls interleaved value by value so that clocks and heat are shared.
 
+--engine-profile (an extension built with JAX_MEGAMOE_ENGINE_PROFILE=ON, e.g.
+`JAX_MEGAMOE_ENGINE_PROFILE=ON scripts/device_run.sh build`) also prints, after one more call,
+where the tile engine's cycles went inside the kernel (ffi/gemm/sm90_engine_profile.cuh): per
+consumer warpgroup the job waits, the mainloop (cycles a stage against the tensor cores' 1,024)
+and the epilogue by part; the producer's waits for free stages and for rows (the copy beside
+the tiles); over every CTA of the launch.
+
 --overhead also measures, for backends "fused" and "cuda" (the layer as bench_layer runs it),
 where a host-timed call's time goes beyond the kernels: the call timed alone
 (block_until_ready each call, as bench_layer does), the same calls queued back to back (one
@@ -139,6 +146,53 @@ def call_overhead(fn, args, reps: int) -> dict:
           "kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
+def engine_breakdown(layout: dict, values: np.ndarray) -> dict:
+  """fused.engine_profile()'s counters summed over the last launch's CTAs (rows whose start lies
+  within 1 ms of the latest: older rows are other launches'): per consumer warpgroup the share of
+  its cycles in each part and the per-tile figures, and the producer's waits."""
+  begin = values[:, layout["cta"]["begin_ns"]].astype(np.float64)
+  live = (begin > 0) & (begin >= begin.max() - 1e6)
+  v = values[live].astype(np.float64)
+  span = lambda s: float(np.sum((values[live, s["end_clk"]] - values[live, s["begin_clk"]])
+                                & np.uint64(0xFFFFFFFF)))  # 32-bit clocks
+  out = {"ctas": int(live.sum())}
+  for wg in ("wg0", "wg1"):
+    s = layout[wg]
+    total = span(s)
+    part = lambda name: float(v[:, s[name]].sum())
+    tiles, stages = max(part("tiles"), 1.0), max(part("kblocks"), 1.0)
+    out[wg] = {
+        "cycles": total,
+        "share_pct": {n: 100 * part(n) / total for n in ("job_wait", "mainloop", "full_wait",
+                                                          "epilogue")},
+        "mainloop_cycles_per_stage": part("mainloop") / stages,
+        "tiles": part("tiles"), "stages_per_tile": part("kblocks") / tiles,
+        "epilogue_cycles_per_tile": part("epilogue") / tiles,
+        "epilogue_parts_per_tile": {n: part(n) / tiles for n in ("epi_other_wg", "epi_stage",
+                                                                 "epi_dst", "epi_store")}}
+  s = layout["producer"]
+  total = span(s)
+  out["producer"] = {"tiles": float(v[:, s["tiles"]].sum()),
+                     **{f"{n}_pct": 100 * float(v[:, s[n]].sum()) / total
+                        for n in ("empty_wait", "job_empty_wait", "rows_wait")}}
+  return out
+
+
+def print_engine_breakdown(b: dict):
+  print(f"    engine, {b['ctas']} CTAs:")
+  for wg in ("wg0", "wg1"):
+    w, sh = b[wg], b[wg]["share_pct"]
+    parts = ", ".join(f"{n[4:]} {c:.0f}" for n, c in w["epilogue_parts_per_tile"].items())
+    print(f"      {wg}: mainloop {sh['mainloop']:.1f}% (stage data waits {sh['full_wait']:.1f}%), "
+          f"epilogue {sh['epilogue']:.1f}%, job waits {sh['job_wait']:.1f}%; "
+          f"{w['mainloop_cycles_per_stage']:.0f} cycles a stage (floor 1024), epilogue "
+          f"{w['epilogue_cycles_per_tile']:.0f} cycles a tile ({parts})")
+  p = b["producer"]
+  print(f"      producer: {p['tiles']:.0f} tiles; waiting for a free stage "
+        f"{p['empty_wait_pct']:.1f}%, for rows {p['rows_wait_pct']:.1f}%, for a job slot "
+        f"{p['job_empty_wait_pct']:.1f}%")
+
+
 @contextlib.contextmanager
 def _env(name: str, value: str | None):
   """Environment variable `name` set to `value` (None: as it was) for the calls inside; the
@@ -207,6 +261,9 @@ def main(argv=None) -> dict:
                   help="also measure host/launch overhead of fused and cuda (see the doc)")
   ap.add_argument("--overhead-pass", default="fwd", choices=("fwd", "grad"),
                   help="what --overhead times: the forward, or one forward + backward")
+  ap.add_argument("--engine-profile", action="store_true",
+                  help="also print the tile engine's cycle accounting inside the kernel (needs "
+                       "an extension built with JAX_MEGAMOE_ENGINE_PROFILE=ON)")
   ap.add_argument("--no-mesh", action="store_true",
                   help="--overhead calls the layer with mesh=None instead of bench_layer's "
                        "one-device mesh")
@@ -258,6 +315,11 @@ def main(argv=None) -> dict:
             f"{row['wall_ms']:.3f} ms host-timed)")
       for name, ms in row["phases_ms"].items():
         print(f"    {name:18s} {ms:7.3f} ms")
+      if args.engine_profile:
+        with _env("MEGAMOE_FUSED_COPY_HEAD", head), _env("MEGAMOE_FUSED_DEBUG", debug):
+          jax.block_until_ready(fn(x, ids, w, wgu, wd))
+          row["engine"] = engine_breakdown(*fused.engine_profile())
+        print_engine_breakdown(row["engine"])
     if args.overhead:
       for backend in ("fused", "cuda"):
         layer = layer_call(backend, None if args.recipe == "bf16" else args.recipe,

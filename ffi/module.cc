@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "ffi/common/launch_counts.h"
+#include "ffi/gemm/engine_profile_layout.h"
 #include "ffi/registry.h"
 
 namespace nb = nanobind;
@@ -73,6 +74,38 @@ NB_MODULE(_megamoe, m) {
     return counts;
   });
 
+  // The layout of the fused kernel's cycle accounting (megamoe_fused_engine_profile's result):
+  // {"rows", "slots", "cta": {name: slot}, "wg0" / "wg1": {name: slot}, "producer": {...}}.
+  m.def("engine_profile_slots", []() {
+    namespace prof = megamoe::fused::sm90::profile;
+    nb::dict out, cta, producer;
+    out["rows"] = static_cast<int>(prof::kMaxCtas);
+    out["slots"] = static_cast<int>(prof::kSlots);
+    cta["sm"] = static_cast<int>(prof::kSmId);
+    cta["begin_ns"] = static_cast<int>(prof::kBeginNs);
+    cta["producer_end_ns"] = static_cast<int>(prof::kProducerEndNs);
+    cta["wg0_end_ns"] = static_cast<int>(prof::kWg0EndNs);
+    cta["wg1_end_ns"] = static_cast<int>(prof::kWg1EndNs);
+    out["cta"] = cta;
+    const char* wg_names[] = {"job_wait", "full_wait", "mainloop", "epilogue", "kblocks",
+                              "tiles", "epi_other_wg", "epi_stage", "epi_dst", "epi_store",
+                              "begin_clk", "end_clk"};
+    static_assert(sizeof(wg_names) / sizeof(wg_names[0]) == prof::kWgSlots,
+                  "a name for every warpgroup slot");
+    for (int wg = 0; wg < 2; ++wg) {
+      nb::dict d;
+      for (int i = 0; i < prof::kWgSlots; ++i) d[wg_names[i]] = (wg ? prof::kWg1 : prof::kWg0) + i;
+      out[wg ? "wg1" : "wg0"] = d;
+    }
+    const char* p_names[] = {"job_empty_wait", "empty_wait", "rows_wait", "tiles", "begin_clk",
+                             "end_clk"};
+    static_assert(sizeof(p_names) / sizeof(p_names[0]) == prof::kProducerSlots,
+                  "a name for every producer slot");
+    for (int i = 0; i < prof::kProducerSlots; ++i) producer[p_names[i]] = prof::kProducer + i;
+    out["producer"] = producer;
+    return out;
+  });
+
   m.def("build_info", []() {
     nb::dict info;
     nb::list archs;
@@ -91,6 +124,11 @@ NB_MODULE(_megamoe, m) {
     info["cutlass"] = true;
 #else
     info["cutlass"] = false;
+#endif
+#ifdef MEGAMOE_ENGINE_PROFILE
+    info["engine_profile"] = true;
+#else
+    info["engine_profile"] = false;
 #endif
     return info;
   });

@@ -82,11 +82,12 @@ def launch_counts() -> dict[str, int]:
 
 
 def build_info() -> dict[str, Any]:
-  """What the extension was built with: cuda_archs, cuda_version, jaxlib_version, cutlass."""
+  """What the extension was built with: cuda_archs, cuda_version, jaxlib_version, cutlass,
+  engine_profile (the fused kernel's cycle accounting, a benchmark build)."""
   ext = extension()
   if ext is None:
     return {"extension": False, "cuda_archs": [], "cuda_version": "", "jaxlib_version": "",
-            "cutlass": False}
+            "cutlass": False, "engine_profile": False}
   info = dict(ext.build_info())
   info["extension"] = True
   info["cuda_archs"] = list(info["cuda_archs"])

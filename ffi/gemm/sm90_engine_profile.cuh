@@ -2,15 +2,20 @@
 // standalone harnesses only: built with -DMEGAMOE_ENGINE_PROFILE=1, each CTA's producer and
 // its two consumer warpgroups sum, in SM clock cycles, where their time goes (waiting for a job,
 // for a stage's data, for a free stage, for a tile's rows; the mainloop; the epilogue) and
-// write the sums into g_engine_profile[blockIdx.x] once, when their role ends. The harness
-// reads the array after one launch (benchmarks/kernels/engine_profile_report.h).
+// write the sums into g_engine_profile[blockIdx.x] once, when their role ends (the layout:
+// engine_profile_layout.h). The harnesses read the array after one launch
+// (benchmarks/kernels/engine_profile_report.h); an extension built with
+// JAX_MEGAMOE_ENGINE_PROFILE=ON reads the fused kernel's through the FFI target
+// megamoe_fused_engine_profile (benchmarks/fused_phases.py --engine-profile).
 //
-// Off (the default, and always in the extension) every call here compiles to nothing: the
-// product's PTX does not change. On, the consumers carry five more 32-bit registers; compare
+// Off (the default, in the harnesses and the extension alike) every call here compiles to
+// nothing: the product's PTX does not change. On, the consumers carry five more 32-bit registers; compare
 // the profiled build's kernel time with the plain build's before trusting its split.
 #pragma once
 
 #include <cstdint>
+
+#include "ffi/gemm/engine_profile_layout.h"
 
 #ifndef MEGAMOE_ENGINE_PROFILE
 #define MEGAMOE_ENGINE_PROFILE 0
@@ -19,49 +24,6 @@
 namespace megamoe::fused::sm90::profile {
 
 inline constexpr bool kEnabled = MEGAMOE_ENGINE_PROFILE != 0;
-
-// A consumer warpgroup's sums (cycles unless named otherwise).
-enum WgSlot : int {
-  kWgJobWait = 0,   // waiting for the next job (the producer's scheduler, or the ring full)
-  kWgFullWait,      // in the mainloop, waiting for a stage's data (bf16 mainloop only)
-  kWgMainloop,      // first stage wait .. last wgmma retired, full waits included
-  kWgEpilogue,      // last wgmma retired .. the tile's `stored` arrival
-  kWgKBlocks,       // stages consumed (count)
-  kWgTiles,         // tiles (count)
-  // The bf16 epilogue's parts (their sum is kWgEpilogue, less the release at its end):
-  kWgEpiBothWg,     // waiting for the other warpgroup to finish reading the tile's stages
-  kWgEpiStage,      // math (SwiGLU) and fragments into the staging slots, warpgroup barrier
-  kWgEpiDst,        // gate_up's TMA stores issued; waiting for the rows' destinations
-  kWgEpiStore,      // the slots read back and the global stores issued
-  kWgBeginClk,      // clock at the role's start and end
-  kWgEndClk,
-  kWgSlots
-};
-// The producer warp's sums.
-enum ProducerSlot : int {
-  kPJobEmptyWait = 0,  // waiting for a free job slot (the consumers or signaller behind)
-  kPEmptyWait,         // waiting for a free stage (the consumers behind: the good case)
-  kPRowsWait,          // in hooks.wait_rows_ready (a tile's rows not yet there)
-  kPTiles,
-  kPBeginClk,
-  kPEndClk,
-  kProducerSlots
-};
-// Per CTA: the SM it ran on, global nanoseconds at the start and at each role's end, then the
-// roles' sums.
-enum CtaSlot : int {
-  kSmId = 0,
-  kBeginNs,
-  kProducerEndNs,
-  kWg0EndNs,
-  kWg1EndNs,
-  kWg0 = 8,
-  kWg1 = kWg0 + kWgSlots,
-  kProducer = kWg1 + kWgSlots,
-  kSlots = kProducer + kProducerSlots
-};
-
-inline constexpr int kMaxCtas = 1024;
 
 #if MEGAMOE_ENGINE_PROFILE
 __device__ unsigned long long g_engine_profile[kMaxCtas][kSlots];

@@ -133,4 +133,10 @@ struct FusedBackwardRankOperands {
 std::string LaunchFusedBackward(const FusedBackwardRankOperands* ranks, int count, int absent,
                                 const FusedForwardProblem& problem, cudaStream_t stream);
 
+// Copies the tile engine's cycle accounting of the last fused kernel on this device
+// (ffi/gemm/engine_profile_layout.h: kMaxCtas x kSlots uint64) into `dst`, `bytes` long, on
+// `stream`. Only an extension built with JAX_MEGAMOE_ENGINE_PROFILE=ON keeps it; otherwise
+// returns what to do instead. "" on success.
+std::string ReadFusedEngineProfile(void* dst, size_t bytes, cudaStream_t stream);
+
 }  // namespace megamoe::fused

@@ -435,6 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     FusedMoeKernel(const __grid_constant__ KernelParams P) {
   const int slot = blockIdx.x / P.ctas_per_rank;  // which local rank this CTA works for
   const int cta = blockIdx.x % P.ctas_per_rank;
+  if (threadIdx.x == 0) sm90::profile::cta_begin();  // (nothing unless MEGAMOE_ENGINE_PROFILE)
   if (slot >= P.num_local || slot == P.absent) return;
   const RankParams& A = P.rank[slot];
   const PeerView& v = A.view;
@@ -1003,6 +1004,27 @@ std::string LaunchFusedBackward(const FusedBackwardRankOperands* ranks, int coun
   std::string err = LaunchKernel<DgradEngine, true>(params, per_rank * count, stream);
   if (err.empty()) err = DebugSync(p, "bf16 fused backward", stream);
   return err;
+}
+
+std::string ReadFusedEngineProfile(void* dst, size_t bytes, cudaStream_t stream) {
+#if MEGAMOE_ENGINE_PROFILE
+  constexpr size_t kBytes = sizeof(sm90::profile::g_engine_profile);
+  if (bytes != kBytes) {
+    return "fused engine profile: the output must be " + std::to_string(kBytes) +
+           " bytes, got " + std::to_string(bytes);
+  }
+  if (cudaError_t e = cudaMemcpyFromSymbolAsync(dst, sm90::profile::g_engine_profile, kBytes, 0,
+                                                cudaMemcpyDeviceToDevice, stream);
+      e != cudaSuccess)
+    return std::string("fused engine profile: ") + cudaGetErrorString(e);
+  return "";
+#else
+  (void)dst;
+  (void)bytes;
+  (void)stream;
+  return "fused engine profile: this extension was built without it (rebuild with "
+         "JAX_MEGAMOE_ENGINE_PROFILE=ON)";
+#endif
 }
 
 }  // namespace megamoe::fused

@@ -558,6 +558,26 @@ def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=Non
   return y, phases
 
 
+ENGINE_PROFILE_TARGET = "megamoe_fused_engine_profile"
+
+
+def engine_profile() -> tuple[dict, np.ndarray]:
+  """The tile engine's cycle accounting of the last fused kernel run on the default GPU (for the
+  breakdown benchmark; ffi/gemm/sm90_engine_profile.cuh): (layout, values). values is uint64
+  [layout["rows"], layout["slots"]], one row per CTA; layout names the slots
+  (jax_megamoe._megamoe.engine_profile_slots()). Only an extension built with
+  JAX_MEGAMOE_ENGINE_PROFILE=ON keeps the counters (build_info()["engine_profile"]); otherwise
+  this raises and says so. Rows of CTAs the last kernel did not have keep older values."""
+  ext = _ffi.extension()
+  if ext is None or not _ffi.has_target(ENGINE_PROFILE_TARGET, "CUDA"):
+    raise RuntimeError("the fused engine profile needs the CUDA extension")
+  layout = dict(ext.engine_profile_slots())
+  out = jax.ffi.ffi_call(ENGINE_PROFILE_TARGET, jax.ShapeDtypeStruct(
+      (layout["rows"], layout["slots"], 2), jnp.uint32))()
+  words = np.asarray(out).astype(np.uint64)
+  return layout, words[..., 0] | (words[..., 1] << np.uint64(32))
+
+
 def backward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down):
   """One device, no mesh (for the breakdown benchmark): runs the forward once in residual mode
   and returns bwd(dy) -> (dx, phase clock [len(PHASES)] int32), the fused backward's kernel pass
