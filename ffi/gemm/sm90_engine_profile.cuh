@@ -26,7 +26,10 @@ namespace megamoe::fused::sm90::profile {
 inline constexpr bool kEnabled = MEGAMOE_ENGINE_PROFILE != 0;
 
 #if MEGAMOE_ENGINE_PROFILE
-__device__ unsigned long long g_engine_profile[kMaxCtas][kSlots];
+// One array per translation unit (internal linkage): several of the extension's CUDA files
+// include the engine, and each reads back its own kernels' counters (the fused kernel's:
+// ReadFusedEngineProfile in sm90_fused_moe.cu).
+static __device__ unsigned long long g_engine_profile[kMaxCtas][kSlots];
 #endif
 
 __device__ __forceinline__ uint32_t clock32() {
