@@ -16,8 +16,11 @@
 #   2. L2's rows by TMA in the fused kernel, off and on (MEGAMOE_FUSED_L2_TMA; default off
 #      after the H100's parity);
 #   3. the fused tests that session 31's last call ran out of time for.
-# One GPU takes two calls (each under the 600 s limit): PART=profile (1 and 2, ~9 min with
-# the builds), then PART=tests on the same warm machine (3, ~5 min).
+#   4. the same accounting inside the fused kernel: an extension built with
+#      JAX_MEGAMOE_ENGINE_PROFILE=ON, fused_phases.py --engine-profile (never run yet), and its
+#      test; it says whether the tiles wait for the copy's rows and what the epilogue costs there.
+# One GPU takes three calls (each under the 600 s limit): PART=profile (1 and 2, ~9 min with
+# the builds), then PART=tests (3, ~5 min) and PART=engine (4, ~4 min) on the same warm machine.
 # Each step has its own time limit, so that one hang does not take the others.
 #
 #   OUT=... [PART=profile|tests] scripts/next_device_call.sh      (carry .whl: the CUTLASS wheel)
@@ -29,6 +32,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export XLA_PYTHON_CLIENT_PREALLOCATE=false MEGAMOE_EP_TIMEOUT_S=10
 
 nvidia-smi -L | tee "$OUT/gpus.txt"
+if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-profile}" = engine ]; then
+  JAX_MEGAMOE_ENGINE_PROFILE=ON JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+  timeout 120 python3 -m pytest -q -rs -m gpu tests/test_fused_engine_profile.py 2>&1 \
+    | tee "$OUT/tests_engine_profile.log" | tail -3
+  timeout 150 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe bf16 --reps 5 \
+    --engine-profile --out "$OUT/fused_engine_bf16.json" 2>&1 | tee "$OUT/fused_engine.log"
+  timeout 90 python3 benchmarks/fused_phases.py --shapes 30b --recipe fp8 --reps 5 \
+    --engine-profile --out "$OUT/fused_engine_fp8.json" 2>&1 | tee -a "$OUT/fused_engine.log"
+  exit 0
+fi
 if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-profile}" = tests ]; then
   ls jax_megamoe/_megamoe*.so >/dev/null 2>&1 || cp build/device/_megamoe*.so jax_megamoe/ ||
     JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
