@@ -371,10 +371,10 @@ def test_copy_before_or_beside_the_gemms_changes_no_bit(monkeypatch, num_ranks, 
 @pytest.mark.parametrize("tokens, kind", [(1000, "masked"), (37, "uniform"), (300, "sparse")])
 def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
   """One rank alone, L2's rows go out by TMA boxes (MEGAMOE_FUSED_L2_TMA=1) or by 16-byte
-  stores (0; unset: the default of ffi/heuristics/fused_l2_store.h): y, the residuals the backward reads and every gradient are the same bit
-  for bit. Full and part-filled warpgroups (an expert's last tile: its rows go by generic
-  stores either way), empty experts and one-row experts ("sparse"). A bad value is refused by
-  name."""
+  stores (0; unset: the default of ffi/heuristics/fused_l2_store.h): y, the residuals the
+  backward reads and every gradient are the same bit for bit. Full and part-filled warpgroups
+  (an expert's last tile: its rows go by generic stores either way), empty experts and one-row
+  experts ("sparse"). A bad value is refused by name."""
   args = _inputs(91 + tokens, tokens, 24, 4, kind)
   layer = lambda *a: jm.moe(*a, backend="fused", recipe=recipe)
   outs = {}
