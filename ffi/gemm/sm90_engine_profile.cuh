@@ -1,6 +1,6 @@
-// Cycle accounting of the tile engine's roles (ffi/gemm/sm90_moe_tile_engine.cuh), for the
-// standalone harnesses only: built with -DMEGAMOE_ENGINE_PROFILE=1, each CTA's producer and
-// its two consumer warpgroups sum, in SM clock cycles, where their time goes (waiting for a job,
+// Cycle accounting of the tile engine's roles (ffi/gemm/sm90_moe_tile_engine.cuh), for
+// benchmarks only: built with -DMEGAMOE_ENGINE_PROFILE=1, each CTA's producer and its two
+// consumer warpgroups sum, in SM clock cycles, where their time goes (waiting for a job,
 // for a stage's data, for a free stage, for a tile's rows; the mainloop; the epilogue) and
 // write the sums into g_engine_profile[blockIdx.x] once, when their role ends (the layout:
 // engine_profile_layout.h). The harnesses read the array after one launch
@@ -9,8 +9,9 @@
 // megamoe_fused_engine_profile (benchmarks/fused_phases.py --engine-profile).
 //
 // Off (the default, in the harnesses and the extension alike) every call here compiles to
-// nothing: the product's PTX does not change. On, the consumers carry five more 32-bit registers; compare
-// the profiled build's kernel time with the plain build's before trusting its split.
+// nothing: the product's PTX does not change. On, each consumer thread carries a dozen more
+// 32-bit registers (more spills); compare the profiled build's kernel time with the plain
+// build's before trusting its split (session 31: 0.7-2% slower in the harness).
 #pragma once
 
 #include <cstdint>
