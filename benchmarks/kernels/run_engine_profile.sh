@@ -7,7 +7,8 @@
 #   build_fused_core_bench.sh). Variants (fused_core_bench --variant): 30B uniform (problem 2)
 #   L1 0, L1 mainloop only 4, L2 7, L2 mainloop only 9, one launch 10, one launch + gate_up 11;
 #   235B uniform (problem 4) L1 N-major 2, L2 7, one launch L1 N-major 12; FP8 30B L1 and L2,
-#   the kernel and no epilogue.
+#   the kernel and no epilogue; then 30B's mainloops alone with three stages against four,
+#   alternated twice.
 set -u
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 DIR=${1:-$ROOT/build/fused_core}
@@ -29,3 +30,8 @@ for v in 2 7 12; do
 done
 run "$DIR/fused_core_fp8_bench" --timing --only "30B E128" --modes 03 --reps 11
 run "$DIR/fused_core_fp8_bench_profile" --timing --only "30B E128" --modes 03 --reps 11
+# The mainloops alone with three stages (engine 1, S3) against four (engine 0): what dedicated
+# epilogue staging would cost the stream (FUSED_CORE_NOTES, session 31, "What would close it").
+for e in 0 1 0 1; do
+  for v in 4 9; do run "$DIR/fused_core_bench" --problem 2 --engine $e --variant $v --nocheck; done
+done
