@@ -101,7 +101,7 @@ __device__ __forceinline__ float WarpSlotScaleDot(const uint4 (&gv)[kVecs],
       drow[c] = Pack(df, static_cast<const T*>(nullptr));
     }
   }
-  return WarpReduce(dot, [](float a, float b) { return a + b; });
+  return WarpSum(dot);
 }
 
 }  // namespace megamoe::ep

@@ -14,6 +14,10 @@ __device__ __forceinline__ float WarpMax(float v) {
   return WarpReduce(v, [](float a, float b) { return fmaxf(a, b); });
 }
 
+__device__ __forceinline__ float WarpSum(float v) {
+  return WarpReduce(v, [](float a, float b) { return a + b; });
+}
+
 // Over a block of kWarps full warps; `scratch` holds kWarps floats. Every thread of the block
 // calls it; it may be called again at once (it waits for the last call's readers first).
 template <int kWarps, class Op>
