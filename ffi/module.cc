@@ -3,6 +3,8 @@
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
+#include <iterator>
+#include <utility>
 
 #include "ffi/common/launch_counts.h"
 #include "ffi/gemm/engine_profile_layout.h"
@@ -87,21 +89,27 @@ NB_MODULE(_megamoe, m) {
     cta["wg0_end_ns"] = static_cast<int>(prof::kWg0EndNs);
     cta["wg1_end_ns"] = static_cast<int>(prof::kWg1EndNs);
     out["cta"] = cta;
-    const char* wg_names[] = {"job_wait", "full_wait", "mainloop", "epilogue", "kblocks",
-                              "tiles", "epi_other_wg", "epi_stage", "epi_dst", "epi_store",
-                              "begin_clk", "end_clk"};
-    static_assert(sizeof(wg_names) / sizeof(wg_names[0]) == prof::kWgSlots,
-                  "a name for every warpgroup slot");
+    // Each name beside its enumerator, so that reordering the enum cannot mislabel a slot.
+    const std::pair<const char*, int> wg_slots[] = {
+        {"job_wait", prof::kWgJobWait},       {"full_wait", prof::kWgFullWait},
+        {"mainloop", prof::kWgMainloop},      {"epilogue", prof::kWgEpilogue},
+        {"kblocks", prof::kWgKBlocks},        {"tiles", prof::kWgTiles},
+        {"epi_other_wg", prof::kWgEpiBothWg}, {"epi_stage", prof::kWgEpiStage},
+        {"epi_dst", prof::kWgEpiDst},         {"epi_store", prof::kWgEpiStore},
+        {"begin_clk", prof::kWgBeginClk},     {"end_clk", prof::kWgEndClk}};
+    static_assert(std::size(wg_slots) == prof::kWgSlots, "a name for every warpgroup slot");
     for (int wg = 0; wg < 2; ++wg) {
       nb::dict d;
-      for (int i = 0; i < prof::kWgSlots; ++i) d[wg_names[i]] = (wg ? prof::kWg1 : prof::kWg0) + i;
+      for (const auto& [name, slot] : wg_slots) d[name] = (wg ? prof::kWg1 : prof::kWg0) + slot;
       out[wg ? "wg1" : "wg0"] = d;
     }
-    const char* p_names[] = {"job_empty_wait", "empty_wait", "rows_wait", "tiles", "begin_clk",
-                             "end_clk"};
-    static_assert(sizeof(p_names) / sizeof(p_names[0]) == prof::kProducerSlots,
+    const std::pair<const char*, int> producer_slots[] = {
+        {"job_empty_wait", prof::kPJobEmptyWait}, {"empty_wait", prof::kPEmptyWait},
+        {"rows_wait", prof::kPRowsWait},          {"tiles", prof::kPTiles},
+        {"begin_clk", prof::kPBeginClk},          {"end_clk", prof::kPEndClk}};
+    static_assert(std::size(producer_slots) == prof::kProducerSlots,
                   "a name for every producer slot");
-    for (int i = 0; i < prof::kProducerSlots; ++i) producer[p_names[i]] = prof::kProducer + i;
+    for (const auto& [name, slot] : producer_slots) producer[name] = prof::kProducer + slot;
     out["producer"] = producer;
     return out;
   });
