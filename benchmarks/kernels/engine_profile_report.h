@@ -28,6 +28,10 @@ inline void Report(const char* label, int grid) {
     return;
   }
   auto at = [&](int c, int s) { return double(v[size_t(c) * prof::kSlots + s]); };
+  // A role's cycles in CTA c from its 32-bit start and end clocks (modulo 2^32).
+  auto span = [&](int c, int begin_slot, int end_slot) {
+    return double(uint32_t(uint32_t(at(c, end_slot)) - uint32_t(at(c, begin_slot))));
+  };
   double begin0 = 1e300, end_max = 0;
   std::vector<double> ends(n);
   for (int c = 0; c < n; ++c) {
@@ -48,9 +52,7 @@ inline void Report(const char* label, int grid) {
     double total = 0, job = 0, full = 0, ml = 0, epi = 0, kbs = 0, tiles = 0, ns = 0;
     double parts[4] = {0, 0, 0, 0};  // the epilogue's: other warpgroup, staging, dst, stores
     for (int c = 0; c < n; ++c) {
-      // 32-bit clock: the role's span is its end minus its start, modulo 2^32.
-      total += double(uint32_t(uint32_t(at(c, b + prof::kWgEndClk)) -
-                               uint32_t(at(c, b + prof::kWgBeginClk))));
+      total += span(c, b + prof::kWgBeginClk, b + prof::kWgEndClk);
       job += at(c, b + prof::kWgJobWait);
       full += at(c, b + prof::kWgFullWait);
       ml += at(c, b + prof::kWgMainloop);
@@ -79,8 +81,7 @@ inline void Report(const char* label, int grid) {
   double total = 0, job = 0, empty = 0, rows = 0, tiles = 0;
   for (int c = 0; c < n; ++c) {
     const int b = prof::kProducer;
-    total += double(uint32_t(uint32_t(at(c, b + prof::kPEndClk)) -
-                             uint32_t(at(c, b + prof::kPBeginClk))));
+    total += span(c, b + prof::kPBeginClk, b + prof::kPEndClk);
     job += at(c, b + prof::kPJobEmptyWait);
     empty += at(c, b + prof::kPEmptyWait);
     rows += at(c, b + prof::kPRowsWait);
