@@ -4,7 +4,7 @@ calls of the layer benchmark's problem (EP=1, one GPU), beside the whole call's 
 
   python3 benchmarks/fused_phases.py [--shapes 30b,235b] [--tokens 16384] [--reps 20]
       [--recipe bf16|fp8|fp8_pow2] [--kernel-pass fwd|fwd-residuals|bwd] [--copy-heads 100,12,0]
-      [--debug-bits 0,2] [--l2-hints 0,1,15] [--out F]
+      [--debug-bits 0,2] [--out F]
 
 --kernel-pass bwd prints the same phases for the fused backward's kernel pass (bf16), called
 alone on the residuals of one forward: routing again, the w * dy rows' copy with d topk_weights
@@ -17,9 +17,6 @@ buffers).
 --debug-bits 0,2 compares MEGAMOE_FUSED_DEBUG values (2: no GEMM tile, the routing, copies and
 combine alone; 1: the first GEMM's tiles only; 4: no gate_up stored, with fwd-residuals: what
 that residual costs), interleaved as --copy-heads.
---l2-hints 0,1,15 compares MEGAMOE_FUSED_L2_HINTS values (ffi/heuristics/fused_l2_hints.h: the
-L2 cache priorities of the weights' and rows' loads and of the row copy's streams), interleaved
-as --copy-heads.
 
 The phases are seen from CTA 0 (the other CTAs' work overlaps the boundaries: "head copied" is
 CTA 0's share of the copy plan's head, before the GEMMs; "rows copied" ends when CTA 0's first
@@ -199,8 +196,7 @@ def print_engine_breakdown(b: dict):
 @contextlib.contextmanager
 def _env(name: str, value: str | None):
   """Environment variable `name` set to `value` (None: as it was) for the calls inside; the
-  handlers read MEGAMOE_FUSED_COPY_HEAD, MEGAMOE_FUSED_DEBUG and MEGAMOE_FUSED_L2_HINTS at every
-  call."""
+  handlers read MEGAMOE_FUSED_COPY_HEAD and MEGAMOE_FUSED_DEBUG at every call."""
   if value is None:
     yield
     return
@@ -213,19 +209,6 @@ def _env(name: str, value: str | None):
       del os.environ[name]
     else:
       os.environ[name] = before
-
-
-# The variables a variant sets, in the order of its values (--copy-heads, --debug-bits,
-# --l2-hints).
-VARIANT_ENV = ("MEGAMOE_FUSED_COPY_HEAD", "MEGAMOE_FUSED_DEBUG", "MEGAMOE_FUSED_L2_HINTS")
-
-
-@contextlib.contextmanager
-def _variant_env(values):
-  with contextlib.ExitStack() as stack:
-    for name, value in zip(VARIANT_ENV, values):
-      stack.enter_context(_env(name, value))
-    yield
 
 
 def one_gpu_mesh():
@@ -270,11 +253,6 @@ def main(argv=None) -> dict:
                   help="comma-separated MEGAMOE_FUSED_DEBUG values to compare (fused_moe.h: "
                        "2 no GEMM tile, 1 no second GEMM, 4 no gate_up residual), interleaved "
                        "as --copy-heads")
-  ap.add_argument("--l2-hints", default="",
-                  help="comma-separated MEGAMOE_FUSED_L2_HINTS values to compare (the sum of "
-                       "heuristics/fused_l2_hints.h's bits: 1 weights evict-last, 2 GEMM rows "
-                       "evict-first, 4 copy reads evict-first, 8 copy writes evict-first), "
-                       "interleaved as --copy-heads")
   ap.add_argument("--kernel-pass", default="fwd", choices=("fwd", "fwd-residuals", "bwd"),
                   help="whose phases: the forward's, the forward keeping its residuals (a "
                        "training step's), or the fused backward's kernel pass alone (bf16; on "
@@ -310,37 +288,35 @@ def main(argv=None) -> dict:
                                      recipe=None if args.recipe == "bf16" else args.recipe,
                                      residuals=args.kernel_pass == "fwd-residuals"))
     split = lambda text: [v.strip() for v in text.split(",") if v.strip()] or [None]
-    # Each variant: the values of the variables VARIANT_ENV names (None: as the process has it).
-    variants = [(h, d, l) for h in split(args.copy_heads) for d in split(args.debug_bits)
-                for l in split(args.l2_hints)]
+    variants = [(h, d) for h in split(args.copy_heads) for d in split(args.debug_bits)]
     walls = {v: [] for v in variants}
     phases = {v: [] for v in variants}
     for rep in range(args.reps + 1):  # the first round warms up
-      for variant in variants:
-        with _variant_env(variant):
+      for head, debug in variants:
+        with _env("MEGAMOE_FUSED_COPY_HEAD", head), _env("MEGAMOE_FUSED_DEBUG", debug):
           t = time.perf_counter()
           _, ph = jax.block_until_ready(fn(x, ids, w, wgu, wd))
           if rep:
-            walls[variant].append((time.perf_counter() - t) * 1e3)
-            phases[variant].append(np.asarray(ph, np.int64))
-    for variant in variants:
-      head, debug, hints = variant
-      clock = np.stack(phases[variant])  # [reps, len(PHASES)] ns from the start
+            walls[head, debug].append((time.perf_counter() - t) * 1e3)
+            phases[head, debug].append(np.asarray(ph, np.int64))
+    for head, debug in variants:
+      clock = np.stack(phases[head, debug])  # [reps, len(PHASES)] ns from the start
       steps = np.diff(clock, axis=1)
       row = {"shape": shape, "recipe": args.recipe, "tokens": args.tokens,
              "kernel_pass": args.kernel_pass, "copy_head_percent": head, "debug_bits": debug,
-             "l2_hints": hints, "wall_ms": statistics.median(walls[variant]),
+             "wall_ms": statistics.median(walls[head, debug]),
              "kernel_ms": float(np.median(clock[:, -1])) * 1e-6,
              "phases_ms": {name: float(np.median(steps[:, i])) * 1e-6
                            for i, name in enumerate(fused.PHASES[1:])}}
       results.append(row)
-      label = "".join(f" [{n}={v}]" for n, v in zip(VARIANT_ENV, variant) if v)
+      label = "".join(f" [{n}={v}]" for n, v in (("MEGAMOE_FUSED_COPY_HEAD", head),
+                                                  ("MEGAMOE_FUSED_DEBUG", debug)) if v)
       print(f"{shape} {args.kernel_pass}{label}: kernel {row['kernel_ms']:.3f} ms (call "
             f"{row['wall_ms']:.3f} ms host-timed)")
       for name, ms in row["phases_ms"].items():
         print(f"    {name:18s} {ms:7.3f} ms")
       if args.engine_profile:
-        with _variant_env(variant):
+        with _env("MEGAMOE_FUSED_COPY_HEAD", head), _env("MEGAMOE_FUSED_DEBUG", debug):
           jax.block_until_ready(fn(x, ids, w, wgu, wd))
           row["engine"] = engine_breakdown(*fused.engine_profile())
         print_engine_breakdown(row["engine"])

@@ -396,38 +396,6 @@ def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
     jax.block_until_ready(jax.jit(layer)(*args[:5]))
 
 
-@pytest.mark.parametrize("recipe", [None, "fp8"])
-@pytest.mark.parametrize("num_ranks, tokens, kind", [(1, 1000, "masked"), (1, 300, "sparse"),
-                                                     (2, 160, "uniform")])
-def test_l2_hints_change_no_bit(monkeypatch, recipe, num_ranks, tokens, kind):
-  """The L2 cache priorities of the weights' and rows' loads and of the row copy
-  (MEGAMOE_FUSED_L2_HINTS, ffi/heuristics/fused_l2_hints.h) change where lines stay, never a
-  value: y, the residuals the backward reads and every gradient are the same bit for bit with
-  every stream marked (15), some (5, 10) and none (0; unset: the default), at one rank and over
-  two virtual ranks (the copy into the other rank's pool). A bad value is refused by name."""
-  args = _inputs(57 + tokens + num_ranks, num_ranks * tokens, 24, 4, kind)
-  layer, ws = _fused_layer_of(num_ranks, tokens, 4, recipe=recipe)
-  outs = {}
-  for hints in ("0", "15", "5", "10", None):
-    if hints is None:
-      monkeypatch.delenv("MEGAMOE_FUSED_L2_HINTS", raising=False)
-    else:
-      monkeypatch.setenv("MEGAMOE_FUSED_L2_HINTS", hints)
-    _poison()
-    outs[hints] = _value_and_grads(layer, *args)
-  assert np.all(np.isfinite(np.asarray(outs[None][0], np.float32))), "y has non-finite rows"
-  for hints in ("15", "5", "10", None):
-    _assert_bitwise(outs["0"], outs[hints])
-  if recipe is None:
-    ep_helpers.assert_errors_below(_errors(outs[None], _value_and_grads(_reference, *args)),
-                                   1e-2)
-  monkeypatch.setenv("MEGAMOE_FUSED_L2_HINTS", "16")
-  with pytest.raises(Exception, match=r"MEGAMOE_FUSED_L2_HINTS must be an integer in \[0, 15\]"):
-    jax.block_until_ready(jax.jit(layer)(*args[:5]))
-  if ws is not None:
-    ws.close()
-
-
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
 @pytest.mark.parametrize("kind", ["uniform", "one_expert", "masked"])
 def test_virtual_ranks_match_reference(num_ranks, kind):

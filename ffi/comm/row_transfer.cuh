@@ -3,8 +3,6 @@
 // (for the reductions on the way), and the load of data that peers wrote.
 #pragma once
 
-#include <cstdint>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -86,49 +84,13 @@ __device__ __forceinline__ void PoisonRows(T* out, long long rows, int row_vecs)
 // Load that bypasses L1 (data written by peers: never served from a stale L1 line).
 __device__ __forceinline__ uint4 LoadPeerWritten(const uint4* p) { return __ldcg(p); }
 
-// L2 policies for LoadWithPolicy / StoreWithPolicy. Evict-first: for rows that stream through
-// (read or written once here) beside work that relies on the L2 keeping its own data
-// (FUSED_CORE_NOTES, session 32: the fused forward's row copy beside its GEMM tiles).
-__device__ __forceinline__ uint64_t L2EvictFirstPolicy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ uint64_t L2EvictNormalPolicy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-// 16-byte read-only load under an L2 policy, not kept in L1.
-__device__ __forceinline__ uint4 LoadWithPolicy(const uint4* p, uint64_t policy) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(policy));
-  return v;
-}
-
-// 16-byte store under an L2 policy.
-__device__ __forceinline__ void StoreWithPolicy(uint4* p, const uint4& v, uint64_t policy) {
-  asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x),
-               "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy)
-               : "memory");
-}
-
-// WarpCopyRow's default vector store.
-struct PlainVecStore {
-  __device__ __forceinline__ void operator()(uint4* p, const uint4& v) const { *p = v; }
-};
-
 // The calling warp copies one row of `nvec` 16-byte vectors, read as load(c), to every
 // destination: for_each_destination(store) calls store(dst) once per destination row `dst`
-// (uint4*), which writes each vector v at p with store_vec(p, v). kUnroll vectors per lane are
-// in flight; each is read once whatever the number of destinations.
-template <int kUnroll, class Load, class ForEachDestination, class StoreVec = PlainVecStore>
+// (uint4*). kUnroll vectors per lane are in flight; each is read once whatever the number of
+// destinations.
+template <int kUnroll, class Load, class ForEachDestination>
 __device__ __forceinline__ void WarpCopyRow(int nvec, Load load,
-                                            ForEachDestination for_each_destination,
-                                            StoreVec store_vec = {}) {
+                                            ForEachDestination for_each_destination) {
   const int lane = threadIdx.x & 31;
   for (int c0 = 0; c0 < nvec; c0 += 32 * kUnroll) {
     uint4 buf[kUnroll];
@@ -141,7 +103,7 @@ __device__ __forceinline__ void WarpCopyRow(int nvec, Load load,
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int c = c0 + u * 32 + lane;
-        if (c < nvec) store_vec(dst + c, buf[u]);
+        if (c < nvec) dst[c] = buf[u];
       }
     });
   }

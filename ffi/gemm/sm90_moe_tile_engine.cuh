@@ -187,9 +187,6 @@ struct alignas(128) GemmOperands {
   // Debug only (0 normally): 1 = the A-scale box starts at the tile's first row itself, not at
   // it rounded down to 16 bytes (the first build's unaligned start, kept to A/B it on a GPU).
   int32_t sa_unaligned;
-  // L2 cache policies of the A and B TMA loads (cute::TMA::CacheHintSm90 values; 0: none, the
-  // default). The fused kernel sets them from heuristics/fused_l2_hints.h.
-  uint64_t a_hint = 0, b_hint = 0;
 };
 
 // Per-row destination of L2 results for the plain standalone GEMM: row r of the tile goes to
@@ -662,17 +659,17 @@ struct Sm90MoeTileEngine {
                                   ? (box == 0 ? nb * 128 : p.f + nb * 128)
                                   : nb * kBlockN + box * 128;
             if constexpr (kClusterM == 2) {
-              cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&op.b_map, &ss.full[s], uint16_t(0x3),
-                                                     op.b_hint, ss.b[s] + box * kBHalfBytes,
-                                                     kb * kBlockK, job.expert * op.n + n_row);
+              cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&op.b_map, &ss.full[s], uint16_t(0x3), 0ull,
+                                                     ss.b[s] + box * kBHalfBytes, kb * kBlockK,
+                                                     job.expert * op.n + n_row);
             } else {
-              cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], op.b_hint,
+              cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
                                            ss.b[s] + box * kBHalfBytes, kb * kBlockK,
                                            job.expert * op.n + n_row);
             }
           }
         } else if (lane < 4) {
-          cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], op.b_hint,
+          cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
                                        ss.b[s] + lane * kBBoxBytes, b_col, b_row0 + kb * kBlockK);
         }
         if (kb == 0) {
@@ -685,14 +682,14 @@ struct Sm90MoeTileEngine {
         }
         if (mode == ALoad::kTmaBlock) {
           if (lane == 0 && load_a)
-            cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], op.a_hint, ss.a[s], kb * kBlockK,
+            cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], 0ull, ss.a[s], kb * kBlockK,
                                          job.row_begin);
           Barrier::arrive(&ss.full[s]);
         } else if (mode == ALoad::kTmaRows) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             if (src[i] >= 0)
-              cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], op.a_hint,
+              cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], 0ull,
                                            ss.a[s] + (lane + 32 * i) * 128, kb * kBlockK, src[i]);
           }
           Barrier::arrive(&ss.full[s]);
@@ -747,7 +744,7 @@ struct Sm90MoeTileEngine {
         Barrier::expect_transaction(&ss.full[s], kBBytes + kABytes + kAScaleBytes);
       __syncwarp();
       if (loads && lane < 2) {
-        cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], op.b_hint,
+        cute::SM90_TMA_LOAD_2D::copy(&op.b_map, &ss.full[s], 0ull,
                                      ss.b[s] + lane * kBHalfBytes, kb * kBlockK, b_row);
         ss.scales.b[s][lane] = sb;  // published by this lane's arrive (release) below
       }
@@ -759,7 +756,7 @@ struct Sm90MoeTileEngine {
         detail::fence_proxy_async_global();
       }
       if (loads && lane == 0) {
-        cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], op.a_hint, ss.a[s], kb * kBlockK,
+        cute::SM90_TMA_LOAD_2D::copy(&op.a_map, &ss.full[s], 0ull, ss.a[s], kb * kBlockK,
                                      job.row_begin);
         // The scale box's innermost coordinate is a row index (fp32 elements) and experts'
         // rows sit in the pool at any offset, so row_begin * 4 bytes is in general not 16-byte

@@ -53,7 +53,6 @@
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
 #include "ffi/heuristics/fused_copy_head.h"
-#include "ffi/heuristics/fused_l2_hints.h"
 #include "ffi/heuristics/fused_l2_store.h"
 #include "ffi/heuristics/fused_tile_order.h"
 #include "ffi/impls/fused_moe.h"
@@ -198,7 +197,6 @@ struct KernelParams {
   int32_t debug;              // FusedForwardProblem::debug (kFusedDebug* bits; 0 normally)
   int32_t l1_n_major;         // L1 tiles N-block-major in an expert (fused_tile_order.h)
   int32_t copy_head_percent;  // of the copy plan, copied before the GEMMs (fused_copy_head.h)
-  int32_t l2_hints;           // the forward's heuristics::FusedL2Hint bits (fused_l2_hints.h)
 };
 // Kernel parameters may take 32,764 bytes (CUDA 12.1+, sm_70+).
 static_assert(sizeof(KernelParams) <= 32764, "the fused kernel's parameters are too large");
@@ -364,7 +362,7 @@ __device__ __forceinline__ void ReleaseCopiedArrivals(const RankParams& A, int r
 // release waits for the warp's stores to land, so per row it bounded the copy by the store
 // latency (session 13: 1.4 ms for the 30B shape's rows on two warps per SM, as long as L1).
 // The forward's copy (the backward's is CopyTokenSlots).
-template <class Eng, int kChunkRows, bool kHinted>
+template <class Eng, int kChunkRows>
 __device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const RankParams& A,
                                                 int begin, int end, int first, int stride) {
   static_assert(kChunkRows >= 1 && kChunkRows <= 32, "a chunk's plan rows are one per lane");
@@ -372,14 +370,6 @@ __device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const Ran
   const int H = P.hidden;
   const int nvec = H * Eng::kElemBytes / 16;
   const PeerView& v = A.view;
-  // kHinted: the copy's streams under L2 policies (fused_l2_hints.h), evict-first or normal.
-  uint64_t read_policy = 0, write_policy = 0;
-  if constexpr (kHinted) {
-    read_policy = P.l2_hints & heuristics::kFusedHintCopyReadFirst ? ep::L2EvictFirstPolicy()
-                                                                   : ep::L2EvictNormalPolicy();
-    write_policy = P.l2_hints & heuristics::kFusedHintCopyWriteFirst ? ep::L2EvictFirstPolicy()
-                                                                     : ep::L2EvictNormalPolicy();
-  }
   const auto load_chunk = [&](int c0) {
     int4 q = make_int4(-1, -1, -1, -1);
     if (lane < kChunkRows && c0 + lane < end) {
@@ -417,15 +407,8 @@ __device__ __forceinline__ void CopyPlannedRows(const KernelParams& P, const Ran
       uint4* dst = reinterpret_cast<uint4*>(A.pool[rank]) + static_cast<size_t>(pool_row) * nvec;
       const uint4* src = reinterpret_cast<const uint4*>(
           reinterpret_cast<const char*>(A.x) + static_cast<size_t>(token) * H * Eng::kElemBytes);
-      if constexpr (kHinted) {
-        ep::WarpCopyRow<kCopyUnroll>(
-            nvec, [&](int c) { return ep::LoadWithPolicy(src + c, read_policy); },
-            [&](auto&& store) { store(dst); },
-            [&](uint4* q, const uint4& vec) { ep::StoreWithPolicy(q, vec, write_policy); });
-      } else {
-        ep::WarpCopyRow<kCopyUnroll>(
-            nvec, [&](int c) { return __ldg(src + c); }, [&](auto&& store) { store(dst); });
-      }
+      ep::WarpCopyRow<kCopyUnroll>(
+          nvec, [&](int c) { return __ldg(src + c); }, [&](auto&& store) { store(dst); });
       if constexpr (Eng::kFp8) {  // the row's H/128 scales, K-block-major in the pool
         const int nblk = H / 128;
         float* scales = reinterpret_cast<float*>(A.pool[rank] + P.pool_scale_offset);
@@ -495,17 +478,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int copy_head = kBwd ? 0  // (the forward's only)
                              : static_cast<int>(static_cast<int64_t>(copy_rows) *
                                                 P.copy_head_percent / 100);
-  const bool copy_hinted = P.l2_hints & (heuristics::kFusedHintCopyReadFirst |
-                                         heuristics::kFusedHintCopyWriteFirst);
   if constexpr (kBwd) {
     if (copying) CopyTokenSlots(P, A, gwarp, nwarps);
     if (ep::RankBarrier(v, G) && copying) ReleaseCopiedArrivals(A, copy_rows, gwarp, nwarps);
   } else {
-    if (copying && copy_hinted) {
-      CopyPlannedRows<Eng, kHeadChunkRows, true>(P, A, 0, copy_head, gwarp, nwarps);
-    } else if (copying) {
-      CopyPlannedRows<Eng, kHeadChunkRows, false>(P, A, 0, copy_head, gwarp, nwarps);
-    }
+    if (copying) CopyPlannedRows<Eng, kHeadChunkRows>(P, A, 0, copy_head, gwarp, nwarps);
   }
   mark(4);
 
@@ -544,11 +521,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {  // the copy warps
       const int w = warp - kFirstCopyWarp;
       if constexpr (!kBwd) {
-        const int first = cta * kCopyWarps + w, stride = G * kCopyWarps;
-        if (copying && copy_hinted) {
-          CopyPlannedRows<Eng, kCopyChunkRows, true>(P, A, copy_head, copy_rows, first, stride);
-        } else if (copying) {
-          CopyPlannedRows<Eng, kCopyChunkRows, false>(P, A, copy_head, copy_rows, first, stride);
+        if (copying) {
+          CopyPlannedRows<Eng, kCopyChunkRows>(P, A, copy_head, S.totals.copy_rows,
+                                               cta * kCopyWarps + w, G * kCopyWarps);
         }
       }
       if (cta == 0 && w == 0 && lane == 0) stamp(5);
@@ -815,14 +790,6 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   const ep::WorkspaceLayout& L = ranks[0].view->layout;
   const int per_rank = params.ctas_per_rank;
   params.l1_n_major = heuristics::FusedL1NMajor(p.hidden, p.ffn, p.fp8 != 0) ? 1 : 0;
-  if (std::string err = heuristics::FusedL2Hints(&params.l2_hints); !err.empty())
-    return "fused forward: " + err;
-  const uint64_t b_hint = (params.l2_hints & heuristics::kFusedHintWeightsLast)
-                              ? uint64_t(cute::TMA::CacheHintSm90::EVICT_LAST)
-                              : 0;
-  const uint64_t a_hint = (params.l2_hints & heuristics::kFusedHintRowsFirst)
-                              ? uint64_t(cute::TMA::CacheHintSm90::EVICT_FIRST)
-                              : 0;
   const int R = ranks[0].view->num_ranks;
   const int64_t El = p.num_experts / R, H = p.hidden, F = p.ffn;
   const bool fp8 = p.fp8 != 0;
@@ -917,8 +884,6 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     }
     l1.k = static_cast<int32_t>(H);
     l1.a_load = static_cast<int32_t>(sm90::ALoad::kTmaBlock);
-    l1.a_hint = l2.a_hint = a_hint;
-    l1.b_hint = l2.b_hint = b_hint;
     l2.k = static_cast<int32_t>(F);
     l2.a_load = static_cast<int32_t>(sm90::ALoad::kTmaBlock);
     ep_.f = static_cast<int32_t>(F);
