@@ -473,9 +473,6 @@ int main(int argc, char** argv) {
     if (!strcmp(argv[i], "--reps") && i + 1 < argc) g_reps = atoi(argv[++i]);
     if (!strcmp(argv[i], "--modes") && i + 1 < argc) g_modes = argv[++i];
   }
-  printf("FP8 mainloop's A: %s (MEGAMOE_FP8_A_REGS=%d)\n",
-         Engine::kFp8ARegs ? "registers, ldmatrix once per stage" : "shared memory",
-         MEGAMOE_FP8_A_REGS);
   int dev = 0, sms = 0;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));

@@ -147,12 +147,6 @@
 #include "ffi/layout/fp8_blocks.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
 
-// Where the FP8 mainloop's wgmma read A (Sm90MoeTileEngine::kFp8ARegs): 0 = from shared memory,
-// each of a stage's 16 n64 wgmma again; 1 = from registers, loaded once per stage by ldmatrix.
-#ifndef MEGAMOE_FP8_A_REGS
-#define MEGAMOE_FP8_A_REGS 0
-#endif
-
 namespace megamoe::fused::sm90 {
 
 // How the producer brings in a tile's A rows.
@@ -286,7 +280,6 @@ using WgmmaBK = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA:
                                                                 cute::SM90::GMMA::Major::K>;
 
 using WgmmaFp8N64 = cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
-using WgmmaFp8N64RegA = cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>;
 
 // f(cute::Int<0>{}), ..., f(cute::Int<N - 1>{}): a loop whose index is a constant expression.
 template <class F, int... I>
@@ -300,24 +293,6 @@ __device__ __forceinline__ void wgmma_fp8_n64_call(uint64_t da, uint64_t db, flo
                                                    bool acc, cute::index_sequence<I...>) {
   WgmmaFp8N64::fma(da, db, d[kOff + I]...,
                    acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
-// The same with A from registers: a = the warp's 16 rows x 32 K fragment (ldmatrix_x4).
-template <int kOff, size_t... I>
-__device__ __forceinline__ void wgmma_fp8_n64_rega_call(const uint32_t (&a)[4], uint64_t db,
-                                                        float (&d)[64], bool acc,
-                                                        cute::index_sequence<I...>) {
-  WgmmaFp8N64RegA::fma(a[0], a[1], a[2], a[3], db, d[kOff + I]...,
-                       acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
-// Four 8 x 16-byte matrices, row addresses from lanes 8 i .. 8 i + 7 for matrix i; the calling
-// thread gets bytes 4 (lane % 4) .. + 3 of row lane / 4 of each (the wgmma A fragment of 8-bit
-// types: matrices 0-3 = rows 0-7 / 8-15 of the first 16 K bytes, then of the next 16).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
 }
 
 template <class Mma = Wgmma, size_t... I>
@@ -492,7 +467,6 @@ template <int kStages_ = 4, int kJobSlots_ = 4, class Elems = Bf16Operands, bool
           bool kDgrad = false, int kClusterM = 1>
 struct Sm90MoeTileEngine {
   static constexpr bool kFp8 = Elems::kFp8;
-  static constexpr bool kFp8ARegs = kFp8 && MEGAMOE_FP8_A_REGS != 0;  // see the macro
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
   static_assert(kClusterM == 1 || (kClusterM == 2 && kBKMajor && !kFp8),
@@ -839,22 +813,6 @@ struct Sm90MoeTileEngine {
           const float sa0 = ss.scales.a[s][sa_row], sa1 = ss.scales.a[s][sa_row + 8];
           const float sb0 = ss.scales.b[s][0], sb1 = ss.scales.b[s][1];
           const uint32_t a_addr = detail::smem_u32(ss.a[s]) + wg * (64 * 128);
-          // kFp8ARegs: the warp's 16 rows of A, 32 K bytes per step, read once for the stage's
-          // 16 wgmma. Lane l points at row (l % 8) + 8 ((l / 8) % 2), 16-byte chunk 2 k + l / 16
-          // of its 128 B row, stored at chunk ^ (row % 8) (the 128B swizzle; row % 8 = l % 8).
-          [[maybe_unused]] uint32_t a_frag[kFp8ARegs ? kBlockK / 32 : 1][4];
-          if constexpr (kFp8ARegs) {
-            const uint32_t row_addr =
-                a_addr + uint32_t(warp_in_wg * 16 + (lane & 7) + (lane & 8)) * 128;
-#pragma unroll
-            for (int k = 0; k < kBlockK / 32; ++k) {
-              detail::ldmatrix_x4(
-                  row_addr + ((uint32_t(2 * k + (lane >> 4)) ^ uint32_t(lane & 7)) << 4),
-                  a_frag[k]);
-#pragma unroll
-              for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(a_frag[k][r]);
-            }
-          }
           detail::static_for([&](auto chunk) {
             constexpr int c = decltype(chunk)::value;
             constexpr int kBuf = 32 * (c & 1);
@@ -867,15 +825,10 @@ struct Sm90MoeTileEngine {
 #pragma unroll
             for (int k = 0; k < kBlockK / 32; ++k) {
               // A and B K-major, 128 B rows (128B swizzle): +32 B per 32 of K; SBO = 8 rows.
+              const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
               const uint64_t db = detail::gmma_desc_sw128(b_addr + k * 32, 16, 1024);
-              if constexpr (kFp8ARegs) {
-                detail::wgmma_fp8_n64_rega_call<kBuf>(a_frag[k], db, tmp, k > 0,
-                                                      cute::make_index_sequence<32>{});
-              } else {
-                const uint64_t da = detail::gmma_desc_sw128(a_addr + k * 32, 16, 1024);
-                detail::wgmma_fp8_n64_call<kBuf>(da, db, tmp, k > 0,
-                                                 cute::make_index_sequence<32>{});
-              }
+              detail::wgmma_fp8_n64_call<kBuf>(da, db, tmp, k > 0,
+                                               cute::make_index_sequence<32>{});
             }
             cute::warpgroup_commit_batch();
 #pragma unroll
@@ -887,12 +840,6 @@ struct Sm90MoeTileEngine {
             }
           }, cute::make_int_sequence<4>{});
           cute::warpgroup_wait<0>();
-          if constexpr (kFp8ARegs) {  // the wgmma read a_frag until here
-#pragma unroll
-            for (int k = 0; k < kBlockK / 32; ++k)
-#pragma unroll
-              for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(a_frag[k][r]);
-          }
           promote(cute::Int<32>{}, cute::Int<96>{}, sa0 * sb1, sa1 * sb1);  // chunk 3
         }
         if (kb < num_stages - 2 && lane == 0) Barrier::arrive(&ss.empty[s]);
