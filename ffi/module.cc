@@ -138,6 +138,11 @@ NB_MODULE(_megamoe, m) {
 #else
     info["engine_profile"] = false;
 #endif
+#ifdef MEGAMOE_DEFER_L2_EPILOGUE
+    info["defer_l2_epilogue"] = true;
+#else
+    info["defer_l2_epilogue"] = false;
+#endif
     return info;
   });
 }

@@ -418,6 +418,10 @@ int main(int argc, char** argv) {
   if (g_sms == 0) g_sms = prop.multiProcessorCount;
   printf("device %s, %d SMs, smem/block optin %zu, grid %d\n", prop.name,
          prop.multiProcessorCount, prop.sharedMemPerBlockOptin, g_sms);
+  printf("L2 epilogue: %s (MEGAMOE_DEFER_L2_EPILOGUE=%d)\n",
+         Sm90MoeTileEngine<4>::kDeferL2Epilogue ? "groups 4-7 deferred to the next mainloop"
+                                                : "staged, stored before the next tile",
+         MEGAMOE_DEFER_L2_EPILOGUE);
 
   // Engine configurations: <stages, epilogue chunk columns, epilogue buffers>.
   std::vector<Launcher*> engines;

@@ -58,6 +58,20 @@
 // 64-column halves of 64 rows x 128 B each, the same XOR swizzle. One thread stores them with
 // four {64, 64} boxes, and the stage goes back once TMA has read them, not written them.
 //
+// Deferred L2 epilogue (kDeferL2Epilogue, built with MEGAMOE_DEFER_L2_EPILOGUE=1; bf16, not the
+// dgrad engine; only where an L2 tile's rows go to row_dst alone: no l2_copy, not l2_rows):
+// the tensor cores idle while both warpgroups run a tile's epilogue (~20% of their cycles at
+// 30B: FUSED_CORE_NOTES, session 31). With it on, an L2 tile's epilogue stages nothing: it
+// hands all its stages back, writes the first half of its columns straight from the
+// accumulators, keeps the other half as bf16 pairs in 32 registers and goes on to the next
+// tile, whose first kDeferParts stages write one 32-column group each between the stage's wgmma
+// issue and the wait for them. A row is written from registers thus: within each quad of lanes
+// a 4 x 4 transpose of 32-bit words (4 shuffles) gives each lane 16 contiguous bytes of one
+// row, so a warp instruction writes 64 contiguous bytes in each of 8 rows. The tile's `stored`
+// arrival follows its last part (after the last tile: before the role ends). Nothing inside the
+// kernel waits on an L2 tile, so the delay cannot deadlock. Built and compiled (no spill in the
+// math warps, no wgmma serialised), NOT yet run on a GPU (FUSED_CORE_NOTES, session 32).
+//
 // Synchronisation (mbarriers + two named barriers):
 //   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps)
 //   job_full/job_empty     the job ring, producer -> 8 math warps + signaller
@@ -146,6 +160,13 @@
 #include "ffi/gemm/sm90_engine_profile.cuh"
 #include "ffi/layout/fp8_blocks.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
+
+// Whether a bf16 L2 tile's epilogue runs during the next tile's mainloop
+// (Sm90MoeTileEngine::kDeferL2Epilogue; see "Deferred L2 epilogue" in the header). 0 = staged
+// and stored before the next tile starts (the product); 1 = deferred (benchmark builds).
+#ifndef MEGAMOE_DEFER_L2_EPILOGUE
+#define MEGAMOE_DEFER_L2_EPILOGUE 0
+#endif
 
 namespace megamoe::fused::sm90 {
 
@@ -293,6 +314,33 @@ __device__ __forceinline__ void wgmma_fp8_n64_call(uint64_t da, uint64_t db, flo
                                                    bool acc, cute::index_sequence<I...>) {
   WgmmaFp8N64::fma(da, db, d[kOff + I]...,
                    acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// 4 x 4 transpose of 32-bit words over the lanes of a quad: lane q holds x[j] = M[q][j] and
+// gets M[j][q] (two exchanges, across bit 1 then bit 0 of the lane).
+__device__ __forceinline__ void quad_transpose(uint32_t (&x)[4], int q) {
+  const bool hi = q & 2;
+  uint32_t a0 = hi ? x[0] : x[2], a1 = hi ? x[1] : x[3];
+  a0 = __shfl_xor_sync(0xffffffffu, a0, 2);
+  a1 = __shfl_xor_sync(0xffffffffu, a1, 2);
+  if (hi) {
+    x[0] = a0;
+    x[1] = a1;
+  } else {
+    x[2] = a0;
+    x[3] = a1;
+  }
+  const bool odd = q & 1;
+  uint32_t c0 = odd ? x[0] : x[1], c1 = odd ? x[2] : x[3];
+  c0 = __shfl_xor_sync(0xffffffffu, c0, 1);
+  c1 = __shfl_xor_sync(0xffffffffu, c1, 1);
+  if (odd) {
+    x[0] = c0;
+    x[2] = c1;
+  } else {
+    x[1] = c0;
+    x[3] = c1;
+  }
 }
 
 template <class Mma = Wgmma, size_t... I>
@@ -467,6 +515,15 @@ template <int kStages_ = 4, int kJobSlots_ = 4, class Elems = Bf16Operands, bool
           bool kDgrad = false, int kClusterM = 1>
 struct Sm90MoeTileEngine {
   static constexpr bool kFp8 = Elems::kFp8;
+  // See "Deferred L2 epilogue" above. A warpgroup's 64 x 256 output is 8 groups of 32 columns;
+  // the epilogue stores the first kFirstDeferredGroup of them, and the next tile's first
+  // kDeferParts stages one more each. Deferring all 8 (64 registers) spilled them, even with
+  // 232 registers for the consumers; 4 (32 registers) fit in kMathRegs (nvcc 13.0: the math
+  // warps spill nothing, the kernel's 16 B of spills are the producer's).
+  static constexpr bool kDeferL2Epilogue =
+      !kFp8 && !kDgrad && kClusterM == 1 && MEGAMOE_DEFER_L2_EPILOGUE != 0;
+  static constexpr int kFirstDeferredGroup = 4;
+  static constexpr int kDeferParts = 8 - kFirstDeferredGroup;
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
   static_assert(kClusterM == 1 || (kClusterM == 2 && kBKMajor && !kFp8),
@@ -1049,6 +1106,40 @@ struct Sm90MoeTileEngine {
     profile::RoleSums<profile::kWgSlots> prof;  // (empty unless MEGAMOE_ENGINE_PROFILE)
     prof.set(profile::kWgBeginClk, profile::clock32());
     uint32_t epilogue_clk = 0;
+    // Register-direct L2 rows (kDeferL2Epilogue): column group m (32 columns: accumulator
+    // blocks i = 4 m + j of 8 columns, j = 0..3) of this thread's rows pend_row + 8 hh in the
+    // tile (hh = 0, 1), word(j, hh) = the bf16 pair of columns 8 i + 2 (lane % 4) + {0, 1}: a
+    // quad transpose per row, then one 16-byte store of columns 32 m + 8 (lane % 4) .. + 7 to
+    // row_dst[slot][row] (null: a row past the tile). Warp-uniform (shuffles).
+    const int pend_row = 64 * wg + 16 * warp_in_wg + (lane >> 2);
+    [[maybe_unused]] auto store_group = [&](int slot, int m, auto&& word) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        __nv_bfloat16* const dst = ss.row_dst[slot][pend_row + 8 * hh];
+        uint32_t x[4] = {word(0, hh), word(1, hh), word(2, hh), word(3, hh)};
+        detail::quad_transpose(x, lane & 3);
+        if (dst != nullptr && p.bench_skip_epilogue != 2)
+          detail::st_global_v4(dst + 32 * m + 8 * (lane & 3), make_uint4(x[0], x[1], x[2], x[3]));
+      }
+    };
+    // The L2 tile whose groups kFirstDeferredGroup.. are still to be written (pend_slot its
+    // job slot, -1: none): pend[8 g + 2 j + hh] = word(j, hh) of group kFirstDeferredGroup + g.
+    // The slot's row_dst table stays until the tile's `stored` arrival.
+    [[maybe_unused]] uint32_t pend[kDeferL2Epilogue ? 8 * kDeferParts : 1];
+    int pend_slot = -1;
+    // Part P of the pending tile: its group kFirstDeferredGroup + P.
+    [[maybe_unused]] auto defer_part = [&](auto part) {
+      if constexpr (kDeferL2Epilogue) {
+        constexpr int P = decltype(part)::value;
+        store_group(pend_slot, kFirstDeferredGroup + P,
+                    [&](int j, int hh) { return pend[8 * P + 2 * j + hh]; });
+      }
+    };
+    // The pending tile's stores are issued: its `stored` arrival.
+    [[maybe_unused]] auto defer_finish = [&]() {
+      Barrier::arrive(&ss.stored[pend_slot]);
+      pend_slot = -1;
+    };
     while (true) {
       const int slot = jn % kJobSlots;
       const uint32_t job_phase = (jn / kJobSlots) & 1;
@@ -1060,7 +1151,16 @@ struct Sm90MoeTileEngine {
       __syncwarp();
       if (lane == 0) Barrier::arrive(&ss.job_empty[slot]);
       ++jn;
-      if (job.kind < 0) break;
+      if (job.kind < 0) {
+        if constexpr (kDeferL2Epilogue) {
+          if (pend_slot >= 0) {  // the last tile's rows
+            detail::static_for([&](auto part) { defer_part(part); },
+                               cute::make_int_sequence<kDeferParts>{});
+            defer_finish();
+          }
+        }
+        break;
+      }
 
       const GemmOperands& op = p.op[job.kind];
       const bool fence_a = op.a_load == int32_t(ALoad::kCpAsyncRows);
@@ -1133,6 +1233,16 @@ struct Sm90MoeTileEngine {
         cute::warpgroup_commit_batch();
 #pragma unroll
         for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
+        if constexpr (kDeferL2Epilogue) {  // a part of the pending rows while the stage runs
+          if (pend_slot >= 0) {
+            detail::static_for(
+                [&](auto part) {
+                  if (kb == decltype(part)::value) defer_part(part);
+                },
+                cute::make_int_sequence<kDeferParts>{});
+            if (kb == kDeferParts - 1) defer_finish();
+          }
+        }
         // Release the previous stage, except the second-to-last one of the tile (staging).
         if (kb > 0) {
           cute::warpgroup_wait<1>();
@@ -1142,11 +1252,57 @@ struct Sm90MoeTileEngine {
       cute::warpgroup_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
+      if constexpr (kDeferL2Epilogue) {
+        if (pend_slot >= 0) {  // a tile of fewer than kDeferParts stages: the parts left
+          detail::static_for(
+              [&](auto part) {
+                if (decltype(part)::value >= num_kb) defer_part(part);
+              },
+              cute::make_int_sequence<kDeferParts>{});
+          defer_finish();
+        }
+        // Dead from here on every path (a constant), or the compiler keeps them live through
+        // the epilogues below, where L1's SwiGLU then spilled.
+#pragma unroll
+        for (int i = 0; i < 8 * kDeferParts; ++i) pend[i] = 0u;
+      }
       }
       prof.since(profile::kWgMainloop, mainloop_clk);
       prof.count(profile::kWgKBlocks, uint32_t(num_kb));
       prof.count(profile::kWgTiles, 1);
       epilogue_clk = profile::clock32();
+
+      if constexpr (kDeferL2Epilogue) {
+        if (!l1 && nslots > 0 && !l2_tma && p.l2_copy == nullptr && p.bench_skip_epilogue != 3) {
+          // Deferred (see the header): this warp's reads of the tile's last two stages are done
+          // (wait<0> above), so both go back; the first groups are stored now, the others'
+          // bf16 pairs kept for the next tile's mainloop.
+          if (!uses_row_dst(p, job)) __trap();
+          Barrier::wait(&ss.dst_ready[slot], job_phase);
+          auto acc_word = [&](int m) {
+            return [&, m](int j, int hh) {
+              const int i = 4 * m + j;
+              return detail::pack_bf16x2(acc[4 * i + 2 * hh], acc[4 * i + 2 * hh + 1]);
+            };
+          };
+#pragma unroll
+          for (int m = 0; m < kFirstDeferredGroup; ++m) store_group(slot, m, acc_word(m));
+#pragma unroll
+          for (int g = 0; g < kDeferParts; ++g)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh)
+                pend[8 * g + 2 * j + hh] = acc_word(kFirstDeferredGroup + g)(j, hh);
+          if (lane == 0) {
+            release_stage(ss, (it - 2) % kStages, 1);
+            release_stage(ss, (it - 1) % kStages, 1);
+          }
+          pend_slot = slot;
+          prof.since(profile::kWgEpilogue, epilogue_clk);
+          continue;
+        }
+      }
 
       // Warpgroup wg stages into stage s_w (0: the tile's last, 1: the one before), once both
       // warpgroups are done reading the tile's stages.
