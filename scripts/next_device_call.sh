@@ -9,21 +9,19 @@
 #      device under the example's mesh: never yet on 2 GPUs);
 #   2. the layer at EP = 2, cuda and fused in one run (issue 14's EP = 2 bars);
 #   3. the example on a data=1,expert=2 mesh, 20 steps.
-# With one GPU (after session 31, whose calls all ran on an H100), issue 14 on the H200:
-#   1. the tile engine's cycle accounting at the layer's shapes (run_engine_profile.sh), and the
-#      mainloop with three stages against four (the handoff design's first price:
-#      FUSED_CORE_NOTES, session 31, "What would close it");
-#   2. L2's rows by TMA in the fused kernel, off and on (MEGAMOE_FUSED_L2_TMA; default off
-#      after the H100's parity);
-#   3. the fused tests that session 31's last call ran out of time for.
-#   4. the same accounting inside the fused kernel: an extension built with
-#      JAX_MEGAMOE_ENGINE_PROFILE=ON, fused_phases.py --engine-profile (never run yet), and its
-#      test; it says whether the tiles wait for the copy's rows and what the epilogue costs there.
-# One GPU takes three calls (each under the 600 s limit): PART=profile (1 and 2, ~9 min with
-# the builds), then PART=tests (3, ~5 min) and PART=engine (4, ~4 min) on the same warm machine.
+# With one GPU (after session 32, whose calls all ran on H100s): the deferred L2 epilogue
+# (MEGAMOE_DEFER_L2_EPILOGUE, built in session 32, never run; FUSED_CORE_NOTES, session 32):
+#   PART=defer (~4 min): the harness built both ways; the checks of problems 0 and 1 (odd sizes,
+#     one token, every variant on engine 0) with the deferred build; then 30B and 235B L2 and
+#     the one launch, plain against deferred, twice, and the deferred build profiled.
+#   PART=defer_product (~9 min), if the harness passed and gained: the extension plain, then
+#     with JAX_MEGAMOE_DEFER_L2_EPILOGUE=ON, fused_phases.py on both (30B and 235B bf16), then
+#     the bf16 fused tests on the deferred build.
+# The bars are H200 figures: if an H200 comes, also rerun the layer benchmark
+# (bench_layer.py --ep 1, cuda and fused) for issue 14's table.
 # Each step has its own time limit, so that one hang does not take the others.
 #
-#   OUT=... [PART=profile|tests] scripts/next_device_call.sh      (carry .whl: the CUTLASS wheel)
+#   OUT=... PART=defer|defer_product scripts/next_device_call.sh      (carry .whl: the CUTLASS wheel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
@@ -32,38 +30,44 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export XLA_PYTHON_CLIENT_PREALLOCATE=false MEGAMOE_EP_TIMEOUT_S=10
 
 nvidia-smi -L | tee "$OUT/gpus.txt"
-if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-profile}" = engine ]; then
-  JAX_MEGAMOE_ENGINE_PROFILE=ON JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
-  timeout 120 python3 -m pytest -q -rs -m gpu tests/test_fused_engine_profile.py 2>&1 \
-    | tee "$OUT/tests_engine_profile.log" | tail -3
-  timeout 150 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe bf16 --reps 5 \
-    --engine-profile --out "$OUT/fused_engine_bf16.json" 2>&1 | tee "$OUT/fused_engine.log"
-  timeout 90 python3 benchmarks/fused_phases.py --shapes 30b --recipe fp8 --reps 5 \
-    --engine-profile --out "$OUT/fused_engine_fp8.json" 2>&1 | tee -a "$OUT/fused_engine.log"
-  exit 0
-fi
-if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-profile}" = tests ]; then
-  ls jax_megamoe/_megamoe*.so >/dev/null 2>&1 || cp build/device/_megamoe*.so jax_megamoe/ ||
-    JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
-  timeout 420 python3 -m pytest -q -rs -m gpu -k "not fp8 and not virtual" \
-    tests/test_fused_moe.py 2>&1 | tee "$OUT/tests_fused.log" | tail -5
-  exit 0
-fi
-JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
-if [ "$(nvidia-smi -L | wc -l)" -lt 2 ]; then
-  # device_run.sh's build unpacked the wheel's CUTLASS headers here.
+if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer ]; then
+  mkdir -p /tmp/cutlass && python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
   export CUTLASS_INCLUDE=/tmp/cutlass/cutlass_library/source/include
   timeout 240 sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
-    > "$OUT/harness_build.log" 2>&1
-  timeout 240 benchmarks/kernels/run_engine_profile.sh build/fused_core \
-    > "$OUT/engine_profile.log" 2>&1
-  grep -E "TFLOP|^profile|^  wg|^       " "$OUT/engine_profile.log" | tail -48
-  for m in 0 1; do
-    MEGAMOE_FUSED_L2_TMA=$m timeout 120 python3 benchmarks/fused_phases.py --shapes 30b,235b \
-      --recipe bf16 --reps 10 2>&1 | tee -a "$OUT/fused_l2_tma.log" | grep kernel
-    MEGAMOE_FUSED_L2_TMA=$m timeout 90 python3 benchmarks/fused_phases.py --shapes 30b \
-      --recipe fp8 --reps 10 2>&1 | tee -a "$OUT/fused_l2_tma.log" | grep kernel
+    > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
+  B=build/fused_core
+  run() { echo "### $*"; timeout 120 "$@" 2>&1; echo "rc=$?"; }
+  { run $B/fused_core_bench_defer --problem 0 --engine 0
+    run $B/fused_core_bench_defer --problem 1 --engine 0; } > "$OUT/defer_checks.log"
+  grep -c PASS "$OUT/defer_checks.log"; grep -E "FAIL|rc=[1-9]" "$OUT/defer_checks.log" | head
+  for round in 1 2; do
+    for v in 7 10 14; do
+      for b in fused_core_bench fused_core_bench_defer; do
+        run $B/$b --problem 2 --engine 0 --variant $v --nocheck
+      done
+    done
+    for v in 7 12; do
+      for b in fused_core_bench fused_core_bench_defer; do
+        run $B/$b --problem 4 --engine 0 --variant $v --nocheck
+      done
+    done
+  done > "$OUT/defer_timing.log"
+  grep -E "^### |^(30B|235B) " "$OUT/defer_timing.log" | grep -v "^###" | head -40
+  for v in 7 10; do
+    run $B/fused_core_bench_defer_profile --problem 2 --engine 0 --variant $v --nocheck
+  done > "$OUT/defer_profile.log"
+  grep -E "wg0:|per tile" "$OUT/defer_profile.log" | head -12
+  exit 0
+fi
+if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer_product ]; then
+  for mode in OFF ON; do
+    JAX_MEGAMOE_DEFER_L2_EPILOGUE=$mode JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build \
+      || exit 1
+    timeout 150 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe bf16 --reps 10 \
+      --out "$OUT/fused_defer_$mode.json" 2>&1 | tee "$OUT/fused_defer_$mode.log" | grep kernel
   done
+  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -n 4 -m gpu -k "not fp8" \
+    tests/test_fused_moe.py 2>&1 | tee "$OUT/tests_fused_defer.log" | tail -4
   exit 0
 fi
 timeout 240 python3 -m pytest -q -rs -m multigpu tests/test_fused_multigpu.py \
