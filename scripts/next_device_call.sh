@@ -11,8 +11,9 @@
 #   3. the example on a data=1,expert=2 mesh, 20 steps.
 # With one GPU (after session 32, whose calls all ran on H100s): the deferred L2 epilogue
 # (MEGAMOE_DEFER_L2_EPILOGUE, built in session 32, never run; FUSED_CORE_NOTES, session 32):
-#   PART=defer (~4 min): the harness built both ways; the checks of problems 0 and 1 (odd sizes,
-#     one token, every variant on engine 0) with the deferred build; then 30B and 235B L2 and
+#   PART=defer (~4 min): the harness built both ways; the checks of problems 0, 1 and 6 (odd
+#     sizes, one token, F = 128; every variant on engine 0) with the deferred build (6 with the
+#     plain one too: new in session 32, never run); then 30B and 235B L2 and
 #     the one launch, plain against deferred, twice, and the deferred build profiled.
 #   PART=defer_product (~9 min), if the harness passed and gained: the extension plain, then
 #     with JAX_MEGAMOE_DEFER_L2_EPILOGUE=ON, fused_phases.py on both (30B and 235B bf16), then
@@ -37,8 +38,12 @@ if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer ]; then
     > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
   B=build/fused_core
   run() { echo "### $*"; timeout 120 "$@" 2>&1; echo "rc=$?"; }
+  # Problem 6 (F = 128: L2 tiles of two stages) is new in session 32: run plain too, so that a
+  # failure there is placed.
   { run $B/fused_core_bench_defer --problem 0 --engine 0
-    run $B/fused_core_bench_defer --problem 1 --engine 0; } > "$OUT/defer_checks.log"
+    run $B/fused_core_bench_defer --problem 1 --engine 0
+    run $B/fused_core_bench_defer --problem 6 --engine 0
+    run $B/fused_core_bench --problem 6 --engine 0; } > "$OUT/defer_checks.log"
   grep -c PASS "$OUT/defer_checks.log"; grep -E "FAIL|rc=[1-9]" "$OUT/defer_checks.log" | head
   for round in 1 2; do
     for v in 7 10 14; do

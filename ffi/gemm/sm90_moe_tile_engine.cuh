@@ -68,9 +68,12 @@
 // issue and the wait for them. A row is written from registers thus: within each quad of lanes
 // a 4 x 4 transpose of 32-bit words (4 shuffles) gives each lane 16 contiguous bytes of one
 // row, so a warp instruction writes 64 contiguous bytes in each of 8 rows. The tile's `stored`
-// arrival follows its last part (after the last tile: before the role ends). Nothing inside the
-// kernel waits on an L2 tile, so the delay cannot deadlock. Built and compiled (no spill in the
-// math warps, no wgmma serialised), NOT yet run on a GPU (FUSED_CORE_NOTES, session 32).
+// arrival follows its last part (after the last tile: before the role ends). Contract: a
+// deferred tile's tile_done now waits for the next tile's rows (wait_rows_ready) and, after the
+// last tile, for the scheduler's end; so neither may depend on an L2 tile's tile_done (true of
+// the fused kernel, whose L2 tiles signal nothing and follow every L1 tile, and of the
+// harness). Built and compiled (no wgmma serialised), NOT yet run on a GPU (FUSED_CORE_NOTES,
+// session 32).
 //
 // Synchronisation (mbarriers + two named barriers):
 //   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps)
@@ -518,12 +521,14 @@ struct Sm90MoeTileEngine {
   // See "Deferred L2 epilogue" above. A warpgroup's 64 x 256 output is 8 groups of 32 columns;
   // the epilogue stores the first kFirstDeferredGroup of them, and the next tile's first
   // kDeferParts stages one more each. Deferring all 8 (64 registers) spilled them, even with
-  // 232 registers for the consumers; 4 (32 registers) fit in kMathRegs (nvcc 13.0: the math
-  // warps spill nothing, the kernel's 16 B of spills are the producer's).
+  // 232 registers for the consumers; 4 (32 registers) fit in kMathRegs (nvcc 13.0: no spill in
+  // the harness's math warps; in the fused kernel one 4-byte spill, in an epilogue).
   static constexpr bool kDeferL2Epilogue =
       !kFp8 && !kDgrad && kClusterM == 1 && MEGAMOE_DEFER_L2_EPILOGUE != 0;
   static constexpr int kFirstDeferredGroup = 4;
   static constexpr int kDeferParts = 8 - kFirstDeferredGroup;
+  static_assert(!kDeferL2Epilogue || kJobSlots_ >= 2,
+                "a pending tile holds its job slot while the next tile runs");
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
   static_assert(kClusterM == 1 || (kClusterM == 2 && kBKMajor && !kFp8),
@@ -1175,6 +1180,10 @@ struct Sm90MoeTileEngine {
                               : 2;
       // L2's rows by TMA (EngineParams::l2_rows): staged in the TMA layout.
       const bool l2_tma = nslots > 0 && l2_rows_by_tma(p, job);
+      // kDeferL2Epilogue: this tile's rows are written from registers, half of them during the
+      // next tile's mainloop (see the header).
+      [[maybe_unused]] const bool defer = kDeferL2Epilogue && !l1 && nslots > 0 && !l2_tma &&
+                                          p.l2_copy == nullptr && p.bench_skip_epilogue != 3;
       // (Each row's destination is in ss.row_dst[slot], from the signaller: dst_ready[slot].)
       if (dh_tile && nslots > 0) {
         // The epilogue's gate and up columns into L2 while the mainloop runs: 128 rows x
@@ -1199,7 +1208,9 @@ struct Sm90MoeTileEngine {
         mainloop_fp8(ss, num_kb, op.sa_unaligned ? 0 : (job.row_begin & 3), wg, warp_in_wg,
                      lane, it, acc, tmp);
       } else {
-      for (int kb = 0; kb < num_kb; ++kb, ++it) {
+      // One stage kb (it: its ring counter). kParts: a part of the pending tile's rows goes
+      // between the stage's wgmma issue and the wait for them (kDeferL2Epilogue).
+      auto stage = [&](int kb, auto parts) {
         const int s = it % kStages;
         const uint32_t full_clk = profile::clock32();
         Barrier::wait(&ss.full[s], (it / kStages) & 1);
@@ -1233,7 +1244,7 @@ struct Sm90MoeTileEngine {
         cute::warpgroup_commit_batch();
 #pragma unroll
         for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
-        if constexpr (kDeferL2Epilogue) {  // a part of the pending rows while the stage runs
+        if constexpr (decltype(parts)::value) {
           if (pend_slot >= 0) {
             detail::static_for(
                 [&](auto part) {
@@ -1248,7 +1259,14 @@ struct Sm90MoeTileEngine {
           cute::warpgroup_wait<1>();
           if (kb != num_kb - 1 && lane == 0) release_stage(ss, (it - 1) % kStages, 1);
         }
+      };
+      int kb = 0;
+      if constexpr (kDeferL2Epilogue) {
+        // The first stages carry the parts, peeled off so that the loop below stays as the
+        // compiler unrolls it without them (with the parts inside, it was not unrolled).
+        for (; kb < num_kb && kb < kDeferParts; ++kb, ++it) stage(kb, std::true_type{});
       }
+      for (; kb < num_kb; ++kb, ++it) stage(kb, std::false_type{});
       cute::warpgroup_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
@@ -1265,6 +1283,12 @@ struct Sm90MoeTileEngine {
         // the epilogues below, where L1's SwiGLU then spilled.
 #pragma unroll
         for (int i = 0; i < 8 * kDeferParts; ++i) pend[i] = 0u;
+        // A deferred tile needs no staging: this warp's wgmma have read the tile's last two
+        // stages (wait<0> above), so both go back now.
+        if (defer && lane == 0) {
+          release_stage(ss, (it - 2) % kStages, 1);
+          release_stage(ss, (it - 1) % kStages, 1);
+        }
       }
       }
       prof.since(profile::kWgMainloop, mainloop_clk);
@@ -1273,12 +1297,12 @@ struct Sm90MoeTileEngine {
       epilogue_clk = profile::clock32();
 
       if constexpr (kDeferL2Epilogue) {
-        if (!l1 && nslots > 0 && !l2_tma && p.l2_copy == nullptr && p.bench_skip_epilogue != 3) {
-          // Deferred (see the header): this warp's reads of the tile's last two stages are done
-          // (wait<0> above), so both go back; the first groups are stored now, the others'
-          // bf16 pairs kept for the next tile's mainloop.
+        if (defer) {
+          // Deferred (see the header; its stages went back after the mainloop): the first
+          // groups are stored now, the others' bf16 pairs kept for the next tile's mainloop.
           if (!uses_row_dst(p, job)) __trap();
           Barrier::wait(&ss.dst_ready[slot], job_phase);
+          detail::compiler_barrier();  // the wait's asm has no memory clobber: row_dst after it
           auto acc_word = [&](int m) {
             return [&, m](int j, int hh) {
               const int i = 4 * m + j;
@@ -1294,10 +1318,6 @@ struct Sm90MoeTileEngine {
 #pragma unroll
               for (int hh = 0; hh < 2; ++hh)
                 pend[8 * g + 2 * j + hh] = acc_word(kFirstDeferredGroup + g)(j, hh);
-          if (lane == 0) {
-            release_stage(ss, (it - 2) % kStages, 1);
-            release_stage(ss, (it - 1) % kStages, 1);
-          }
           pend_slot = slot;
           prof.since(profile::kWgEpilogue, epilogue_clk);
           continue;
