@@ -319,31 +319,27 @@ __device__ __forceinline__ void wgmma_fp8_n64_call(uint64_t da, uint64_t db, flo
                    acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
+// One exchange with lane ^ lane_xor: a lane with `upper` set trades x[a0], x[a1], the others
+// x[b0], x[b1] (each gets its partner's two words in their place).
+__device__ __forceinline__ void quad_exchange(uint32_t (&x)[4], bool upper, int lane_xor, int a0,
+                                              int a1, int b0, int b1) {
+  uint32_t v0 = upper ? x[a0] : x[b0], v1 = upper ? x[a1] : x[b1];
+  v0 = __shfl_xor_sync(0xffffffffu, v0, lane_xor);
+  v1 = __shfl_xor_sync(0xffffffffu, v1, lane_xor);
+  if (upper) {
+    x[a0] = v0;
+    x[a1] = v1;
+  } else {
+    x[b0] = v0;
+    x[b1] = v1;
+  }
+}
+
 // 4 x 4 transpose of 32-bit words over the lanes of a quad: lane q holds x[j] = M[q][j] and
 // gets M[j][q] (two exchanges, across bit 1 then bit 0 of the lane).
 __device__ __forceinline__ void quad_transpose(uint32_t (&x)[4], int q) {
-  const bool hi = q & 2;
-  uint32_t a0 = hi ? x[0] : x[2], a1 = hi ? x[1] : x[3];
-  a0 = __shfl_xor_sync(0xffffffffu, a0, 2);
-  a1 = __shfl_xor_sync(0xffffffffu, a1, 2);
-  if (hi) {
-    x[0] = a0;
-    x[1] = a1;
-  } else {
-    x[2] = a0;
-    x[3] = a1;
-  }
-  const bool odd = q & 1;
-  uint32_t c0 = odd ? x[0] : x[1], c1 = odd ? x[2] : x[3];
-  c0 = __shfl_xor_sync(0xffffffffu, c0, 1);
-  c1 = __shfl_xor_sync(0xffffffffu, c1, 1);
-  if (odd) {
-    x[0] = c0;
-    x[2] = c1;
-  } else {
-    x[1] = c0;
-    x[3] = c1;
-  }
+  quad_exchange(x, q & 2, 2, 0, 1, 2, 3);
+  quad_exchange(x, q & 1, 1, 0, 2, 1, 3);
 }
 
 template <class Mma = Wgmma, size_t... I>
