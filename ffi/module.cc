@@ -143,6 +143,11 @@ NB_MODULE(_megamoe, m) {
 #else
     info["defer_l2_epilogue"] = false;
 #endif
+#ifdef MEGAMOE_DEFER_L1_EPILOGUE
+    info["defer_l1_epilogue"] = true;
+#else
+    info["defer_l1_epilogue"] = false;
+#endif
     return info;
   });
 }

@@ -83,12 +83,13 @@ def launch_counts() -> dict[str, int]:
 
 def build_info() -> dict[str, Any]:
   """What the extension was built with: cuda_archs, cuda_version, jaxlib_version, cutlass,
-  engine_profile (the fused kernel's cycle accounting) and defer_l2_epilogue (L2 rows written
-  during the next tile's mainloop): both benchmark builds."""
+  engine_profile (the fused kernel's cycle accounting), defer_l2_epilogue and defer_l1_epilogue
+  (part of the L2 / L1 rows written during the next tile's mainloop): benchmark builds."""
   ext = extension()
   if ext is None:
     return {"extension": False, "cuda_archs": [], "cuda_version": "", "jaxlib_version": "",
-            "cutlass": False, "engine_profile": False, "defer_l2_epilogue": False}
+            "cutlass": False, "engine_profile": False, "defer_l2_epilogue": False,
+            "defer_l1_epilogue": False}
   info = dict(ext.build_info())
   info["extension"] = True
   info["cuda_archs"] = list(info["cuda_archs"])

@@ -11,13 +11,15 @@
 #   3. the example on a data=1,expert=2 mesh, 20 steps.
 # With one GPU (after session 32, whose calls all ran on H100s): the deferred L2 epilogue
 # (MEGAMOE_DEFER_L2_EPILOGUE, built in session 32, never run; FUSED_CORE_NOTES, session 32):
-#   PART=defer (~4 min): the harness built both ways; the checks of problems 0, 1 and 6 (odd
-#     sizes, one token, F = 128; every variant on engine 0) with the deferred build (6 with the
-#     plain one too: new in session 32, never run); then 30B and 235B L2 and
-#     the one launch, plain against deferred, twice, and the deferred build profiled.
+#   PART=defer (~5 min): the harness built three ways (plain, L2 deferred, L1 and L2 deferred);
+#     the checks of problems 0, 1 and 6 (odd sizes, one token, F = 128; every variant on engine
+#     0) with both deferred builds (6 with the plain one too: new in session 32, never run);
+#     then 30B and 235B L1, L2 and the one launch in the three builds, twice, and the L1 + L2
+#     deferred build profiled.
 #   PART=defer_product (~9 min), if the harness passed and gained: the extension plain, then
-#     with JAX_MEGAMOE_DEFER_L2_EPILOGUE=ON, fused_phases.py on both (30B and 235B bf16), then
-#     the bf16 fused tests on the deferred build.
+#     with JAX_MEGAMOE_DEFER_L2_EPILOGUE=ON and JAX_MEGAMOE_DEFER_L1_EPILOGUE=ON (DEFER_L1=OFF:
+#     L2 alone), fused_phases.py on both (30B and 235B bf16), then the bf16 fused tests on the
+#     deferred build.
 # The bars are H200 figures: if an H200 comes, also rerun the layer benchmark
 # (bench_layer.py --ep 1, cuda and fused) for issue 14's table.
 # Each step has its own time limit, so that one hang does not take the others.
@@ -40,34 +42,37 @@ if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer ]; then
   run() { echo "### $*"; timeout 120 "$@" 2>&1; echo "rc=$?"; }
   # Problem 6 (F = 128: L2 tiles of two stages) is new in session 32: run plain too, so that a
   # failure there is placed.
-  { run $B/fused_core_bench_defer --problem 0 --engine 0
-    run $B/fused_core_bench_defer --problem 1 --engine 0
-    run $B/fused_core_bench_defer --problem 6 --engine 0
+  { for b in fused_core_bench_defer fused_core_bench_defer12; do
+      for pr in 0 1 6; do run $B/$b --problem $pr --engine 0; done
+    done
     run $B/fused_core_bench --problem 6 --engine 0; } > "$OUT/defer_checks.log"
   grep -c PASS "$OUT/defer_checks.log"; grep -E "FAIL|rc=[1-9]" "$OUT/defer_checks.log" | head
   for round in 1 2; do
-    for v in 7 10 14; do
-      for b in fused_core_bench fused_core_bench_defer; do
+    for v in 0 7 10 14; do
+      for b in fused_core_bench fused_core_bench_defer fused_core_bench_defer12; do
         run $B/$b --problem 2 --engine 0 --variant $v --nocheck
       done
     done
-    for v in 7 12; do
-      for b in fused_core_bench fused_core_bench_defer; do
+    for v in 2 7 12; do
+      for b in fused_core_bench fused_core_bench_defer fused_core_bench_defer12; do
         run $B/$b --problem 4 --engine 0 --variant $v --nocheck
       done
     done
   done > "$OUT/defer_timing.log"
   grep -E "^### |^(30B|235B) " "$OUT/defer_timing.log" | grep -v "^###" | head -40
-  for v in 7 10; do
-    run $B/fused_core_bench_defer_profile --problem 2 --engine 0 --variant $v --nocheck
+  for v in 0 7 10; do
+    run $B/fused_core_bench_defer12_profile --problem 2 --engine 0 --variant $v --nocheck
   done > "$OUT/defer_profile.log"
   grep -E "wg0:|per tile" "$OUT/defer_profile.log" | head -12
   exit 0
 fi
 if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer_product ]; then
+  # DEFER_L1=OFF: the deferred build defers L2 alone (default: L1 and L2).
   for mode in OFF ON; do
-    JAX_MEGAMOE_DEFER_L2_EPILOGUE=$mode JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build \
-      || exit 1
+    l1=OFF
+    [ "$mode" = ON ] && l1=${DEFER_L1:-ON}
+    JAX_MEGAMOE_DEFER_L2_EPILOGUE=$mode JAX_MEGAMOE_DEFER_L1_EPILOGUE=$l1 \
+      JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
     timeout 150 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe bf16 --reps 10 \
       --out "$OUT/fused_defer_$mode.json" 2>&1 | tee "$OUT/fused_defer_$mode.log" | grep kernel
   done

@@ -4,7 +4,8 @@
 # backward's dgrad GEMMs, linked with backend cuda's SwiGLU kernels to check against them); and
 # the first two again with the engine's cycle accounting (ffi/gemm/sm90_engine_profile.cuh) as
 # fused_core_bench_profile and fused_core_fp8_bench_profile; and the bf16 one with the deferred
-# L2 epilogue (MEGAMOE_DEFER_L2_EPILOGUE=1) as fused_core_bench_defer (+ _profile).
+# L2 epilogue (MEGAMOE_DEFER_L2_EPILOGUE=1) as fused_core_bench_defer (+ _profile), and with the
+# deferred L1 and L2 epilogues as fused_core_bench_defer12 (+ _profile).
 # Usage: benchmarks/kernels/build_fused_core_bench.sh [out_dir]   (default: build/fused_core)
 set -e
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -28,7 +29,7 @@ build() {
     tee "$OUT/$log" | grep -E "error|warning|C75|registers|spill|stack|$kernel" || true
   test -x "$OUT/$name${SUFFIX:-}"
 }
-# The seven builds are independent: run at once (each prints its ptxas lines when it ends).
+# The nine builds are independent: run at once (each prints its ptxas lines when it ends).
 build fused_core_bench ptxas.log MoeCore > "$OUT/.b1" 2>&1 &
 build fused_core_fp8_bench ptxas_fp8.log Fp8Core > "$OUT/.b2" 2>&1 &
 build fused_dgrad_bench ptxas_dgrad.log MoeCore ffi/impls/grouped_swiglu.cu > "$OUT/.b3" 2>&1 &
@@ -40,11 +41,17 @@ DEFINES=-DMEGAMOE_DEFER_L2_EPILOGUE=1 SUFFIX=_defer \
   build fused_core_bench ptxas_defer.log MoeCore > "$OUT/.b6" 2>&1 &
 DEFINES="-DMEGAMOE_DEFER_L2_EPILOGUE=1 -DMEGAMOE_ENGINE_PROFILE=1" SUFFIX=_defer_profile \
   build fused_core_bench ptxas_defer_profile.log MoeCore > "$OUT/.b7" 2>&1 &
+DEFINES="-DMEGAMOE_DEFER_L2_EPILOGUE=1 -DMEGAMOE_DEFER_L1_EPILOGUE=1" SUFFIX=_defer12 \
+  build fused_core_bench ptxas_defer12.log MoeCore > "$OUT/.b8" 2>&1 &
+DEFINES="-DMEGAMOE_DEFER_L2_EPILOGUE=1 -DMEGAMOE_DEFER_L1_EPILOGUE=1 -DMEGAMOE_ENGINE_PROFILE=1" \
+  SUFFIX=_defer12_profile build fused_core_bench ptxas_defer12_profile.log MoeCore \
+  > "$OUT/.b9" 2>&1 &
 wait
 failed=0
-for i in 1 2 3 4 5 6 7; do cat "$OUT/.b$i"; rm -f "$OUT/.b$i"; done
+for i in 1 2 3 4 5 6 7 8 9; do cat "$OUT/.b$i"; rm -f "$OUT/.b$i"; done
 for b in fused_core_bench fused_core_fp8_bench fused_dgrad_bench fused_core_bench_profile \
-         fused_core_fp8_bench_profile fused_core_bench_defer fused_core_bench_defer_profile; do
+         fused_core_fp8_bench_profile fused_core_bench_defer fused_core_bench_defer_profile \
+         fused_core_bench_defer12 fused_core_bench_defer12_profile; do
   test -x "$OUT/$b" || { echo "build failed: $b"; failed=1; }
 done
 exit $failed

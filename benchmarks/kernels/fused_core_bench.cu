@@ -418,10 +418,14 @@ int main(int argc, char** argv) {
   if (g_sms == 0) g_sms = prop.multiProcessorCount;
   printf("device %s, %d SMs, smem/block optin %zu, grid %d\n", prop.name,
          prop.multiProcessorCount, prop.sharedMemPerBlockOptin, g_sms);
-  printf("L2 epilogue: %s (MEGAMOE_DEFER_L2_EPILOGUE=%d)\n",
+  printf("L2 epilogue: %s (MEGAMOE_DEFER_L2_EPILOGUE=%d); L1 epilogue: %s "
+         "(MEGAMOE_DEFER_L1_EPILOGUE=%d)\n",
          Sm90MoeTileEngine<4>::kDeferL2Epilogue ? "groups 4-7 deferred to the next mainloop"
                                                 : "staged, stored before the next tile",
-         MEGAMOE_DEFER_L2_EPILOGUE);
+         MEGAMOE_DEFER_L2_EPILOGUE,
+         Sm90MoeTileEngine<4>::kDeferL1Epilogue ? "h groups 2-3 deferred (without gate_up)"
+                                                : "staged",
+         MEGAMOE_DEFER_L1_EPILOGUE);
 
   // Engine configurations: <stages, epilogue chunk columns, epilogue buffers>.
   std::vector<Launcher*> engines;

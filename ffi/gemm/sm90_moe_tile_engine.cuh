@@ -72,7 +72,14 @@
 // deferred tile's tile_done now waits for the next tile's rows (wait_rows_ready) and, after the
 // last tile, for the scheduler's end; so neither may depend on an L2 tile's tile_done (true of
 // the fused kernel, whose L2 tiles signal nothing and follow every L1 tile, and of the
-// harness). Built and compiled (no wgmma serialised), NOT yet run on a GPU (FUSED_CORE_NOTES,
+// harness).
+// L1 likewise (kDeferL1Epilogue, MEGAMOE_DEFER_L1_EPILOGUE=1; only without the gate_up
+// residual): h groups 0-1 (64 of the tile's 128 h columns) get their SwiGLU and go out at the
+// epilogue; groups 2-3 keep their bf16 gate and up pairs (32 registers) and get their SwiGLU in
+// the next tile's first two stages. A pending L1 tile is finished as soon as the next job is an
+// L2 tile, before that tile's mainloop: L2 tiles wait on L1 tiles' tile_done (the producer
+// publishes a job before it waits for the job's rows, so the consumers see it first).
+// Both built and compiled (no wgmma serialised), NOT yet run on a GPU (FUSED_CORE_NOTES,
 // session 32).
 //
 // Synchronisation (mbarriers + two named barriers):
@@ -169,6 +176,12 @@
 // and stored before the next tile starts (the product); 1 = deferred (benchmark builds).
 #ifndef MEGAMOE_DEFER_L2_EPILOGUE
 #define MEGAMOE_DEFER_L2_EPILOGUE 0
+#endif
+// The same for a bf16 L1 tile without the gate_up residual (Sm90MoeTileEngine::
+// kDeferL1Epilogue): half its h columns, with their SwiGLU, written during the next tile's
+// mainloop. 0 = off (the product); 1 = on (benchmark builds).
+#ifndef MEGAMOE_DEFER_L1_EPILOGUE
+#define MEGAMOE_DEFER_L1_EPILOGUE 0
 #endif
 
 namespace megamoe::fused::sm90 {
@@ -523,7 +536,16 @@ struct Sm90MoeTileEngine {
       !kFp8 && !kDgrad && kClusterM == 1 && MEGAMOE_DEFER_L2_EPILOGUE != 0;
   static constexpr int kFirstDeferredGroup = 4;
   static constexpr int kDeferParts = 8 - kFirstDeferredGroup;
-  static_assert(!kDeferL2Epilogue || kJobSlots_ >= 2,
+  // L1 (no gate_up residual): a warpgroup's h is 64 x 128, 4 groups of 32 columns; groups 0-1
+  // at the epilogue, 2-3 in the next tile's first two stages, kept as the bf16 gate and up pairs
+  // they are computed from (32 registers, as L2's). A pending L1 tile is finished before any L2
+  // tile starts: L2 tiles wait on L1 tiles' tile_done.
+  static constexpr bool kDeferL1Epilogue =
+      !kFp8 && !kDgrad && kClusterM == 1 && MEGAMOE_DEFER_L1_EPILOGUE != 0;
+  static constexpr int kFirstDeferredL1Group = 2;
+  static constexpr int kL1DeferParts = 4 - kFirstDeferredL1Group;
+  static constexpr bool kDeferEpilogue = kDeferL1Epilogue || kDeferL2Epilogue;
+  static_assert(!kDeferEpilogue || kJobSlots_ >= 2,
                 "a pending tile holds its job slot while the next tile runs");
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
@@ -1123,18 +1145,60 @@ struct Sm90MoeTileEngine {
           detail::st_global_v4(dst + 32 * m + 8 * (lane & 3), make_uint4(x[0], x[1], x[2], x[3]));
       }
     };
-    // The L2 tile whose groups kFirstDeferredGroup.. are still to be written (pend_slot its
-    // job slot, -1: none): pend[8 g + 2 j + hh] = word(j, hh) of group kFirstDeferredGroup + g.
-    // The slot's row_dst table stays until the tile's `stored` arrival.
-    [[maybe_unused]] uint32_t pend[kDeferL2Epilogue ? 8 * kDeferParts : 1];
-    int pend_slot = -1;
-    // Part P of the pending tile: its group kFirstDeferredGroup + P.
-    [[maybe_unused]] auto defer_part = [&](auto part) {
-      if constexpr (kDeferL2Epilogue) {
-        constexpr int P = decltype(part)::value;
-        store_group(pend_slot, kFirstDeferredGroup + P,
-                    [&](int j, int hh) { return pend[8 * P + 2 * j + hh]; });
+    // h words hw[j][hh] of an h group (blocks of 8 columns j = 0..3) from the bf16-rounded
+    // gate(j, hh, e) and up(j, hh, e), e = 0, 1: SwiGLU's fast path, or Swiglu() itself for the
+    // whole group where the fast path's range test fails in the warp (the staged epilogue's
+    // rule, per group: the same bits). Warp-uniform.
+    [[maybe_unused]] auto swiglu_group = [&](uint32_t (&hw)[4][2], auto&& gate, auto&& up) {
+      bool slow = false;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          hw[j][hh] = detail::pack_bf16x2(detail::swiglu_fast_path(gate(j, hh, 0), up(j, hh, 0), slow),
+                                          detail::swiglu_fast_path(gate(j, hh, 1), up(j, hh, 1), slow));
+      if (__any_sync(0xffffffffu, slow)) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            hw[j][hh] = detail::pack_bf16x2(megamoe::grouped::Swiglu(gate(j, hh, 0), up(j, hh, 0)),
+                                            megamoe::grouped::Swiglu(gate(j, hh, 1), up(j, hh, 1)));
       }
+    };
+    // The tile whose last groups are still to be written (pend_slot its job slot, -1: none;
+    // pend_l1: an L1 tile). L2: pend[8 g + 2 j + hh] = word(j, hh) of group kFirstDeferredGroup
+    // + g. L1: pend[16 g + 2 j + hh] and pend[16 g + 8 + 2 j + hh] = the bf16 gate and up pairs
+    // of h group kFirstDeferredL1Group + g. The slot's row_dst table stays until the tile's
+    // `stored` arrival.
+    [[maybe_unused]] uint32_t pend[kDeferEpilogue ? 8 * kDeferParts : 1];
+    int pend_slot = -1;
+    [[maybe_unused]] bool pend_l1 = false;
+    // Part P of the pending tile: L2 its group kFirstDeferredGroup + P, L1 (P < kL1DeferParts)
+    // h group kFirstDeferredL1Group + P with its SwiGLU.
+    [[maybe_unused]] auto defer_part = [&](auto part) {
+      if constexpr (kDeferEpilogue) {
+        constexpr int P = decltype(part)::value;
+        if (!pend_l1) {
+          if constexpr (kDeferL2Epilogue)
+            store_group(pend_slot, kFirstDeferredGroup + P,
+                        [&](int j, int hh) { return pend[8 * P + 2 * j + hh]; });
+        } else if constexpr (kDeferL1Epilogue && P < kL1DeferParts) {
+          const auto half = [&](int w, int e) {
+            return e ? detail::bf16_hi(pend[w]) : detail::bf16_lo(pend[w]);
+          };
+          uint32_t hw[4][2];
+          swiglu_group(hw, [&](int j, int hh, int e) { return half(16 * P + 2 * j + hh, e); },
+                       [&](int j, int hh, int e) { return half(16 * P + 8 + 2 * j + hh, e); });
+          store_group(pend_slot, kFirstDeferredL1Group + P,
+                      [&](int j, int hh) { return hw[j][hh]; });
+        }
+      }
+    };
+    // Every part of the pending tile, outside a mainloop.
+    [[maybe_unused]] auto defer_all = [&]() {
+      detail::static_for([&](auto part) { defer_part(part); },
+                         cute::make_int_sequence<kDeferParts>{});
     };
     // The pending tile's stores are issued: its `stored` arrival.
     [[maybe_unused]] auto defer_finish = [&]() {
@@ -1152,16 +1216,14 @@ struct Sm90MoeTileEngine {
       __syncwarp();
       if (lane == 0) Barrier::arrive(&ss.job_empty[slot]);
       ++jn;
-      if (job.kind < 0) {
-        if constexpr (kDeferL2Epilogue) {
-          if (pend_slot >= 0) {  // the last tile's rows
-            detail::static_for([&](auto part) { defer_part(part); },
-                               cute::make_int_sequence<kDeferParts>{});
-            defer_finish();
-          }
+      if constexpr (kDeferEpilogue) {
+        // The last tile's rows; and a pending L1 tile before an L2 tile, which may wait for it.
+        if (pend_slot >= 0 && (job.kind < 0 || (pend_l1 && job.kind == kL2Down))) {
+          defer_all();
+          defer_finish();
         }
-        break;
       }
+      if (job.kind < 0) break;
 
       const GemmOperands& op = p.op[job.kind];
       const bool fence_a = op.a_load == int32_t(ALoad::kCpAsyncRows);
@@ -1178,8 +1240,11 @@ struct Sm90MoeTileEngine {
       const bool l2_tma = nslots > 0 && l2_rows_by_tma(p, job);
       // kDeferL2Epilogue: this tile's rows are written from registers, half of them during the
       // next tile's mainloop (see the header).
-      [[maybe_unused]] const bool defer = kDeferL2Epilogue && !l1 && nslots > 0 && !l2_tma &&
-                                          p.l2_copy == nullptr && p.bench_skip_epilogue != 3;
+      [[maybe_unused]] const bool defer_l2 = kDeferL2Epilogue && !l1 && nslots > 0 && !l2_tma &&
+                                             p.l2_copy == nullptr && p.bench_skip_epilogue != 3;
+      // kDeferL1Epilogue: the same for L1 without gate_up (nslots 1), h from SwiGLU.
+      [[maybe_unused]] const bool defer_l1 = kDeferL1Epilogue && l1 && nslots == 1 &&
+                                             !p.l1_raw_gate && p.bench_skip_epilogue != 3;
       // (Each row's destination is in ss.row_dst[slot], from the signaller: dst_ready[slot].)
       if (dh_tile && nslots > 0) {
         // The epilogue's gate and up columns into L2 while the mainloop runs: 128 rows x
@@ -1205,7 +1270,7 @@ struct Sm90MoeTileEngine {
                      lane, it, acc, tmp);
       } else {
       // One stage kb (it: its ring counter). kParts: a part of the pending tile's rows goes
-      // between the stage's wgmma issue and the wait for them (kDeferL2Epilogue).
+      // between the stage's wgmma issue and the wait for them (kDeferEpilogue).
       auto stage = [&](int kb, auto parts) {
         const int s = it % kStages;
         const uint32_t full_clk = profile::clock32();
@@ -1247,7 +1312,7 @@ struct Sm90MoeTileEngine {
                   if (kb == decltype(part)::value) defer_part(part);
                 },
                 cute::make_int_sequence<kDeferParts>{});
-            if (kb == kDeferParts - 1) defer_finish();
+            if (kb == (pend_l1 ? kL1DeferParts : kDeferParts) - 1) defer_finish();
           }
         }
         // Release the previous stage, except the second-to-last one of the tile (staging).
@@ -1257,7 +1322,7 @@ struct Sm90MoeTileEngine {
         }
       };
       int kb = 0;
-      if constexpr (kDeferL2Epilogue) {
+      if constexpr (kDeferEpilogue) {
         // The first stages carry the parts, peeled off so that the loop below stays as the
         // compiler unrolls it without them (with the parts inside, it was not unrolled).
         for (; kb < num_kb && kb < kDeferParts; ++kb, ++it) stage(kb, std::true_type{});
@@ -1266,7 +1331,7 @@ struct Sm90MoeTileEngine {
       cute::warpgroup_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
-      if constexpr (kDeferL2Epilogue) {
+      if constexpr (kDeferEpilogue) {
         if (pend_slot >= 0) {  // a tile of fewer than kDeferParts stages: the parts left
           detail::static_for(
               [&](auto part) {
@@ -1281,7 +1346,7 @@ struct Sm90MoeTileEngine {
         for (int i = 0; i < 8 * kDeferParts; ++i) pend[i] = 0u;
         // A deferred tile needs no staging: this warp's wgmma have read the tile's last two
         // stages (wait<0> above), so both go back now.
-        if (defer && lane == 0) {
+        if ((defer_l2 || defer_l1) && lane == 0) {
           release_stage(ss, (it - 2) % kStages, 1);
           release_stage(ss, (it - 1) % kStages, 1);
         }
@@ -1292,29 +1357,62 @@ struct Sm90MoeTileEngine {
       prof.count(profile::kWgTiles, 1);
       epilogue_clk = profile::clock32();
 
-      if constexpr (kDeferL2Epilogue) {
-        if (defer) {
+      if constexpr (kDeferEpilogue) {
+        if (defer_l2 || defer_l1) {
           // Deferred (see the header; its stages went back after the mainloop): the first
           // groups are stored now, the others' bf16 pairs kept for the next tile's mainloop.
           if (!uses_row_dst(p, job)) __trap();
           Barrier::wait(&ss.dst_ready[slot], job_phase);
           detail::compiler_barrier();  // the wait's asm has no memory clobber: row_dst after it
-          auto acc_word = [&](int m) {
-            return [&, m](int j, int hh) {
-              const int i = 4 * m + j;
-              return detail::pack_bf16x2(acc[4 * i + 2 * hh], acc[4 * i + 2 * hh + 1]);
-            };
+          // The bf16 pair of accumulator block i (columns 8 i + 2 (lane % 4) + {0, 1}), row hh.
+          auto acc_pair_of = [&](int i, int hh) {
+            return detail::pack_bf16x2(acc[4 * i + 2 * hh], acc[4 * i + 2 * hh + 1]);
           };
+          bool l1_tile = false;
+          if constexpr (kDeferL1Epilogue) {
+            if (defer_l1) {  // h group m: gate blocks 4 m + j, up blocks 16 + 4 m + j
+              l1_tile = true;
 #pragma unroll
-          for (int m = 0; m < kFirstDeferredGroup; ++m) store_group(slot, m, acc_word(m));
+              for (int m = 0; m < kFirstDeferredL1Group; ++m) {
+                uint32_t hw[4][2];
+                swiglu_group(
+                    hw,
+                    [&](int j, int hh, int e) {
+                      return detail::round_bf16(acc[4 * (4 * m + j) + 2 * hh + e]);
+                    },
+                    [&](int j, int hh, int e) {
+                      return detail::round_bf16(acc[4 * (16 + 4 * m + j) + 2 * hh + e]);
+                    });
+                store_group(slot, m, [&](int j, int hh) { return hw[j][hh]; });
+              }
 #pragma unroll
-          for (int g = 0; g < kDeferParts; ++g)
+              for (int g = 0; g < kL1DeferParts; ++g)
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
+                for (int j = 0; j < 4; ++j)
 #pragma unroll
-              for (int hh = 0; hh < 2; ++hh)
-                pend[8 * g + 2 * j + hh] = acc_word(kFirstDeferredGroup + g)(j, hh);
+                  for (int hh = 0; hh < 2; ++hh) {
+                    const int i = 4 * (kFirstDeferredL1Group + g) + j;
+                    pend[16 * g + 2 * j + hh] = acc_pair_of(i, hh);
+                    pend[16 * g + 8 + 2 * j + hh] = acc_pair_of(16 + i, hh);
+                  }
+            }
+          }
+          if constexpr (kDeferL2Epilogue) {
+            if (!l1_tile) {
+#pragma unroll
+              for (int m = 0; m < kFirstDeferredGroup; ++m)
+                store_group(slot, m, [&](int j, int hh) { return acc_pair_of(4 * m + j, hh); });
+#pragma unroll
+              for (int g = 0; g < kDeferParts; ++g)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                  for (int hh = 0; hh < 2; ++hh)
+                    pend[8 * g + 2 * j + hh] = acc_pair_of(4 * (kFirstDeferredGroup + g) + j, hh);
+            }
+          }
           pend_slot = slot;
+          pend_l1 = l1_tile;
           prof.since(profile::kWgEpilogue, epilogue_clk);
           continue;
         }

@@ -1,5 +1,6 @@
-"""A CPU model of the deferred L2 epilogue's index arithmetic (ffi/gemm/sm90_moe_tile_engine.cuh,
-kDeferL2Epilogue): from the wgmma m64n256 accumulator fragment of every thread of a warpgroup,
+"""A CPU model of the deferred epilogues' index arithmetic (ffi/gemm/sm90_moe_tile_engine.cuh,
+kDeferL2Epilogue, and kDeferL1Epilogue in check_l1): from the wgmma m64n256 accumulator
+fragment of every thread of a warpgroup,
 through the bf16 pairs (acc_word), the 32 pending words (pend), the quad transpose and the
 16-byte stores (store_group), to the destination rows; no GPU, no CUDA. A model is a
 transcription of the code, not the code: it checks the scheme and the arithmetic as written.
@@ -11,7 +12,7 @@ written; and each warp store instruction writes 64 contiguous bytes in each of 8
 fails on each index mutation it tries (the transpose's exchanges, the pend index, the store
 column), so that a passing run means something.
 
-Run: python benchmarks/kernels/deferred_l2_index_model.py (under a second).
+Run: python benchmarks/kernels/deferred_epilogue_index_model.py (under a second).
 """
 
 from __future__ import annotations
@@ -140,14 +141,79 @@ def check(rows_in_tile: int, mutate: str = "") -> list[str]:
   return errors
 
 
+FIRST_DEFERRED_L1_GROUP = 2  # kFirstDeferredL1Group
+L1_DEFER_PARTS = 4 - FIRST_DEFERRED_L1_GROUP  # kL1DeferParts
+
+
+def check_l1(rows_in_tile: int, mutate: str = "") -> list[str]:
+  """L1 (kDeferL1Epilogue): accumulator columns 0..127 are gate, 128..255 up; h column c of row
+  r must receive (gate[r, c], up[r, c]), SwiGLU's two inputs (the model tracks them, not the
+  math). h groups 0..1 from the accumulators at the epilogue, 2..3 from pend[16 g + 2 j + hh]
+  (gate) and pend[16 g + 8 + 2 j + hh] (up); swiglu_group pairs gate(j, hh, e) with up(j, hh,
+  e) element by element."""
+  rng = np.random.default_rng(1)
+  acc_tile = rng.integers(0, 1 << 30, size=(64, 256))
+  got = {}
+  errors = []
+  for warp in range(4):
+    accs = [fragment(acc_tile, warp, lane) for lane in range(32)]
+
+    def acc_pair_of(lane, i, hh):
+      return pack(accs[lane][4 * i + 2 * hh], accs[lane][4 * i + 2 * hh + 1])
+
+    pend = [[None] * 32 for _ in range(32)]
+    for lane, g, j, hh in itertools.product(range(32), range(L1_DEFER_PARTS), range(4), range(2)):
+      i = 4 * (FIRST_DEFERRED_L1_GROUP + g) + j
+      up_i = 16 + i if mutate != "l1_up_block" else 15 + i
+      pend[lane][16 * g + 2 * j + hh] = acc_pair_of(lane, i, hh)
+      pend[lane][16 * g + 8 + 2 * j + hh] = acc_pair_of(lane, up_i, hh)
+
+    def store_h_group(m, hw_of):  # hw_of(lane, j, hh) -> the pair of h elements
+      for hh in range(2):
+        for quad in range(8):
+          lanes = [4 * quad + q for q in range(4)]
+          x = quad_transpose([[hw_of(l, j, hh) for j in range(4)] for l in lanes])
+          row = 16 * warp + quad + 8 * hh
+          if row >= rows_in_tile:
+            continue
+          for q, lane in enumerate(lanes):
+            for w, pair in enumerate(x[q]):
+              for e, value in enumerate(pair):
+                c = 32 * m + 8 * (lane & 3) + 2 * w + e
+                got.setdefault((row, c), []).append(value)
+
+    for m in range(FIRST_DEFERRED_L1_GROUP):  # gate(j, hh, e) = acc block 4 m + j, up 16 + ...
+      store_h_group(m, lambda lane, j, hh, m=m: tuple(
+          (acc_pair_of(lane, 4 * m + j, hh)[e], acc_pair_of(lane, 16 + 4 * m + j, hh)[e])
+          for e in range(2)))
+    for p in range(L1_DEFER_PARTS):
+      store_h_group(FIRST_DEFERRED_L1_GROUP + p, lambda lane, j, hh, p=p: tuple(
+          (pend[lane][16 * p + 2 * j + hh][e], pend[lane][16 * p + 8 + 2 * j + hh][e])
+          for e in range(2)))
+  for r in range(64):
+    for c in range(128):
+      v = got.get((r, c), [])
+      want = [(acc_tile[r, c], acc_tile[r, 128 + c])] if r < rows_in_tile else []
+      if v != want:
+        errors.append(f"h[{r}, {c}]: {v} != {want}")
+        break
+  if any(c >= 128 for _, c in got):
+    errors.append("a store past h's 128 columns")
+  return errors
+
+
 def main():
   for rows in (64, 37, 1, 0):
     errors = check(rows)
     assert not errors, (rows, errors)
+    errors = check_l1(rows)
+    assert not errors, (rows, errors[:3])
   for mutate in ("xor1_first", "pend_index", "store_column"):
     assert check(64, mutate), f"mutation {mutate} not caught"
-  print("deferred L2 epilogue index model: every element once, at its place; 64-byte row "
-        "segments per warp store; rows past the tile untouched; 3 mutations caught")
+  assert check_l1(64, "l1_up_block"), "mutation l1_up_block not caught"
+  print("deferred epilogue index model: L2, every element once at its place, 64-byte row "
+        "segments per warp store; L1, every h element from its own gate and up; rows past the "
+        "tile untouched; 4 mutations caught")
 
 
 if __name__ == "__main__":
