@@ -13,7 +13,8 @@
 # (MEGAMOE_DEFER_L2_EPILOGUE, built in session 32, never run; FUSED_CORE_NOTES, session 32):
 #   PART=defer (~5 min): the harness built three ways (plain, L2 deferred, L1 and L2 deferred);
 #     the checks of problems 0, 1 and 6 (odd sizes, one token, F = 128; every variant on engine
-#     0) with both deferred builds (6 with the plain one too: new in session 32, never run);
+#     0) in each build, and the outputs' digests of each deferred build against the plain
+#     build's (bit for bit; problem 6 is new in session 32, never run);
 #     then 30B and 235B L1, L2 and the one launch in the three builds, twice, and the L1 + L2
 #     deferred build profiled.
 #   PART=defer_product (~9 min), if the harness passed and gained: the extension plain, then
@@ -24,7 +25,7 @@
 # (bench_layer.py --ep 1, cuda and fused) for issue 14's table.
 # Each step has its own time limit, so that one hang does not take the others.
 #
-#   OUT=... PART=defer|defer_product scripts/next_device_call.sh      (carry .whl: the CUTLASS wheel)
+#   OUT=... PART=defer|defer_product scripts/next_device_call.sh    (carry .whl: the CUTLASS wheel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
@@ -42,11 +43,17 @@ if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer ]; then
   run() { echo "### $*"; timeout 120 "$@" 2>&1; echo "rc=$?"; }
   # Problem 6 (F = 128: L2 tiles of two stages) is new in session 32: run plain too, so that a
   # failure there is placed.
-  { for b in fused_core_bench_defer fused_core_bench_defer12; do
-      for pr in 0 1 6; do run $B/$b --problem $pr --engine 0; done
-    done
-    run $B/fused_core_bench --problem 6 --engine 0; } > "$OUT/defer_checks.log"
-  grep -c PASS "$OUT/defer_checks.log"; grep -E "FAIL|rc=[1-9]" "$OUT/defer_checks.log" | head
+  # Each build's checks; then its outputs' digests against the plain build's, bit for bit.
+  for b in fused_core_bench fused_core_bench_defer fused_core_bench_defer12; do
+    for pr in 0 1 6; do run $B/$b --problem $pr --engine 0; done > "$OUT/checks_$b.log"
+    echo "$b: $(grep -c PASS "$OUT/checks_$b.log") PASS, $(grep -c FAIL "$OUT/checks_$b.log") FAIL"
+    grep digest "$OUT/checks_$b.log" > "$OUT/digests_$b.txt"
+  done
+  for b in fused_core_bench_defer fused_core_bench_defer12; do
+    cmp -s "$OUT/digests_fused_core_bench.txt" "$OUT/digests_$b.txt" \
+      && echo "$b: digests identical to the plain build's" \
+      || echo "$b: DIGESTS DIFFER from the plain build's"
+  done
   for round in 1 2; do
     for v in 0 7 10 14; do
       for b in fused_core_bench fused_core_bench_defer fused_core_bench_defer12; do

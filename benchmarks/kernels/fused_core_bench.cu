@@ -2,7 +2,8 @@
 // L1 (x @ w_gate_up + SwiGLU) and L2 (h @ w_down -> per-row destinations) over grouped problems,
 // A rows gathered by index (per-row TMA, cp.async) or contiguous (one TMA box), checked against a
 // simple fp32-accumulating GPU reference with poisoned outputs, bitwise run-to-run, and timed with
-// CUDA events (median after warm-up, rotating inputs). CUDA C++ only, no JAX.
+// CUDA events (median after warm-up, rotating inputs). CUDA C++ only, no JAX. Each check prints
+// digests of its outputs, to compare two builds bit for bit.
 // Engine "S4-BK" reads B K-major (Sm90MoeTileEngine<..., kBKMajor>: the weights transposed to
 // [E, N, K] on the device, as the fused backward's dgrad GEMMs read W^T), same checks.
 //
@@ -516,6 +517,14 @@ int main(int argc, char** argv) {
           if (diff != 0) r.ok = false;
           printf("[%s] %-42s %s:%s rerun-diff-words=%llu\n", L.name(), v.name,
                  r.ok ? "PASS" : "FAIL", r.msg.c_str(), diff);
+          // The outputs' bits, to compare two builds (e.g. MEGAMOE_DEFER_*_EPILOGUE).
+          const size_t row_bytes_h = size_t(d.rows) * p.f * sizeof(bf16);
+          printf("    digest h %016llx  gate_up %016llx  y %016llx\n",
+                 (unsigned long long)DeviceDigest(d.h, row_bytes_h),
+                 (unsigned long long)(v.gate_up ? DeviceDigest(d.gu, 2 * row_bytes_h) : 0),
+                 (unsigned long long)(v.mode & 2
+                                          ? DeviceDigest(d.out, size_t(d.rows) * p.h * sizeof(bf16))
+                                          : 0));
           failures += !r.ok;
         }
         if (big) {

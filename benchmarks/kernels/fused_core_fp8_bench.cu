@@ -120,13 +120,6 @@ static float FromE4m3(uint8_t q) {  // a table: the reference loops decode billi
   return table[q];
 }
 
-// FNV-1a over n bytes.
-static uint64_t Fnv1a(const void* p, size_t n) {
-  uint64_t h = 1469598103934665603ull;
-  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(p)[i]) * 1099511628211ull;
-  return h;
-}
-
 struct Rng {
   uint64_t s;
   float normal() {  // sum of 4 uniforms, centred (cheap, bounded, roughly normal)

@@ -1,9 +1,11 @@
 // Host helpers shared by the standalone harnesses of the fused MoE GEMM core
 // (fused_core_bench.cu, fused_core_fp8_bench.cu): CUDA error checks that name the failing call
-// and exit, device buffers from host vectors and back, and the tile walk they schedule with.
+// and exit, device buffers from host vectors and back, digests of outputs (to compare two builds
+// bit for bit), and the tile walk they schedule with.
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -39,6 +41,21 @@ static void CheckStr(const std::string& s) {
     fprintf(stderr, "error: %s\n", s.c_str());
     exit(2);
   }
+}
+
+// FNV-1a over n bytes.
+static uint64_t Fnv1a(const void* p, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(p)[i]) * 1099511628211ull;
+  return h;
+}
+
+// FNV-1a of n bytes of device memory (0 for a null pointer).
+static uint64_t DeviceDigest(const void* d, size_t n) {
+  if (d == nullptr) return 0;
+  std::vector<uint8_t> h(n);
+  CK(cudaMemcpy(h.data(), d, n, cudaMemcpyDeviceToHost));
+  return Fnv1a(h.data(), n);
 }
 
 template <class T>

@@ -70,9 +70,12 @@
 // row, so a warp instruction writes 64 contiguous bytes in each of 8 rows. The tile's `stored`
 // arrival follows its last part (after the last tile: before the role ends). Contract: a
 // deferred tile's tile_done now waits for the next tile's rows (wait_rows_ready) and, after the
-// last tile, for the scheduler's end; so neither may depend on an L2 tile's tile_done (true of
-// the fused kernel, whose L2 tiles signal nothing and follow every L1 tile, and of the
-// harness).
+// last tile, for the scheduler's end; so neither may depend on the tile_done of an L2 tile, nor,
+// with L1 deferred too, of an L1 tile that is not followed by an L2 tile (true of the fused
+// kernel, whose L2 tiles signal nothing and whose CTAs take all their L1 tiles before their L2
+// tiles, and of the harness). Performance, not correctness: with L1 deferred, an L1 tile's
+// tile_done also waits for the next L1 tile's rows, so L2 tiles may wait longer where rows
+// arrive late (the fused kernel's copy beside the tiles).
 // L1 likewise (kDeferL1Epilogue, MEGAMOE_DEFER_L1_EPILOGUE=1; only without the gate_up
 // residual): h groups 0-1 (64 of the tile's 128 h columns) get their SwiGLU and go out at the
 // epilogue; groups 2-3 keep their bf16 gate and up pairs (32 registers) and get their SwiGLU in
@@ -547,6 +550,9 @@ struct Sm90MoeTileEngine {
   static constexpr bool kDeferEpilogue = kDeferL1Epilogue || kDeferL2Epilogue;
   static_assert(!kDeferEpilogue || kJobSlots_ >= 2,
                 "a pending tile holds its job slot while the next tile runs");
+  static_assert(kL1DeferParts <= kDeferParts && 16 * kL1DeferParts <= 8 * kDeferParts,
+                "a pending L1 tile's parts run in the stages, and its words fit in pend, sized "
+                "for L2");
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
   static_assert(kClusterM == 1 || (kClusterM == 2 && kBKMajor && !kFp8),
@@ -1154,16 +1160,20 @@ struct Sm90MoeTileEngine {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          hw[j][hh] = detail::pack_bf16x2(detail::swiglu_fast_path(gate(j, hh, 0), up(j, hh, 0), slow),
-                                          detail::swiglu_fast_path(gate(j, hh, 1), up(j, hh, 1), slow));
+        for (int hh = 0; hh < 2; ++hh) {
+          const float h0 = detail::swiglu_fast_path(gate(j, hh, 0), up(j, hh, 0), slow);
+          const float h1 = detail::swiglu_fast_path(gate(j, hh, 1), up(j, hh, 1), slow);
+          hw[j][hh] = detail::pack_bf16x2(h0, h1);
+        }
       if (__any_sync(0xffffffffu, slow)) {
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh)
-            hw[j][hh] = detail::pack_bf16x2(megamoe::grouped::Swiglu(gate(j, hh, 0), up(j, hh, 0)),
-                                            megamoe::grouped::Swiglu(gate(j, hh, 1), up(j, hh, 1)));
+          for (int hh = 0; hh < 2; ++hh) {
+            const float h0 = megamoe::grouped::Swiglu(gate(j, hh, 0), up(j, hh, 0));
+            const float h1 = megamoe::grouped::Swiglu(gate(j, hh, 1), up(j, hh, 1));
+            hw[j][hh] = detail::pack_bf16x2(h0, h1);
+          }
       }
     };
     // The tile whose last groups are still to be written (pend_slot its job slot, -1: none;
