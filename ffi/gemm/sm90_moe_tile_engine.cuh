@@ -68,22 +68,21 @@
 // issue and the wait for them. A row is written from registers thus: within each quad of lanes
 // a 4 x 4 transpose of 32-bit words (4 shuffles) gives each lane 16 contiguous bytes of one
 // row, so a warp instruction writes 64 contiguous bytes in each of 8 rows. The tile's `stored`
-// arrival follows its last part (after the last tile: before the role ends). Contract: a
-// deferred tile's tile_done now waits for the next tile's rows (wait_rows_ready) and, after the
-// last tile, for the scheduler's end; so neither may depend on the tile_done of an L2 tile, nor,
-// with L1 deferred too, of an L1 tile that is not followed by an L2 tile (true of the fused
-// kernel, whose L2 tiles signal nothing and whose CTAs take all their L1 tiles before their L2
-// tiles, and of the harness). Performance, not correctness: with L1 deferred, an L1 tile's
-// tile_done also waits for the next L1 tile's rows, so L2 tiles may wait longer where rows
-// arrive late (the fused kernel's copy beside the tiles).
+// arrival follows its last part (after the last tile: before the role ends).
 // L1 likewise (kDeferL1Epilogue, MEGAMOE_DEFER_L1_EPILOGUE=1; only without the gate_up
 // residual): h groups 0-1 (64 of the tile's 128 h columns) get their SwiGLU and go out at the
 // epilogue; groups 2-3 keep their bf16 gate and up pairs (32 registers) and get their SwiGLU in
 // the next tile's first two stages. A pending L1 tile is finished as soon as the next job is an
 // L2 tile, before that tile's mainloop: L2 tiles wait on L1 tiles' tile_done (the producer
 // publishes a job before it waits for the job's rows, so the consumers see it first).
-// Both built and compiled (no wgmma serialised), NOT yet run on a GPU (FUSED_CORE_NOTES,
-// session 32).
+// Contract: a deferred tile's tile_done waits for the next tile's rows (wait_rows_ready) and,
+// after the last tile, for the scheduler's end; so neither may depend on the tile_done of an L2
+// tile, nor, with L1 deferred, of an L1 tile that no L2 tile follows (true of the fused kernel,
+// whose L2 tiles signal nothing and whose CTAs take all their L1 tiles before their L2 tiles,
+// and of the harness). Performance, not correctness: a deferred L1 tile's tile_done also waits
+// for the next L1 tile's rows, so L2 tiles may wait longer where rows arrive late (the fused
+// kernel's copy beside the tiles). Both built and compiled (no wgmma serialised), NOT yet run on
+// a GPU (FUSED_CORE_NOTES, session 32).
 //
 // Synchronisation (mbarriers + two named barriers):
 //   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps)
@@ -1279,8 +1278,8 @@ struct Sm90MoeTileEngine {
         mainloop_fp8(ss, num_kb, op.sa_unaligned ? 0 : (job.row_begin & 3), wg, warp_in_wg,
                      lane, it, acc, tmp);
       } else {
-      // One stage kb (it: its ring counter). kParts: a part of the pending tile's rows goes
-      // between the stage's wgmma issue and the wait for them (kDeferEpilogue).
+      // One stage kb (it: its ring counter). parts = std::true_type: a part of the pending tile
+      // goes between the stage's wgmma issue and the wait for them (kDeferEpilogue).
       auto stage = [&](int kb, auto parts) {
         const int s = it % kStages;
         const uint32_t full_clk = profile::clock32();
