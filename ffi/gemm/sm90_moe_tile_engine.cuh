@@ -1365,6 +1365,10 @@ struct Sm90MoeTileEngine {
       prof.count(profile::kWgKBlocks, uint32_t(num_kb));
       prof.count(profile::kWgTiles, 1);
       epilogue_clk = profile::clock32();
+      // The bf16 pair of accumulator columns 8 col8 + 2 (lane % 4) + {0, 1}, row hh.
+      auto acc_pair = [&](int col8, int hh) {
+        return detail::pack_bf16x2(acc[4 * col8 + 2 * hh], acc[4 * col8 + 2 * hh + 1]);
+      };
 
       if constexpr (kDeferEpilogue) {
         if (defer_l2 || defer_l1) {
@@ -1373,10 +1377,6 @@ struct Sm90MoeTileEngine {
           if (!uses_row_dst(p, job)) __trap();
           Barrier::wait(&ss.dst_ready[slot], job_phase);
           detail::compiler_barrier();  // the wait's asm has no memory clobber: row_dst after it
-          // The bf16 pair of accumulator block i (columns 8 i + 2 (lane % 4) + {0, 1}), row hh.
-          auto acc_pair_of = [&](int i, int hh) {
-            return detail::pack_bf16x2(acc[4 * i + 2 * hh], acc[4 * i + 2 * hh + 1]);
-          };
           bool l1_tile = false;
           if constexpr (kDeferL1Epilogue) {
             if (defer_l1) {  // h group m: gate blocks 4 m + j, up blocks 16 + 4 m + j
@@ -1401,8 +1401,8 @@ struct Sm90MoeTileEngine {
 #pragma unroll
                   for (int hh = 0; hh < 2; ++hh) {
                     const int i = 4 * (kFirstDeferredL1Group + g) + j;
-                    pend[16 * g + 2 * j + hh] = acc_pair_of(i, hh);
-                    pend[16 * g + 8 + 2 * j + hh] = acc_pair_of(16 + i, hh);
+                    pend[16 * g + 2 * j + hh] = acc_pair(i, hh);
+                    pend[16 * g + 8 + 2 * j + hh] = acc_pair(16 + i, hh);
                   }
             }
           }
@@ -1410,14 +1410,14 @@ struct Sm90MoeTileEngine {
             if (!l1_tile) {
 #pragma unroll
               for (int m = 0; m < kFirstDeferredGroup; ++m)
-                store_group(slot, m, [&](int j, int hh) { return acc_pair_of(4 * m + j, hh); });
+                store_group(slot, m, [&](int j, int hh) { return acc_pair(4 * m + j, hh); });
 #pragma unroll
               for (int g = 0; g < kDeferParts; ++g)
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
 #pragma unroll
                   for (int hh = 0; hh < 2; ++hh)
-                    pend[8 * g + 2 * j + hh] = acc_pair_of(4 * (kFirstDeferredGroup + g) + j, hh);
+                    pend[8 * g + 2 * j + hh] = acc_pair(4 * (kFirstDeferredGroup + g) + j, hh);
             }
           }
           pend_slot = slot;
@@ -1462,9 +1462,6 @@ struct Sm90MoeTileEngine {
                                       ((uint32_t(ii & 7) ^ frag_sw) << 4),
                                   v(ii, hh));
         }
-      };
-      auto acc_pair = [&](int col8, int hh) {  // accumulator columns 8 col8 + 2 (lane % 4) + {0, 1}
-        return detail::pack_bf16x2(acc[4 * col8 + 2 * hh], acc[4 * col8 + 2 * hh + 1]);
       };
       if (nslots > 0) {
         if (l1) {
