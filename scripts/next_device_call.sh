@@ -34,6 +34,24 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export XLA_PYTHON_CLIENT_PREALLOCATE=false MEGAMOE_EP_TIMEOUT_S=10
 
 nvidia-smi -L | tee "$OUT/gpus.txt"
+# PART=defer235: the harness's cycle accounting at 235B (problem 4: L1, L2, one launch), plain
+# and deferred, with each build's timing beside it.
+if [ "${PART:-defer}" = defer235 ]; then
+  mkdir -p /tmp/cutlass && python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
+  export CUTLASS_INCLUDE=/tmp/cutlass/cutlass_library/source/include
+  timeout 240 sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
+    > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
+  B=build/fused_core
+  run() { echo "### $*"; timeout 120 "$@" 2>&1; echo "rc=$?"; }
+  for round in 1 2; do
+    for b in fused_core_bench fused_core_bench_defer fused_core_bench_defer12; do
+      for v in 2 7 12; do run $B/$b --problem 4 --engine 0 --variant $v --nocheck; done
+      for v in 2 7 12; do run $B/${b}_profile --problem 4 --engine 0 --variant $v --nocheck; done
+    done
+  done > "$OUT/defer235.log"
+  grep -E "^### |wg0:|per tile|producer:" "$OUT/defer235.log" | head -120
+  exit 0
+fi
 if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer ]; then
   mkdir -p /tmp/cutlass && python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
   export CUTLASS_INCLUDE=/tmp/cutlass/cutlass_library/source/include
@@ -54,7 +72,7 @@ if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer ]; then
       && echo "$b: digests identical to the plain build's" \
       || echo "$b: DIGESTS DIFFER from the plain build's"
   done
-  for round in 1 2; do
+  for round in 1 2 3; do
     for v in 0 7 10 14; do
       for b in fused_core_bench fused_core_bench_defer fused_core_bench_defer12; do
         run $B/$b --problem 2 --engine 0 --variant $v --nocheck
@@ -67,10 +85,13 @@ if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer ]; then
     done
   done > "$OUT/defer_timing.log"
   grep -E "^### |^(30B|235B) " "$OUT/defer_timing.log" | grep -v "^###" | head -40
-  for v in 0 7 10; do
-    run $B/fused_core_bench_defer12_profile --problem 2 --engine 0 --variant $v --nocheck
+  # The cycle accounting of each build, on the same machine.
+  for b in fused_core_bench_profile fused_core_bench_defer_profile fused_core_bench_defer12_profile; do
+    for v in 0 7 10; do
+      run $B/$b --problem 2 --engine 0 --variant $v --nocheck
+    done
   done > "$OUT/defer_profile.log"
-  grep -E "wg0:|per tile" "$OUT/defer_profile.log" | head -12
+  grep -E "^### |wg0:|per tile" "$OUT/defer_profile.log" | head -60
   exit 0
 fi
 if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer_product ]; then
@@ -83,7 +104,32 @@ if [ "$(nvidia-smi -L | wc -l)" -lt 2 ] && [ "${PART:-defer}" = defer_product ];
     timeout 150 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe bf16 --reps 10 \
       --out "$OUT/fused_defer_$mode.json" 2>&1 | tee "$OUT/fused_defer_$mode.log" | grep kernel
   done
-  timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -n 4 -m gpu -k "not fp8" \
+  [ "${TESTS:-1}" = 1 ] && timeout 200 python3 -m pytest -q -rs -p no:cacheprovider -n 4 -m gpu \
+    -k "not fp8" tests/test_fused_moe.py 2>&1 | tee "$OUT/tests_fused_defer.log" | tail -4
+  exit 0
+fi
+# PART=defer_modes: the extension built four ways (plain; L1, L2, L1 + L2 deferred), then
+# fused_phases.py on each in turn, twice (30B and 235B bf16; the same machine, interleaved).
+if [ "${PART:-defer}" = defer_modes ]; then
+  for mode in OFF:OFF ON:OFF OFF:ON ON:ON; do
+    JAX_MEGAMOE_DEFER_L1_EPILOGUE=${mode%%:*} JAX_MEGAMOE_DEFER_L2_EPILOGUE=${mode##*:} \
+      JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build > /dev/null || exit 1
+    cp jax_megamoe/_megamoe*.so "/tmp/so_${mode/:/_}"
+  done
+  so=$(ls jax_megamoe/_megamoe*.so)
+  for round in 1 2; do
+    for mode in OFF:OFF ON:OFF OFF:ON ON:ON; do
+      cp "/tmp/so_${mode/:/_}" "$so"
+      echo "round $round, deferred L1:L2 $mode"
+      timeout 100 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe bf16 --reps 10 \
+        --out "$OUT/phases_${mode/:/_}_$round.json" 2>&1 | grep -E "kernel|rror"
+    done
+  done | tee "$OUT/defer_modes.log"
+  exit 0
+fi
+# The bf16 fused tests on the extension built last (PART=defer_product left the deferred one).
+if [ "${PART:-defer}" = defer_tests ]; then
+  timeout 300 python3 -m pytest -q -rs -p no:cacheprovider -n 4 -m gpu -k "not fp8" \
     tests/test_fused_moe.py 2>&1 | tee "$OUT/tests_fused_defer.log" | tail -4
   exit 0
 fi

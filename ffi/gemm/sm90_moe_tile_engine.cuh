@@ -64,15 +64,15 @@
 // 30B: FUSED_CORE_NOTES, session 31). With it on, an L2 tile's epilogue stages nothing: it
 // hands all its stages back, writes the first half of its columns straight from the
 // accumulators, keeps the other half as bf16 pairs in 32 registers and goes on to the next
-// tile, whose first kDeferParts stages write one 32-column group each between the stage's wgmma
-// issue and the wait for them. A row is written from registers thus: within each quad of lanes
+// tile, whose first kDeferParts stages write one 32-column group each, after the stage's wgmma
+// issue and the release of the stage before it. A row is written from registers thus: within each quad of lanes
 // a 4 x 4 transpose of 32-bit words (4 shuffles) gives each lane 16 contiguous bytes of one
 // row, so a warp instruction writes 64 contiguous bytes in each of 8 rows. The tile's `stored`
 // arrival follows its last part (after the last tile: before the role ends).
 // L1 likewise (kDeferL1Epilogue, MEGAMOE_DEFER_L1_EPILOGUE=1; only without the gate_up
 // residual): h groups 0-1 (64 of the tile's 128 h columns) get their SwiGLU and go out at the
 // epilogue; groups 2-3 keep their bf16 gate and up pairs (32 registers) and get their SwiGLU in
-// the next tile's first two stages. A pending L1 tile is finished as soon as the next job is an
+// the next tile's first four stages, half a group each. A pending L1 tile is finished as soon as the next job is an
 // L2 tile, before that tile's mainloop: L2 tiles wait on L1 tiles' tile_done (the producer
 // publishes a job before it waits for the job's rows, so the consumers see it first).
 // Contract: a deferred tile's tile_done waits for the next tile's rows (wait_rows_ready) and,
@@ -81,8 +81,8 @@
 // whose L2 tiles signal nothing and whose CTAs take all their L1 tiles before their L2 tiles,
 // and of the harness). Performance, not correctness: a deferred L1 tile's tile_done also waits
 // for the next L1 tile's rows, so L2 tiles may wait longer where rows arrive late (the fused
-// kernel's copy beside the tiles). Both built and compiled (no wgmma serialised), NOT yet run on
-// a GPU (FUSED_CORE_NOTES, session 32).
+// kernel's copy beside the tiles). Both pass the harness's checks, bit for bit the staged
+// epilogue's outputs (H100, session 33; FUSED_CORE_NOTES).
 //
 // Synchronisation (mbarriers + two named barriers):
 //   full[s]/empty[s]       the K-stage ring (32 producer-lane arrivals + TMA bytes / 8 warps)
@@ -539,19 +539,20 @@ struct Sm90MoeTileEngine {
   static constexpr int kFirstDeferredGroup = 4;
   static constexpr int kDeferParts = 8 - kFirstDeferredGroup;
   // L1 (no gate_up residual): a warpgroup's h is 64 x 128, 4 groups of 32 columns; groups 0-1
-  // at the epilogue, 2-3 in the next tile's first two stages, kept as the bf16 gate and up pairs
+  // at the epilogue, 2-3 in the next tile's first four stages (half a group's SwiGLU each: a
+  // whole group's, ~1,300 cycles, outran a stage's wgmma), kept as the bf16 gate and up pairs
   // they are computed from (32 registers, as L2's). A pending L1 tile is finished before any L2
   // tile starts: L2 tiles wait on L1 tiles' tile_done.
   static constexpr bool kDeferL1Epilogue =
       !kFp8 && !kDgrad && kClusterM == 1 && MEGAMOE_DEFER_L1_EPILOGUE != 0;
   static constexpr int kFirstDeferredL1Group = 2;
-  static constexpr int kL1DeferParts = 4 - kFirstDeferredL1Group;
+  static constexpr int kL1DeferredGroups = 4 - kFirstDeferredL1Group;
   static constexpr bool kDeferEpilogue = kDeferL1Epilogue || kDeferL2Epilogue;
   static_assert(!kDeferEpilogue || kJobSlots_ >= 2,
                 "a pending tile holds its job slot while the next tile runs");
-  static_assert(kL1DeferParts <= kDeferParts && 16 * kL1DeferParts <= 8 * kDeferParts,
-                "a pending L1 tile's parts run in the stages, and its words fit in pend, sized "
-                "for L2");
+  static_assert(2 * kL1DeferredGroups == kDeferParts && 16 * kL1DeferredGroups <= 8 * kDeferParts,
+                "a pending L1 tile's parts (two a group) are L2's, and its words fit in pend, "
+                "sized for L2");
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
   static_assert(kClusterM == 1 || (kClusterM == 2 && kBKMajor && !kFp8),
@@ -1150,14 +1151,16 @@ struct Sm90MoeTileEngine {
           detail::st_global_v4(dst + 32 * m + 8 * (lane & 3), make_uint4(x[0], x[1], x[2], x[3]));
       }
     };
-    // h words hw[j][hh] of an h group (blocks of 8 columns j = 0..3) from the bf16-rounded
-    // gate(j, hh, e) and up(j, hh, e), e = 0, 1: SwiGLU's fast path, or Swiglu() itself for the
-    // whole group where the fast path's range test fails in the warp (the staged epilogue's
-    // rule, per group: the same bits). Warp-uniform.
-    [[maybe_unused]] auto swiglu_group = [&](uint32_t (&hw)[4][2], auto&& gate, auto&& up) {
+    // h words hw[j][hh] of an h group's blocks of 8 columns j = j_begin..j_end - 1 (of 0..3;
+    // cute::Int) from the bf16-rounded gate(j, hh, e) and up(j, hh, e), e = 0, 1: SwiGLU's fast
+    // path, or Swiglu() itself for those blocks where the fast path's range test fails in the
+    // warp (the staged epilogue's rule; where the test passes both give the same bits, so the
+    // vote's span does not change a bit). Warp-uniform.
+    [[maybe_unused]] auto swiglu_group = [&](auto j_begin, auto j_end, uint32_t (&hw)[4][2],
+                                             auto&& gate, auto&& up) {
       bool slow = false;
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = j_begin; j < j_end; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const float h0 = detail::swiglu_fast_path(gate(j, hh, 0), up(j, hh, 0), slow);
@@ -1166,7 +1169,7 @@ struct Sm90MoeTileEngine {
         }
       if (__any_sync(0xffffffffu, slow)) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = j_begin; j < j_end; ++j)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const float h0 = megamoe::grouped::Swiglu(gate(j, hh, 0), up(j, hh, 0));
@@ -1183,8 +1186,8 @@ struct Sm90MoeTileEngine {
     [[maybe_unused]] uint32_t pend[kDeferEpilogue ? 8 * kDeferParts : 1];
     int pend_slot = -1;
     [[maybe_unused]] bool pend_l1 = false;
-    // Part P of the pending tile: L2 its group kFirstDeferredGroup + P, L1 (P < kL1DeferParts)
-    // h group kFirstDeferredL1Group + P with its SwiGLU.
+    // Part P of the pending tile: L2 its group kFirstDeferredGroup + P; L1 the SwiGLU of half
+    // of h group kFirstDeferredL1Group + P / 2, and for odd P that group's stores.
     [[maybe_unused]] auto defer_part = [&](auto part) {
       if constexpr (kDeferEpilogue) {
         constexpr int P = decltype(part)::value;
@@ -1192,15 +1195,27 @@ struct Sm90MoeTileEngine {
           if constexpr (kDeferL2Epilogue)
             store_group(pend_slot, kFirstDeferredGroup + P,
                         [&](int j, int hh) { return pend[8 * P + 2 * j + hh]; });
-        } else if constexpr (kDeferL1Epilogue && P < kL1DeferParts) {
+        } else if constexpr (kDeferL1Epilogue) {
+          // Pending h group g, its blocks j0, j0 + 1: even parts keep their h words where
+          // their gate pairs were (pend[16 g + 2 j + hh], j < 2), odd parts store the group.
+          constexpr int g = P / 2, j0 = 2 * (P % 2);
           const auto half = [&](int w, int e) {
             return e ? detail::bf16_hi(pend[w]) : detail::bf16_lo(pend[w]);
           };
           uint32_t hw[4][2];
-          swiglu_group(hw, [&](int j, int hh, int e) { return half(16 * P + 2 * j + hh, e); },
-                       [&](int j, int hh, int e) { return half(16 * P + 8 + 2 * j + hh, e); });
-          store_group(pend_slot, kFirstDeferredL1Group + P,
-                      [&](int j, int hh) { return hw[j][hh]; });
+          swiglu_group(cute::Int<j0>{}, cute::Int<j0 + 2>{}, hw,
+                       [&](int j, int hh, int e) { return half(16 * g + 2 * j + hh, e); },
+                       [&](int j, int hh, int e) { return half(16 * g + 8 + 2 * j + hh, e); });
+          if constexpr (j0 == 0) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) pend[16 * g + 2 * j + hh] = hw[j][hh];
+          } else {
+            store_group(pend_slot, kFirstDeferredL1Group + g, [&](int j, int hh) {
+              return j < 2 ? pend[16 * g + 2 * j + hh] : hw[j][hh];
+            });
+          }
         }
       }
     };
@@ -1279,7 +1294,7 @@ struct Sm90MoeTileEngine {
                      lane, it, acc, tmp);
       } else {
       // One stage kb (it: its ring counter). parts = std::true_type: a part of the pending tile
-      // goes between the stage's wgmma issue and the wait for them (kDeferEpilogue).
+      // goes after the stage's wgmma issue and the previous stage's release (kDeferEpilogue).
       auto stage = [&](int kb, auto parts) {
         const int s = it % kStages;
         const uint32_t full_clk = profile::clock32();
@@ -1314,6 +1329,14 @@ struct Sm90MoeTileEngine {
         cute::warpgroup_commit_batch();
 #pragma unroll
         for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
+        // Release the previous stage, except the second-to-last one of the tile (staging).
+        if (kb > 0) {
+          cute::warpgroup_wait<1>();
+          if (kb != num_kb - 1 && lane == 0) release_stage(ss, (it - 1) % kStages, 1);
+        }
+        // A part after the release, not before the wait: before it, each part delayed the
+        // stage's refill by its own length, and the L1 + L2 deferred harness waited for data in
+        // 32% of its cycles (1,232 cycles a stage; session 33).
         if constexpr (decltype(parts)::value) {
           if (pend_slot >= 0) {
             detail::static_for(
@@ -1321,13 +1344,8 @@ struct Sm90MoeTileEngine {
                   if (kb == decltype(part)::value) defer_part(part);
                 },
                 cute::make_int_sequence<kDeferParts>{});
-            if (kb == (pend_l1 ? kL1DeferParts : kDeferParts) - 1) defer_finish();
+            if (kb == kDeferParts - 1) defer_finish();
           }
-        }
-        // Release the previous stage, except the second-to-last one of the tile (staging).
-        if (kb > 0) {
-          cute::warpgroup_wait<1>();
-          if (kb != num_kb - 1 && lane == 0) release_stage(ss, (it - 1) % kStages, 1);
         }
       };
       int kb = 0;
@@ -1385,7 +1403,7 @@ struct Sm90MoeTileEngine {
               for (int m = 0; m < kFirstDeferredL1Group; ++m) {
                 uint32_t hw[4][2];
                 swiglu_group(
-                    hw,
+                    cute::Int<0>{}, cute::Int<4>{}, hw,
                     [&](int j, int hh, int e) {
                       return detail::round_bf16(acc[4 * (4 * m + j) + 2 * hh + e]);
                     },
@@ -1395,7 +1413,7 @@ struct Sm90MoeTileEngine {
                 store_group(slot, m, [&](int j, int hh) { return hw[j][hh]; });
               }
 #pragma unroll
-              for (int g = 0; g < kL1DeferParts; ++g)
+              for (int g = 0; g < kL1DeferredGroups; ++g)
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
 #pragma unroll
