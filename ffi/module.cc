@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "ffi/common/launch_counts.h"
+#include "ffi/gemm/engine_build_options.h"
 #include "ffi/gemm/engine_profile_layout.h"
 #include "ffi/registry.h"
 
@@ -133,21 +134,15 @@ NB_MODULE(_megamoe, m) {
 #else
     info["cutlass"] = false;
 #endif
-#ifdef MEGAMOE_ENGINE_PROFILE
-    info["engine_profile"] = true;
+    // The tile engine's options (engine_build_options.h); none without the CUDA kernels.
+#ifdef MEGAMOE_WITH_CUDA
+    constexpr bool kKernels = true;
 #else
-    info["engine_profile"] = false;
+    constexpr bool kKernels = false;
 #endif
-#ifdef MEGAMOE_DEFER_L2_EPILOGUE
-    info["defer_l2_epilogue"] = true;
-#else
-    info["defer_l2_epilogue"] = false;
-#endif
-#ifdef MEGAMOE_DEFER_L1_EPILOGUE
-    info["defer_l1_epilogue"] = true;
-#else
-    info["defer_l1_epilogue"] = false;
-#endif
+    info["engine_profile"] = kKernels && MEGAMOE_ENGINE_PROFILE != 0;
+    info["defer_l2_epilogue"] = kKernels && MEGAMOE_DEFER_L2_EPILOGUE != 0;
+    info["defer_l1_epilogue"] = kKernels && MEGAMOE_DEFER_L1_EPILOGUE != 0;
     return info;
   });
 }

@@ -83,8 +83,10 @@ def launch_counts() -> dict[str, int]:
 
 def build_info() -> dict[str, Any]:
   """What the extension was built with: cuda_archs, cuda_version, jaxlib_version, cutlass,
-  engine_profile (the fused kernel's cycle accounting), defer_l2_epilogue and defer_l1_epilogue
-  (part of the L2 / L1 rows written during the next tile's mainloop): benchmark builds."""
+  and the fused kernel's tile-engine options (ffi/gemm/engine_build_options.h; all False
+  without the CUDA kernels): engine_profile (its cycle accounting, benchmarks), defer_l1_epilogue
+  (half of each bf16 L1 tile's h written during the next tile's mainloop: the default) and
+  defer_l2_epilogue (the same for L2's rows, benchmarks)."""
   ext = extension()
   if ext is None:
     return {"extension": False, "cuda_archs": [], "cuda_version": "", "jaxlib_version": "",

@@ -12,9 +12,9 @@
 # a -k expression with spaces: PYTEST_K; benchmark commands: BENCH_CMDS (one per line).
 # PYTEST_JOBS=N (default 1) runs the test files in N pytest processes sharing the GPU (the suite
 # is bound by XLA compilation on the host), each logging to $OUT/tests_jK.log with timestamps.
-# JAX_MEGAMOE_DEFER_L2_EPILOGUE=ON / JAX_MEGAMOE_DEFER_L1_EPILOGUE=ON build the tile engine with
-# its deferred L2 / L1 epilogue (benchmarks; not yet measured); every build reconfigures them
-# (default OFF).
+# JAX_MEGAMOE_DEFER_L2_EPILOGUE=ON (benchmarks) / JAX_MEGAMOE_DEFER_L1_EPILOGUE=OFF build the tile
+# engine with / without its deferred L2 / L1 epilogue; every build reconfigures them (defaults
+# as CMake's: L2 OFF, L1 ON).
 # JAX_MEGAMOE_ENGINE_PROFILE=ON builds the fused kernel with its cycle accounting (benchmarks
 # only: fused_phases.py --engine-profile); every build reconfigures it (default OFF).
 # Step "keep" copies the built extension to $OUT/so: carry it back next call
@@ -50,7 +50,7 @@ build() {
       -DJAX_MEGAMOE_CUDA_ARCHS="${JAX_MEGAMOE_CUDA_ARCHS:-}" \
       -DJAX_MEGAMOE_ENGINE_PROFILE="${JAX_MEGAMOE_ENGINE_PROFILE:-OFF}" \
       -DJAX_MEGAMOE_DEFER_L2_EPILOGUE="${JAX_MEGAMOE_DEFER_L2_EPILOGUE:-OFF}" \
-      -DJAX_MEGAMOE_DEFER_L1_EPILOGUE="${JAX_MEGAMOE_DEFER_L1_EPILOGUE:-OFF}" \
+      -DJAX_MEGAMOE_DEFER_L1_EPILOGUE="${JAX_MEGAMOE_DEFER_L1_EPILOGUE:-ON}" \
       -DJAX_MEGAMOE_CUTLASS_INCLUDE="${JAX_MEGAMOE_CUTLASS_INCLUDE:-}" >"$OUT/build.log" 2>&1 \
     && cmake --build build/device -j "$(nproc)" >>"$OUT/build.log" 2>&1
   local rc=$?

@@ -3,9 +3,10 @@
 # fused_core_bench (bf16), fused_core_fp8_bench (the e4m3 path) and fused_dgrad_bench (the
 # backward's dgrad GEMMs, linked with backend cuda's SwiGLU kernels to check against them); and
 # the first two again with the engine's cycle accounting (ffi/gemm/sm90_engine_profile.cuh) as
-# fused_core_bench_profile and fused_core_fp8_bench_profile; and the bf16 one with the deferred
-# L2 epilogue (MEGAMOE_DEFER_L2_EPILOGUE=1) as fused_core_bench_defer (+ _profile), and with the
-# deferred L1 and L2 epilogues as fused_core_bench_defer12 (+ _profile).
+# fused_core_bench_profile and fused_core_fp8_bench_profile. The bf16 ones are built with the
+# product's options (ffi/gemm/engine_build_options.h: the L1 epilogue deferred, L2's staged); the
+# bf16 one again with neither deferred as fused_core_bench_staged (+ _profile), and with both as
+# fused_core_bench_defer12 (+ _profile).
 # Usage: benchmarks/kernels/build_fused_core_bench.sh [out_dir]   (default: build/fused_core)
 set -e
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -37,10 +38,10 @@ DEFINES=-DMEGAMOE_ENGINE_PROFILE=1 SUFFIX=_profile \
   build fused_core_bench ptxas_profile.log MoeCore > "$OUT/.b4" 2>&1 &
 DEFINES=-DMEGAMOE_ENGINE_PROFILE=1 SUFFIX=_profile \
   build fused_core_fp8_bench ptxas_fp8_profile.log Fp8Core > "$OUT/.b5" 2>&1 &
-DEFINES=-DMEGAMOE_DEFER_L2_EPILOGUE=1 SUFFIX=_defer \
-  build fused_core_bench ptxas_defer.log MoeCore > "$OUT/.b6" 2>&1 &
-DEFINES="-DMEGAMOE_DEFER_L2_EPILOGUE=1 -DMEGAMOE_ENGINE_PROFILE=1" SUFFIX=_defer_profile \
-  build fused_core_bench ptxas_defer_profile.log MoeCore > "$OUT/.b7" 2>&1 &
+DEFINES=-DMEGAMOE_DEFER_L1_EPILOGUE=0 SUFFIX=_staged \
+  build fused_core_bench ptxas_staged.log MoeCore > "$OUT/.b6" 2>&1 &
+DEFINES="-DMEGAMOE_DEFER_L1_EPILOGUE=0 -DMEGAMOE_ENGINE_PROFILE=1" SUFFIX=_staged_profile \
+  build fused_core_bench ptxas_staged_profile.log MoeCore > "$OUT/.b7" 2>&1 &
 DEFINES="-DMEGAMOE_DEFER_L2_EPILOGUE=1 -DMEGAMOE_DEFER_L1_EPILOGUE=1" SUFFIX=_defer12 \
   build fused_core_bench ptxas_defer12.log MoeCore > "$OUT/.b8" 2>&1 &
 DEFINES="-DMEGAMOE_DEFER_L2_EPILOGUE=1 -DMEGAMOE_DEFER_L1_EPILOGUE=1 -DMEGAMOE_ENGINE_PROFILE=1" \
@@ -50,7 +51,7 @@ wait
 failed=0
 for i in 1 2 3 4 5 6 7 8 9; do cat "$OUT/.b$i"; rm -f "$OUT/.b$i"; done
 for b in fused_core_bench fused_core_fp8_bench fused_dgrad_bench fused_core_bench_profile \
-         fused_core_fp8_bench_profile fused_core_bench_defer fused_core_bench_defer_profile \
+         fused_core_fp8_bench_profile fused_core_bench_staged fused_core_bench_staged_profile \
          fused_core_bench_defer12 fused_core_bench_defer12_profile; do
   test -x "$OUT/$b" || { echo "build failed: $b"; failed=1; }
 done

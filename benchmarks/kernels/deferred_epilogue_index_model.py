@@ -142,15 +142,17 @@ def check(rows_in_tile: int, mutate: str = "") -> list[str]:
 
 
 FIRST_DEFERRED_L1_GROUP = 2  # kFirstDeferredL1Group
-L1_DEFER_PARTS = 4 - FIRST_DEFERRED_L1_GROUP  # kL1DeferParts
+L1_DEFERRED_GROUPS = 4 - FIRST_DEFERRED_L1_GROUP  # kL1DeferredGroups, two parts each
 
 
 def check_l1(rows_in_tile: int, mutate: str = "") -> list[str]:
   """L1 (kDeferL1Epilogue): accumulator columns 0..127 are gate, 128..255 up; h column c of row
   r must receive (gate[r, c], up[r, c]), SwiGLU's two inputs (the model tracks them, not the
   math). h groups 0..1 from the accumulators at the epilogue, 2..3 from pend[16 g + 2 j + hh]
-  (gate) and pend[16 g + 8 + 2 j + hh] (up); swiglu_group pairs gate(j, hh, e) with up(j, hh,
-  e) element by element."""
+  (gate) and pend[16 g + 8 + 2 j + hh] (up) over four parts: part p does blocks 2 (p % 2) and
+  2 (p % 2) + 1 of group p / 2; an even part keeps its h words in pend where its gate pairs
+  were, the odd part stores the group. swiglu_group pairs gate(j, hh, e) with up(j, hh, e)
+  element by element."""
   rng = np.random.default_rng(1)
   acc_tile = rng.integers(0, 1 << 30, size=(64, 256))
   got = {}
@@ -162,7 +164,8 @@ def check_l1(rows_in_tile: int, mutate: str = "") -> list[str]:
       return pack(accs[lane][4 * i + 2 * hh], accs[lane][4 * i + 2 * hh + 1])
 
     pend = [[None] * 32 for _ in range(32)]
-    for lane, g, j, hh in itertools.product(range(32), range(L1_DEFER_PARTS), range(4), range(2)):
+    for lane, g, j, hh in itertools.product(range(32), range(L1_DEFERRED_GROUPS), range(4),
+                                            range(2)):
       i = 4 * (FIRST_DEFERRED_L1_GROUP + g) + j
       up_i = 16 + i if mutate != "l1_up_block" else 15 + i
       pend[lane][16 * g + 2 * j + hh] = acc_pair_of(lane, i, hh)
@@ -186,15 +189,26 @@ def check_l1(rows_in_tile: int, mutate: str = "") -> list[str]:
       store_h_group(m, lambda lane, j, hh, m=m: tuple(
           (acc_pair_of(lane, 4 * m + j, hh)[e], acc_pair_of(lane, 16 + 4 * m + j, hh)[e])
           for e in range(2)))
-    for p in range(L1_DEFER_PARTS):
-      store_h_group(FIRST_DEFERRED_L1_GROUP + p, lambda lane, j, hh, p=p: tuple(
-          (pend[lane][16 * p + 2 * j + hh][e], pend[lane][16 * p + 8 + 2 * j + hh][e])
-          for e in range(2)))
+    for p in range(DEFER_PARTS):  # part p: half (blocks j0, j0 + 1) of h group g's SwiGLU
+      g, j0 = p // 2, 2 * (p % 2)
+      hw = [[None] * 2 for _ in range(32 * 4)]  # hw[4 lane + j][hh]
+      for lane, j, hh in itertools.product(range(32), range(j0, j0 + 2), range(2)):
+        hw[4 * lane + j][hh] = tuple(
+            (pend[lane][16 * g + 2 * j + hh][e], pend[lane][16 * g + 8 + 2 * j + hh][e])
+            for e in range(2))
+      if j0 == 0:  # even part: the h words where their gate pairs were
+        for lane, j, hh in itertools.product(range(32), range(2), range(2)):
+          slot = 16 * g + 2 * j + hh if mutate != "l1_half_slot" else 16 * g + 8 + 2 * j + hh
+          pend[lane][slot] = hw[4 * lane + j][hh]
+      else:  # odd part: the group, blocks 0-1 from pend, 2-3 just computed
+        store_h_group(FIRST_DEFERRED_L1_GROUP + g, lambda lane, j, hh, g=g, hw=hw: (
+            pend[lane][16 * g + 2 * j + hh] if j < 2 else hw[4 * lane + j][hh]))
   for r in range(64):
     for c in range(128):
       v = got.get((r, c), [])
       want = [(acc_tile[r, c], acc_tile[r, 128 + c])] if r < rows_in_tile else []
-      if v != want:
+      # (a wrong index may leave a bare element where a (gate, up) pair belongs)
+      if len(v) != len(want) or any(not isinstance(a, tuple) or a != b for a, b in zip(v, want)):
         errors.append(f"h[{r}, {c}]: {v} != {want}")
         break
   if any(c >= 128 for _, c in got):
@@ -210,10 +224,11 @@ def main():
     assert not errors, (rows, errors[:3])
   for mutate in ("xor1_first", "pend_index", "store_column"):
     assert check(64, mutate), f"mutation {mutate} not caught"
-  assert check_l1(64, "l1_up_block"), "mutation l1_up_block not caught"
+  for mutate in ("l1_up_block", "l1_half_slot"):
+    assert check_l1(64, mutate), f"mutation {mutate} not caught"
   print("deferred epilogue index model: L2, every element once at its place, 64-byte row "
         "segments per warp store; L1, every h element from its own gate and up; rows past the "
-        "tile untouched; 4 mutations caught")
+        "tile untouched; 5 mutations caught")
 
 
 if __name__ == "__main__":

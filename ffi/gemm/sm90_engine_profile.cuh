@@ -16,11 +16,8 @@
 
 #include <cstdint>
 
+#include "ffi/gemm/engine_build_options.h"  // MEGAMOE_ENGINE_PROFILE
 #include "ffi/gemm/engine_profile_layout.h"
-
-#ifndef MEGAMOE_ENGINE_PROFILE
-#define MEGAMOE_ENGINE_PROFILE 0
-#endif
 
 namespace megamoe::fused::sm90::profile {
 

@@ -169,22 +169,10 @@
 #include "cutlass/arch/reg_reconfig.h"
 #include "ffi/common/fp8_quotient.cuh"
 #include "ffi/common/swiglu_math.cuh"
+#include "ffi/gemm/engine_build_options.h"  // MEGAMOE_DEFER_L2_EPILOGUE, ..._L1_EPILOGUE
 #include "ffi/gemm/sm90_engine_profile.cuh"
 #include "ffi/layout/fp8_blocks.h"
 #include "ffi/scheduler/expert_tile_walk.cuh"
-
-// Whether a bf16 L2 tile's epilogue runs during the next tile's mainloop
-// (Sm90MoeTileEngine::kDeferL2Epilogue; see "Deferred L2 epilogue" in the header). 0 = staged
-// and stored before the next tile starts (the product); 1 = deferred (benchmark builds).
-#ifndef MEGAMOE_DEFER_L2_EPILOGUE
-#define MEGAMOE_DEFER_L2_EPILOGUE 0
-#endif
-// The same for a bf16 L1 tile without the gate_up residual (Sm90MoeTileEngine::
-// kDeferL1Epilogue): half its h columns, with their SwiGLU, written during the next tile's
-// mainloop. 0 = off (the product); 1 = on (benchmark builds).
-#ifndef MEGAMOE_DEFER_L1_EPILOGUE
-#define MEGAMOE_DEFER_L1_EPILOGUE 0
-#endif
 
 namespace megamoe::fused::sm90 {
 
