@@ -22,12 +22,3 @@
 #ifndef MEGAMOE_DEFER_L1_EPILOGUE
 #define MEGAMOE_DEFER_L1_EPILOGUE 1
 #endif
-
-// FP8: the second consumer warpgroup starts each tile's first stage once the first has issued
-// MEGAMOE_FP8_WG_SKEW (1-4) of its four 64-column chunks, so that each warpgroup's drain and
-// promotion at a stage's end falls while the other's wgmma keep the tensor cores busy
-// (Sm90MoeTileEngine::kFp8WgSkew). 0 = off. The standalone harness only (-DMEGAMOE_FP8_WG_SKEW=2,
-// benchmarks/kernels/build_fused_core_bench.sh), not yet measured; no CMake or Bazel option.
-#ifndef MEGAMOE_FP8_WG_SKEW
-#define MEGAMOE_FP8_WG_SKEW 0
-#endif

@@ -486,11 +486,6 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Arrive without waiting (the other side of a named_barrier_sync of the same `threads`).
-__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 template <int kScope>
 __device__ __forceinline__ void store_fence() {
   if constexpr (kScope == 1) asm volatile("fence.acq_rel.gpu;" ::: "memory");
@@ -567,11 +562,6 @@ struct Sm90MoeTileEngine {
   static constexpr int kMathRegs = 224;     // 2 x 128 x 224 + 128 x 56 = 64 K registers
   static constexpr uint32_t kBothWgBarrier = 1;   // named barrier ids used by the consumers
   static constexpr uint32_t kFirstWgBarrier = 2;  // 2, 3
-  static constexpr uint32_t kSkewBarrier = 4;     // kFp8WgSkew
-  // FP8 (engine_build_options.h, MEGAMOE_FP8_WG_SKEW): warpgroup 1 starts a tile kFp8WgSkew
-  // chunks after warpgroup 0 (0: together). The epilogue's barrier brings them together again.
-  static constexpr int kFp8WgSkew = kFp8 ? MEGAMOE_FP8_WG_SKEW : 0;
-  static_assert(kFp8WgSkew >= 0 && kFp8WgSkew <= 4, "MEGAMOE_FP8_WG_SKEW: 0..4 chunks");
 
   static constexpr int kABytes = kBlockM * kBlockK * kElemBytes;  // 16 KB
   static constexpr int kBBytes = kBlockK * kBlockN * kElemBytes;  // 32 KB
@@ -900,11 +890,6 @@ struct Sm90MoeTileEngine {
           detail::static_for([&](auto chunk) {
             constexpr int c = decltype(chunk)::value;
             constexpr int kBuf = 32 * (c & 1);
-            // kFp8WgSkew: warpgroup 1's first chunk of a tile waits for warpgroup 0's first
-            // kFp8WgSkew, so that their stages' drains alternate from then on.
-            if constexpr (kFp8WgSkew > 0 && c == 0) {
-              if (kb == 0 && wg == 1) detail::named_barrier_sync(kSkewBarrier, kMathThreads);
-            }
             // B K-major: the chunk's 64 N-rows of 128 B start 8 KB into its half.
             const uint32_t b_addr =
                 detail::smem_u32(ss.b[s]) + (c >> 1) * kBHalfBytes + (c & 1) * 64 * 128;
@@ -922,9 +907,6 @@ struct Sm90MoeTileEngine {
             cute::warpgroup_commit_batch();
 #pragma unroll
             for (int i = 0; i < 32; ++i) cute::warpgroup_fence_operand(tmp[kBuf + i]);
-            if constexpr (kFp8WgSkew > 0 && c == kFp8WgSkew - 1) {
-              if (kb == 0 && wg == 0) detail::named_barrier_arrive(kSkewBarrier, kMathThreads);
-            }
             if constexpr (c > 0) {  // chunk c - 1, while chunk c runs
               const float sb = ((c - 1) >> 1) ? sb1 : sb0;
               cute::warpgroup_wait<1>();
@@ -1692,7 +1674,7 @@ struct Sm90MoeTileEngine {
   // Convenience dispatch for a kernel that uses exactly this engine's 384 threads (the
   // standalone harness does). A fused kernel may call producer / signaller / math itself from
   // its own role branches (it must keep warps 4..11 as the two consumer warpgroups, give them
-  // kMathRegs with setmaxnreg, leave named barriers 1..4 to them, and call init() + a CTA
+  // kMathRegs with setmaxnreg, leave named barriers 1..3 to them, and call init() + a CTA
   // barrier first).
   template <class Params, class Scheduler, class Hooks>
   __device__ static void run_roles(SharedStorage& ss, const Params& p, Scheduler& sched,
