@@ -18,8 +18,8 @@
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged and _defer12, and
 #     their digests against _staged's (bit for bit), then 30B / 235B one launch in each. Worth
 #     it on an H200: the deferred L2 epilogue lost at 235B on H100s, whose L2 GEMM waits for
-#     data two thirds of the time; on an H200 that GEMM ran at 592 TFLOP/s (FUSED_CORE_NOTES, run 3),
-#     so _defer12 against the product build says whether L2's deferral pays there.
+#     data two thirds of the time; on an H200 that GEMM ran at 592 TFLOP/s (FUSED_CORE_NOTES,
+#     run 3), so _defer12 against the product build says whether L2's deferral pays there.
 # Each step has its own time limit, so that one hang does not take the others.
 #
 #   OUT=... [PART=bars|harness] scripts/next_device_call.sh    (carry .whl: the CUTLASS wheel)

@@ -58,23 +58,25 @@
 // 64-column halves of 64 rows x 128 B each, the same XOR swizzle. One thread stores them with
 // four {64, 64} boxes, and the stage goes back once TMA has read them, not written them.
 //
-// Deferred L2 epilogue (kDeferL2Epilogue, built with MEGAMOE_DEFER_L2_EPILOGUE=1; bf16, not the
-// dgrad engine; only where an L2 tile's rows go to row_dst alone: no l2_copy, not l2_rows):
-// the tensor cores idle while both warpgroups run a tile's epilogue (~20% of their cycles at
-// 30B: FUSED_CORE_NOTES, session 31). With it on, an L2 tile's epilogue stages nothing: it
-// hands all its stages back, writes the first half of its columns straight from the
+// Deferred L2 epilogue (kDeferL2Epilogue, built with MEGAMOE_DEFER_L2_EPILOGUE=1, benchmarks;
+// bf16, not the dgrad engine; only where an L2 tile's rows go to row_dst alone: no l2_copy, not
+// l2_rows): the tensor cores idle while both warpgroups run a tile's epilogue (~20% of their
+// cycles at 30B: FUSED_CORE_NOTES, session 31). With it on, an L2 tile's epilogue stages
+// nothing: it hands all its stages back, writes the first half of its columns straight from the
 // accumulators, keeps the other half as bf16 pairs in 32 registers and goes on to the next
 // tile, whose first kDeferParts stages write one 32-column group each, after the stage's wgmma
-// issue and the release of the stage before it. A row is written from registers thus: within each quad of lanes
-// a 4 x 4 transpose of 32-bit words (4 shuffles) gives each lane 16 contiguous bytes of one
-// row, so a warp instruction writes 64 contiguous bytes in each of 8 rows. The tile's `stored`
-// arrival follows its last part (after the last tile: before the role ends).
-// L1 likewise (kDeferL1Epilogue, MEGAMOE_DEFER_L1_EPILOGUE=1; only without the gate_up
-// residual): h groups 0-1 (64 of the tile's 128 h columns) get their SwiGLU and go out at the
-// epilogue; groups 2-3 keep their bf16 gate and up pairs (32 registers) and get their SwiGLU in
-// the next tile's first four stages, half a group each. A pending L1 tile is finished as soon as the next job is an
-// L2 tile, before that tile's mainloop: L2 tiles wait on L1 tiles' tile_done (the producer
-// publishes a job before it waits for the job's rows, so the consumers see it first).
+// issue and the release of the stage before it. A row is written from registers thus: within
+// each quad of lanes a 4 x 4 transpose of 32-bit words (4 shuffles) gives each lane 16
+// contiguous bytes of one row, so a warp instruction writes 64 contiguous bytes in each of 8
+// rows. The tile's `stored` arrival follows its last part (after the last tile: before the role
+// ends).
+// L1 likewise (kDeferL1Epilogue, MEGAMOE_DEFER_L1_EPILOGUE, on by default: engine_build_options.h;
+// only without the gate_up residual): h groups 0-1 (64 of the tile's 128 h columns) get their
+// SwiGLU and go out at the epilogue; groups 2-3 keep their bf16 gate and up pairs (32
+// registers) and get their SwiGLU in the next tile's first four stages, half a group each. A
+// pending L1 tile is finished as soon as the next job is an L2 tile, before that tile's
+// mainloop: L2 tiles wait on L1 tiles' tile_done (the producer publishes a job before it waits
+// for the job's rows, so the consumers see it first).
 // Contract: a deferred tile's tile_done waits for the next tile's rows (wait_rows_ready) and,
 // after the last tile, for the scheduler's end; so neither may depend on the tile_done of an L2
 // tile, nor, with L1 deferred, of an L1 tile that no L2 tile follows (true of the fused kernel,
