@@ -14,9 +14,10 @@
 #     since session 33), then the layer forward at EP = 1 for issue 14's table (bench_layer.py:
 #     cuda, fused, and fused + blocks for fp8; 30B and 235B). The bars are H200 figures: say
 #     which card ran it.
-#   PART=harness (~2 min): the standalone harnesses built (nine builds); the bf16 checks of
-#     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged and _defer12, and
-#     their digests against _staged's (bit for bit), then 30B / 235B one launch in each. Worth
+#   PART=harness (~3 min): the standalone harnesses built (ten builds); the bf16 checks of
+#     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
+#     _l1x4 (the deferred L1 SwiGLU over eight stages, never run), and their digests against
+#     _staged's (bit for bit); then 30B L1, and 30B / 235B one launch, in each, twice. Worth
 #     it on an H200: the deferred L2 epilogue lost at 235B on H100s, whose L2 GEMM waits for
 #     data two thirds of the time; on an H200 that GEMM ran at 592 TFLOP/s (FUSED_CORE_NOTES,
 #     run 3), so _defer12 against the product build says whether L2's deferral pays there.
@@ -56,21 +57,25 @@ harness)
     > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
   B=build/fused_core
   # bf16: each build's checks, then its digests against the staged build's.
-  for b in fused_core_bench_staged fused_core_bench fused_core_bench_defer12; do
+  BUILDS="fused_core_bench_staged fused_core_bench fused_core_bench_defer12 fused_core_bench_l1x4"
+  for b in $BUILDS; do
     for pr in 0 1 6; do run $B/$b --problem $pr --engine 0; done > "$OUT/checks_$b.log"
     echo "$b: $(grep -c PASS "$OUT/checks_$b.log") PASS, $(grep -c FAIL "$OUT/checks_$b.log") FAIL"
     grep digest "$OUT/checks_$b.log" > "$OUT/digests_$b.txt"
   done
-  for b in fused_core_bench fused_core_bench_defer12; do
+  for b in fused_core_bench fused_core_bench_defer12 fused_core_bench_l1x4; do
     cmp -s "$OUT/digests_fused_core_bench_staged.txt" "$OUT/digests_$b.txt" \
       && echo "$b: digests identical to the staged build's" \
       || echo "$b: DIGESTS DIFFER from the staged build's"
   done
-  for b in fused_core_bench_staged fused_core_bench fused_core_bench_defer12; do
-    run $B/$b --problem 2 --engine 0 --variant 10 --nocheck
-    run $B/$b --problem 4 --engine 0 --variant 12 --nocheck
+  for round in 1 2; do
+    for b in $BUILDS; do
+      run $B/$b --problem 2 --engine 0 --variant 0 --nocheck
+      run $B/$b --problem 2 --engine 0 --variant 10 --nocheck
+      run $B/$b --problem 4 --engine 0 --variant 12 --nocheck
+    done
   done > "$OUT/harness_timing.log"
-  grep -E "^### |one launch" "$OUT/harness_timing.log" | head -24
+  grep -E "^### |L1 contiguous-A \(TMA box\)|one launch" "$OUT/harness_timing.log" | head -80
   ;;
 bars)
   JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1

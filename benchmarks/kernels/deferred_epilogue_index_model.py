@@ -22,7 +22,7 @@ import itertools
 import numpy as np
 
 FIRST_DEFERRED_GROUP = 4  # kFirstDeferredGroup
-DEFER_PARTS = 8 - FIRST_DEFERRED_GROUP  # kDeferParts
+DEFER_PARTS = 8 - FIRST_DEFERRED_GROUP  # kL2DeferParts
 
 
 def fragment(acc_tile: np.ndarray, warp: int, lane: int) -> np.ndarray:
@@ -145,14 +145,14 @@ FIRST_DEFERRED_L1_GROUP = 2  # kFirstDeferredL1Group
 L1_DEFERRED_GROUPS = 4 - FIRST_DEFERRED_L1_GROUP  # kL1DeferredGroups, two parts each
 
 
-def check_l1(rows_in_tile: int, mutate: str = "") -> list[str]:
+def check_l1(rows_in_tile: int, mutate: str = "", parts_per_group: int = 2) -> list[str]:
   """L1 (kDeferL1Epilogue): accumulator columns 0..127 are gate, 128..255 up; h column c of row
   r must receive (gate[r, c], up[r, c]), SwiGLU's two inputs (the model tracks them, not the
   math). h groups 0..1 from the accumulators at the epilogue, 2..3 from pend[16 g + 2 j + hh]
-  (gate) and pend[16 g + 8 + 2 j + hh] (up) over four parts: part p does blocks 2 (p % 2) and
-  2 (p % 2) + 1 of group p / 2; an even part keeps its h words in pend where its gate pairs
-  were, the odd part stores the group. swiglu_group pairs gate(j, hh, e) with up(j, hh, e)
-  element by element."""
+  (gate) and pend[16 g + 8 + 2 j + hh] (up), parts_per_group parts a group
+  (MEGAMOE_DEFER_L1_PARTS_PER_GROUP): each does 4 / parts_per_group blocks; a group's earlier
+  parts keep their h words in pend where their gate pairs were, its last part stores the group.
+  swiglu_group pairs gate(j, hh, e) with up(j, hh, e) element by element."""
   rng = np.random.default_rng(1)
   acc_tile = rng.integers(0, 1 << 30, size=(64, 256))
   got = {}
@@ -189,20 +189,22 @@ def check_l1(rows_in_tile: int, mutate: str = "") -> list[str]:
       store_h_group(m, lambda lane, j, hh, m=m: tuple(
           (acc_pair_of(lane, 4 * m + j, hh)[e], acc_pair_of(lane, 16 + 4 * m + j, hh)[e])
           for e in range(2)))
-    for p in range(DEFER_PARTS):  # part p: half (blocks j0, j0 + 1) of h group g's SwiGLU
-      g, j0 = p // 2, 2 * (p % 2)
+    nb = 4 // parts_per_group  # blocks of 8 columns a part
+    for p in range(L1_DEFERRED_GROUPS * parts_per_group):  # part p: blocks j0 .. of group g
+      g, q = p // parts_per_group, p % parts_per_group
+      j0 = q * nb
       hw = [[None] * 2 for _ in range(32 * 4)]  # hw[4 lane + j][hh]
-      for lane, j, hh in itertools.product(range(32), range(j0, j0 + 2), range(2)):
+      for lane, j, hh in itertools.product(range(32), range(j0, j0 + nb), range(2)):
         hw[4 * lane + j][hh] = tuple(
             (pend[lane][16 * g + 2 * j + hh][e], pend[lane][16 * g + 8 + 2 * j + hh][e])
             for e in range(2))
-      if j0 == 0:  # even part: the h words where their gate pairs were
-        for lane, j, hh in itertools.product(range(32), range(2), range(2)):
+      if q + 1 < parts_per_group:  # an earlier part: the h words where their gate pairs were
+        for lane, j, hh in itertools.product(range(32), range(j0, j0 + nb), range(2)):
           slot = 16 * g + 2 * j + hh if mutate != "l1_half_slot" else 16 * g + 8 + 2 * j + hh
           pend[lane][slot] = hw[4 * lane + j][hh]
-      else:  # odd part: the group, blocks 0-1 from pend, 2-3 just computed
-        store_h_group(FIRST_DEFERRED_L1_GROUP + g, lambda lane, j, hh, g=g, hw=hw: (
-            pend[lane][16 * g + 2 * j + hh] if j < 2 else hw[4 * lane + j][hh]))
+      else:  # the group's last part: blocks before j0 from pend, the rest just computed
+        store_h_group(FIRST_DEFERRED_L1_GROUP + g, lambda lane, j, hh, g=g, hw=hw, j0=j0: (
+            pend[lane][16 * g + 2 * j + hh] if j < j0 else hw[4 * lane + j][hh]))
   for r in range(64):
     for c in range(128):
       v = got.get((r, c), [])
@@ -220,15 +222,17 @@ def main():
   for rows in (64, 37, 1, 0):
     errors = check(rows)
     assert not errors, (rows, errors)
-    errors = check_l1(rows)
-    assert not errors, (rows, errors[:3])
+    for parts_per_group in (1, 2, 4):
+      errors = check_l1(rows, parts_per_group=parts_per_group)
+      assert not errors, (rows, parts_per_group, errors[:3])
   for mutate in ("xor1_first", "pend_index", "store_column"):
     assert check(64, mutate), f"mutation {mutate} not caught"
   for mutate in ("l1_up_block", "l1_half_slot"):
-    assert check_l1(64, mutate), f"mutation {mutate} not caught"
+    for parts_per_group in (2, 4):
+      assert check_l1(64, mutate, parts_per_group), f"mutation {mutate} not caught"
   print("deferred epilogue index model: L2, every element once at its place, 64-byte row "
-        "segments per warp store; L1, every h element from its own gate and up; rows past the "
-        "tile untouched; 5 mutations caught")
+        "segments per warp store; L1 (1, 2 or 4 parts a group), every h element from its own "
+        "gate and up; rows past the tile untouched; 5 mutations caught")
 
 
 if __name__ == "__main__":

@@ -22,3 +22,10 @@
 #ifndef MEGAMOE_DEFER_L1_EPILOGUE
 #define MEGAMOE_DEFER_L1_EPILOGUE 1
 #endif
+
+// With the L1 epilogue deferred: the parts each of its two pending h groups is split into, one
+// a stage (2: half a group's SwiGLU; 4: a quarter, spread over eight stages; 1: a whole
+// group's). Benchmarks (harness build fused_core_bench_l1x4), not yet measured beyond 2.
+#ifndef MEGAMOE_DEFER_L1_PARTS_PER_GROUP
+#define MEGAMOE_DEFER_L1_PARTS_PER_GROUP 2
+#endif

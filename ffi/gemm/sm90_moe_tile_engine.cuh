@@ -64,8 +64,8 @@
 // cycles at 30B: FUSED_CORE_NOTES, session 31). With it on, an L2 tile's epilogue stages
 // nothing: it hands all its stages back, writes the first half of its columns straight from the
 // accumulators, keeps the other half as bf16 pairs in 32 registers and goes on to the next
-// tile, whose first kDeferParts stages write one 32-column group each, after the stage's wgmma
-// issue and the release of the stage before it. A row is written from registers thus: within
+// tile, whose first kL2DeferParts stages write one 32-column group each, after the stage's
+// wgmma issue and the release of the stage before it. A row is written from registers thus: within
 // each quad of lanes a 4 x 4 transpose of 32-bit words (4 shuffles) gives each lane 16
 // contiguous bytes of one row, so a warp instruction writes 64 contiguous bytes in each of 8
 // rows. The tile's `stored` arrival follows its last part (after the last tile: before the role
@@ -73,7 +73,8 @@
 // L1 likewise (kDeferL1Epilogue, MEGAMOE_DEFER_L1_EPILOGUE, on by default: engine_build_options.h;
 // only without the gate_up residual): h groups 0-1 (64 of the tile's 128 h columns) get their
 // SwiGLU and go out at the epilogue; groups 2-3 keep their bf16 gate and up pairs (32
-// registers) and get their SwiGLU in the next tile's first four stages, half a group each. A
+// registers) and get their SwiGLU in the next tile's first stages, one part a stage
+// (MEGAMOE_DEFER_L1_PARTS_PER_GROUP parts a group; 2: half a group each, four stages). A
 // pending L1 tile is finished as soon as the next job is an L2 tile, before that tile's
 // mainloop: L2 tiles wait on L1 tiles' tile_done (the producer publishes a job before it waits
 // for the job's rows, so the consumers see it first).
@@ -521,28 +522,36 @@ struct Sm90MoeTileEngine {
   static constexpr bool kFp8 = Elems::kFp8;
   // See "Deferred L2 epilogue" above. A warpgroup's 64 x 256 output is 8 groups of 32 columns;
   // the epilogue stores the first kFirstDeferredGroup of them, and the next tile's first
-  // kDeferParts stages one more each. Deferring all 8 (64 registers) spilled them, even with
+  // kL2DeferParts stages one more each. Deferring all 8 (64 registers) spilled them, even with
   // 232 registers for the consumers; 4 (32 registers) fit in kMathRegs (nvcc 13.0: no spill in
   // the harness's math warps; in the fused kernel one 4-byte spill, in an epilogue).
   static constexpr bool kDeferL2Epilogue =
       !kFp8 && !kDgrad && kClusterM == 1 && MEGAMOE_DEFER_L2_EPILOGUE != 0;
   static constexpr int kFirstDeferredGroup = 4;
-  static constexpr int kDeferParts = 8 - kFirstDeferredGroup;
+  static constexpr int kL2DeferParts = 8 - kFirstDeferredGroup;
   // L1 (no gate_up residual): a warpgroup's h is 64 x 128, 4 groups of 32 columns; groups 0-1
-  // at the epilogue, 2-3 in the next tile's first four stages (half a group's SwiGLU each: a
-  // whole group's, ~1,300 cycles, outran a stage's wgmma), kept as the bf16 gate and up pairs
-  // they are computed from (32 registers, as L2's). A pending L1 tile is finished before any L2
-  // tile starts: L2 tiles wait on L1 tiles' tile_done.
+  // at the epilogue, 2-3 in the next tile's first stages, kL1PartsPerGroup parts a group (2:
+  // half a group's SwiGLU a stage; a whole group's, ~1,300 cycles, outran a stage's wgmma),
+  // kept as the bf16 gate and up pairs they are computed from (32 registers, as L2's). A
+  // pending L1 tile is finished before any L2 tile starts: L2 tiles wait on L1 tiles'
+  // tile_done.
   static constexpr bool kDeferL1Epilogue =
       !kFp8 && !kDgrad && kClusterM == 1 && MEGAMOE_DEFER_L1_EPILOGUE != 0;
   static constexpr int kFirstDeferredL1Group = 2;
   static constexpr int kL1DeferredGroups = 4 - kFirstDeferredL1Group;
+  static constexpr int kL1PartsPerGroup = MEGAMOE_DEFER_L1_PARTS_PER_GROUP;
+  static constexpr int kL1DeferParts = kL1DeferredGroups * kL1PartsPerGroup;
   static constexpr bool kDeferEpilogue = kDeferL1Epilogue || kDeferL2Epilogue;
+  // The first stages of a tile that may carry a part; the pending words.
+  static constexpr int kMaxDeferParts =
+      (kDeferL1Epilogue && kL1DeferParts > kL2DeferParts) ? kL1DeferParts : kL2DeferParts;
+  static constexpr int kPendWords = 8 * kL2DeferParts;
   static_assert(!kDeferEpilogue || kJobSlots_ >= 2,
                 "a pending tile holds its job slot while the next tile runs");
-  static_assert(2 * kL1DeferredGroups == kDeferParts && 16 * kL1DeferredGroups <= 8 * kDeferParts,
-                "a pending L1 tile's parts (two a group) are L2's, and its words fit in pend, "
-                "sized for L2");
+  static_assert(kL1PartsPerGroup == 1 || kL1PartsPerGroup == 2 || kL1PartsPerGroup == 4,
+                "MEGAMOE_DEFER_L1_PARTS_PER_GROUP: 1, 2 or 4 (a group's 4 blocks split evenly)");
+  static_assert(16 * kL1DeferredGroups <= kPendWords,
+                "a pending L1 tile's gate and up pairs fit in pend, sized for L2");
   static_assert(!(kFp8 && kBKMajor), "the FP8 path reads B K-major always (its own loads)");
   static_assert(!kDgrad || kBKMajor, "the dgrad GEMMs read the stored weights K-major");
   static_assert(kClusterM == 1 || (kClusterM == 2 && kBKMajor && !kFp8),
@@ -1173,37 +1182,39 @@ struct Sm90MoeTileEngine {
     // + g. L1: pend[16 g + 2 j + hh] and pend[16 g + 8 + 2 j + hh] = the bf16 gate and up pairs
     // of h group kFirstDeferredL1Group + g. The slot's row_dst table stays until the tile's
     // `stored` arrival.
-    [[maybe_unused]] uint32_t pend[kDeferEpilogue ? 8 * kDeferParts : 1];
+    [[maybe_unused]] uint32_t pend[kDeferEpilogue ? kPendWords : 1];
     int pend_slot = -1;
     [[maybe_unused]] bool pend_l1 = false;
-    // Part P of the pending tile: L2 its group kFirstDeferredGroup + P; L1 the SwiGLU of half
-    // of h group kFirstDeferredL1Group + P / 2, and for odd P that group's stores.
+    // Part P of the pending tile: L2 (P < kL2DeferParts) its group kFirstDeferredGroup + P; L1
+    // (P < kL1DeferParts) the SwiGLU of blocks j0 .. j0 + 4 / kL1PartsPerGroup - 1 of h group
+    // kFirstDeferredL1Group + P / kL1PartsPerGroup, and in the group's last part its stores.
     [[maybe_unused]] auto defer_part = [&](auto part) {
       if constexpr (kDeferEpilogue) {
         constexpr int P = decltype(part)::value;
         if (!pend_l1) {
-          if constexpr (kDeferL2Epilogue)
+          if constexpr (kDeferL2Epilogue && P < kL2DeferParts)
             store_group(pend_slot, kFirstDeferredGroup + P,
                         [&](int j, int hh) { return pend[8 * P + 2 * j + hh]; });
-        } else if constexpr (kDeferL1Epilogue) {
-          // Pending h group g, its blocks j0, j0 + 1: even parts keep their h words where
-          // their gate pairs were (pend[16 g + 2 j + hh], j < 2), odd parts store the group.
-          constexpr int g = P / 2, j0 = 2 * (P % 2);
+        } else if constexpr (kDeferL1Epilogue && P < kL1DeferParts) {
+          // A group's earlier parts keep their h words where their gate pairs were
+          // (pend[16 g + 2 j + hh], j < j0), its last part stores the group.
+          constexpr int g = P / kL1PartsPerGroup, q = P % kL1PartsPerGroup;
+          constexpr int nb = 4 / kL1PartsPerGroup, j0 = q * nb;
           const auto half = [&](int w, int e) {
             return e ? detail::bf16_hi(pend[w]) : detail::bf16_lo(pend[w]);
           };
           uint32_t hw[4][2];
-          swiglu_group(cute::Int<j0>{}, cute::Int<j0 + 2>{}, hw,
+          swiglu_group(cute::Int<j0>{}, cute::Int<j0 + nb>{}, hw,
                        [&](int j, int hh, int e) { return half(16 * g + 2 * j + hh, e); },
                        [&](int j, int hh, int e) { return half(16 * g + 8 + 2 * j + hh, e); });
-          if constexpr (j0 == 0) {
+          if constexpr (q + 1 < kL1PartsPerGroup) {
 #pragma unroll
-            for (int j = 0; j < 2; ++j)
+            for (int j = j0; j < j0 + nb; ++j)
 #pragma unroll
               for (int hh = 0; hh < 2; ++hh) pend[16 * g + 2 * j + hh] = hw[j][hh];
           } else {
             store_group(pend_slot, kFirstDeferredL1Group + g, [&](int j, int hh) {
-              return j < 2 ? pend[16 * g + 2 * j + hh] : hw[j][hh];
+              return j < j0 ? pend[16 * g + 2 * j + hh] : hw[j][hh];
             });
           }
         }
@@ -1212,7 +1223,7 @@ struct Sm90MoeTileEngine {
     // Every part of the pending tile, outside a mainloop.
     [[maybe_unused]] auto defer_all = [&]() {
       detail::static_for([&](auto part) { defer_part(part); },
-                         cute::make_int_sequence<kDeferParts>{});
+                         cute::make_int_sequence<kMaxDeferParts>{});
     };
     // The pending tile's stores are issued: its `stored` arrival.
     [[maybe_unused]] auto defer_finish = [&]() {
@@ -1333,8 +1344,8 @@ struct Sm90MoeTileEngine {
                 [&](auto part) {
                   if (kb == decltype(part)::value) defer_part(part);
                 },
-                cute::make_int_sequence<kDeferParts>{});
-            if (kb == kDeferParts - 1) defer_finish();
+                cute::make_int_sequence<kMaxDeferParts>{});
+            if (kb == (pend_l1 ? kL1DeferParts : kL2DeferParts) - 1) defer_finish();
           }
         }
       };
@@ -1342,25 +1353,25 @@ struct Sm90MoeTileEngine {
       if constexpr (kDeferEpilogue) {
         // The first stages carry the parts, peeled off so that the loop below stays as the
         // compiler unrolls it without them (with the parts inside, it was not unrolled).
-        for (; kb < num_kb && kb < kDeferParts; ++kb, ++it) stage(kb, std::true_type{});
+        for (; kb < num_kb && kb < kMaxDeferParts; ++kb, ++it) stage(kb, std::true_type{});
       }
       for (; kb < num_kb; ++kb, ++it) stage(kb, std::false_type{});
       cute::warpgroup_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
       if constexpr (kDeferEpilogue) {
-        if (pend_slot >= 0) {  // a tile of fewer than kDeferParts stages: the parts left
+        if (pend_slot >= 0) {  // a tile shorter than its pending tile's parts: the parts left
           detail::static_for(
               [&](auto part) {
                 if (decltype(part)::value >= num_kb) defer_part(part);
               },
-              cute::make_int_sequence<kDeferParts>{});
+              cute::make_int_sequence<kMaxDeferParts>{});
           defer_finish();
         }
         // Dead from here on every path (a constant), or the compiler keeps them live through
         // the epilogues below, where L1's SwiGLU then spilled.
 #pragma unroll
-        for (int i = 0; i < 8 * kDeferParts; ++i) pend[i] = 0u;
+        for (int i = 0; i < kPendWords; ++i) pend[i] = 0u;
         // A deferred tile needs no staging: this warp's wgmma have read the tile's last two
         // stages (wait<0> above), so both go back now.
         if ((defer_l2 || defer_l1) && lane == 0) {
@@ -1420,7 +1431,7 @@ struct Sm90MoeTileEngine {
               for (int m = 0; m < kFirstDeferredGroup; ++m)
                 store_group(slot, m, [&](int j, int hh) { return acc_pair(4 * m + j, hh); });
 #pragma unroll
-              for (int g = 0; g < kDeferParts; ++g)
+              for (int g = 0; g < kL2DeferParts; ++g)
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
 #pragma unroll
