@@ -3,12 +3,13 @@
 # work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 33.
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
-# EP = 2 bars (the default when two GPUs are there; ~8 min):
-#   1. the extension built with its defaults;
-#   2. the multi-GPU tests: the fused layer beside an all_gather, both process models, FP8; the
-#      cuda backend's two-process EP and training tests;
-#   3. the layer at EP = 2, cuda and fused in one run;
-#   4. the example on a data=1,expert=2 mesh, 20 steps.
+# EP = 2 bars, in two calls on the same warm machine (each builds the extension with its
+# defaults if the machine has none, ~85 s):
+#   PART=ep2 (the default with two GPUs; ~5 min): the multi-GPU tests: the fused layer beside an
+#     all_gather, both process models, FP8; the cuda backend's two-process EP and training
+#     tests.
+#   PART=ep2_bench (~6 min): the layer at EP = 2, cuda and fused in one run; the example on a
+#     data=1,expert=2 mesh, 20 steps.
 # One GPU:
 #   PART=bars (the default; ~6 min): the extension with its defaults (the L1 epilogue deferred
 #     since session 33), then the layer forward at EP = 1 for issue 14's table (bench_layer.py:
@@ -23,7 +24,8 @@
 #     run 3), so _defer12 against the product build says whether L2's deferral pays there.
 # Each step has its own time limit, so that one hang does not take the others.
 #
-#   OUT=... [PART=bars|harness] scripts/next_device_call.sh    (carry .whl: the CUTLASS wheel)
+#   OUT=... [PART=bars|harness|ep2|ep2_bench] scripts/next_device_call.sh   (carry .whl: the
+#   CUTLASS wheel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
@@ -35,17 +37,21 @@ cat "$OUT/gpus.txt"
 run() { echo "### $*"; timeout 120 "$@" 2>&1; echo "rc=$?"; }
 
 if [ "$GPUS" -ge 2 ]; then
-  JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
-  timeout 240 python3 -m pytest -q -rs -m multigpu tests/test_fused_multigpu.py \
-    tests/test_ep_two_process.py tests/test_two_process_training.py 2>&1 \
-    | tee "$OUT/tests_multigpu.log" | tail -15
-  timeout 200 python3 benchmarks/bench_layer.py --passes fwd --shapes 30b,235b \
-    --recipes bf16,fp8 --impls megamoe:cuda,megamoe:fused --ep 2 --reps 10 --isolate off \
-    --out "$OUT/layer_fwd_ep2.json" 2>&1 | tee "$OUT/layer_fwd_ep2.log" | tail -20
-  timeout 150 python3 examples/train_qwen3_moe.py --config qwen3-30b-a3b --num-layers 4 \
-    --seq-len 4096 --batch 8 --ce-chunk 1024 --lr 3e-4 --backend cuda --attention cudnn \
-    --mesh data=1,expert=2 --steps 20 --log_every 10 --checkpoint_every 0 --out /tmp/ep2 2>&1 \
-    | tr '\r' '\n' | grep -v "step/s\|s/step" | tail -12 | tee "$OUT/example_ep2.log"
+  python3 -c "import jax_megamoe as m, sys; sys.exit(not m.cuda_available())" 2>/dev/null \
+    || JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+  if [ "${PART:-ep2}" = ep2_bench ]; then
+    timeout 200 python3 benchmarks/bench_layer.py --passes fwd --shapes 30b,235b \
+      --recipes bf16,fp8 --impls megamoe:cuda,megamoe:fused --ep 2 --reps 10 --isolate off \
+      --out "$OUT/layer_fwd_ep2.json" 2>&1 | tee "$OUT/layer_fwd_ep2.log" | tail -20
+    timeout 150 python3 examples/train_qwen3_moe.py --config qwen3-30b-a3b --num-layers 4 \
+      --seq-len 4096 --batch 8 --ce-chunk 1024 --lr 3e-4 --backend cuda --attention cudnn \
+      --mesh data=1,expert=2 --steps 20 --log_every 10 --checkpoint_every 0 --out /tmp/ep2 \
+      2>&1 | tr '\r' '\n' | grep -v "step/s\|s/step" | tail -12 | tee "$OUT/example_ep2.log"
+  else
+    timeout 400 python3 -m pytest -q -rs -m multigpu tests/test_fused_multigpu.py \
+      tests/test_ep_two_process.py tests/test_two_process_training.py 2>&1 \
+      | tee "$OUT/tests_multigpu.log" | tail -15
+  fi
   exit 0
 fi
 
