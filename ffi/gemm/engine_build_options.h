@@ -10,7 +10,7 @@
 #endif
 
 // A bf16 L2 tile's epilogue, half of it, during the next tile's mainloop (Sm90MoeTileEngine::
-// kDeferL2Epilogue). Off: it slowed the 235B layer 5-15% on an H100, where L2 is
+// kDeferL2Epilogue). Off: it slowed the 235B forward 9-14% on an H100, where L2 is
 // memory-bound, and did not speed up 30B's (FUSED_CORE_NOTES, session 33).
 #ifndef MEGAMOE_DEFER_L2_EPILOGUE
 #define MEGAMOE_DEFER_L2_EPILOGUE 0
