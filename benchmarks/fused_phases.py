@@ -161,6 +161,10 @@ def engine_breakdown(layout: dict, values: np.ndarray) -> dict:
     total = span(s)
     part = lambda name: float(v[:, s[name]].sum())
     tiles, stages = max(part("tiles"), 1.0), max(part("kblocks"), 1.0)
+    # Deferred tiles (MEGAMOE_DEFER_L1/L2_EPILOGUE) have no staged parts; their own epilogue and
+    # their deferred parts (which also count in the mainloop, or outside it) per deferred tile.
+    deferred = part("deferred_tiles")
+    staged = max(part("tiles") - deferred, 1.0)
     out[wg] = {
         "cycles": total,
         "share_pct": {n: 100 * part(n) / total for n in ("job_wait", "mainloop", "full_wait",
@@ -168,8 +172,11 @@ def engine_breakdown(layout: dict, values: np.ndarray) -> dict:
         "mainloop_cycles_per_stage": part("mainloop") / stages,
         "tiles": part("tiles"), "stages_per_tile": part("kblocks") / tiles,
         "epilogue_cycles_per_tile": part("epilogue") / tiles,
-        "epilogue_parts_per_tile": {n: part(n) / tiles for n in ("epi_other_wg", "epi_stage",
-                                                                 "epi_dst", "epi_store")}}
+        "epilogue_parts_per_tile": {n: part(n) / staged for n in ("epi_other_wg", "epi_stage",
+                                                                  "epi_dst", "epi_store")},
+        "deferred_tiles": deferred,
+        "deferred_per_tile": {n: part(n) / max(deferred, 1.0) for n in (
+            "epi_deferred", "deferred_parts", "deferred_parts_in_mainloop")}}
   s = layout["producer"]
   total = span(s)
   out["producer"] = {"tiles": float(v[:, s["tiles"]].sum()),
@@ -186,7 +193,12 @@ def print_engine_breakdown(b: dict):
     print(f"      {wg}: mainloop {sh['mainloop']:.1f}% (stage data waits {sh['full_wait']:.1f}%), "
           f"epilogue {sh['epilogue']:.1f}%, job waits {sh['job_wait']:.1f}%; "
           f"{w['mainloop_cycles_per_stage']:.0f} cycles a stage (floor 1024), epilogue "
-          f"{w['epilogue_cycles_per_tile']:.0f} cycles a tile ({parts})")
+          f"{w['epilogue_cycles_per_tile']:.0f} cycles a tile (staged tiles' parts: {parts})")
+    if w["deferred_tiles"]:
+      d = w["deferred_per_tile"]
+      print(f"        {w['deferred_tiles']:.0f} deferred tiles: at the tile's end "
+            f"{d['epi_deferred']:.0f} cycles, the deferred parts {d['deferred_parts']:.0f} "
+            f"({d['deferred_parts_in_mainloop']:.0f} inside the next mainloop)")
   p = b["producer"]
   print(f"      producer: {p['tiles']:.0f} tiles; waiting for a free stage "
         f"{p['empty_wait_pct']:.1f}%, for rows {p['rows_wait_pct']:.1f}%, for a job slot "

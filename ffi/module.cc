@@ -97,6 +97,9 @@ NB_MODULE(_megamoe, m) {
         {"kblocks", prof::kWgKBlocks},        {"tiles", prof::kWgTiles},
         {"epi_other_wg", prof::kWgEpiBothWg}, {"epi_stage", prof::kWgEpiStage},
         {"epi_dst", prof::kWgEpiDst},         {"epi_store", prof::kWgEpiStore},
+        {"epi_deferred", prof::kWgEpiDeferred}, {"deferred_tiles", prof::kWgDeferredTiles},
+        {"deferred_parts", prof::kWgDeferredParts},
+        {"deferred_parts_in_mainloop", prof::kWgDeferredPartsInMainloop},
         {"begin_clk", prof::kWgBeginClk},     {"end_clk", prof::kWgEndClk}};
     static_assert(std::size(wg_slots) == prof::kWgSlots, "a name for every warpgroup slot");
     for (int wg = 0; wg < 2; ++wg) {

@@ -39,9 +39,12 @@ def test_layout_names_every_slot_once():
   assert {"rows_wait", "empty_wait", "begin_clk", "end_clk"} <= set(layout["producer"])
 
 
-def test_breakdown_of_known_counters():
+@pytest.mark.parametrize("deferred", [0, 1])
+def test_breakdown_of_known_counters(deferred):
   """Two CTAs of the last launch (a third row is an older launch's and must not count): the
-  shares and per-tile figures are the sums' ratios, clocks wrap at 32 bits."""
+  shares and per-tile figures are the sums' ratios, clocks wrap at 32 bits. With `deferred`
+  tiles of each warpgroup's two deferred (MEGAMOE_DEFER_L1_EPILOGUE), the staged parts are per
+  staged tile and the deferred tiles' cycles per deferred tile."""
   layout = _layout()
   v = np.zeros((layout["rows"], layout["slots"]), np.uint64)
   t0 = 5_000_000_000
@@ -58,6 +61,10 @@ def test_breakdown_of_known_counters():
       v[cta, s["kblocks"]] = 8
       v[cta, s["tiles"]] = 2
       v[cta, s["epi_store"]] = 600
+      v[cta, s["deferred_tiles"]] = deferred
+      v[cta, s["epi_deferred"]] = 500 * deferred
+      v[cta, s["deferred_parts"]] = 400 * deferred
+      v[cta, s["deferred_parts_in_mainloop"]] = 300 * deferred
     p = layout["producer"]
     v[cta, p["begin_clk"]], v[cta, p["end_clk"]] = 0, 10_000
     v[cta, p["rows_wait"]] = 2_000
@@ -73,7 +80,11 @@ def test_breakdown_of_known_counters():
   assert w["share_pct"]["full_wait"] == pytest.approx(10.0)
   assert w["mainloop_cycles_per_stage"] == pytest.approx(1000.0)
   assert w["epilogue_cycles_per_tile"] == pytest.approx(750.0)
-  assert w["epilogue_parts_per_tile"]["epi_store"] == pytest.approx(300.0)
+  assert w["epilogue_parts_per_tile"]["epi_store"] == pytest.approx(300.0 * (1 + deferred))
+  assert w["deferred_tiles"] == 2 * deferred
+  if deferred:
+    assert w["deferred_per_tile"] == pytest.approx(
+        {"epi_deferred": 500.0, "deferred_parts": 400.0, "deferred_parts_in_mainloop": 300.0})
   assert b["producer"]["rows_wait_pct"] == pytest.approx(20.0)
   assert b["producer"]["tiles"] == 8
   fused_phases.print_engine_breakdown(b)

@@ -152,7 +152,7 @@ def check_l1(rows_in_tile: int, mutate: str = "", parts_per_group: int = 2) -> l
   (gate) and pend[16 g + 8 + 2 j + hh] (up), parts_per_group parts a group
   (MEGAMOE_DEFER_L1_PARTS_PER_GROUP): each does 4 / parts_per_group blocks; a group's earlier
   parts keep their h words in pend where their gate pairs were, its last part stores the group.
-  swiglu_group pairs gate(j, hh, e) with up(j, hh, e) element by element."""
+  swiglu_blocks pairs the gate pair gate(j, hh) with the up pair up(j, hh) element by element."""
   rng = np.random.default_rng(1)
   acc_tile = rng.integers(0, 1 << 30, size=(64, 256))
   got = {}

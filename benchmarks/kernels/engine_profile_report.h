@@ -51,6 +51,7 @@ inline void Report(const char* label, int grid) {
     const int end_ns = wg == 0 ? prof::kWg0EndNs : prof::kWg1EndNs;
     double total = 0, job = 0, full = 0, ml = 0, epi = 0, kbs = 0, tiles = 0, ns = 0;
     double parts[4] = {0, 0, 0, 0};  // the epilogue's: other warpgroup, staging, dst, stores
+    double epi_def = 0, def_tiles = 0, def_parts = 0, def_parts_ml = 0;  // deferred epilogues
     for (int c = 0; c < n; ++c) {
       total += span(c, b + prof::kWgBeginClk, b + prof::kWgEndClk);
       job += at(c, b + prof::kWgJobWait);
@@ -60,6 +61,10 @@ inline void Report(const char* label, int grid) {
       kbs += at(c, b + prof::kWgKBlocks);
       tiles += at(c, b + prof::kWgTiles);
       for (int i = 0; i < 4; ++i) parts[i] += at(c, b + prof::kWgEpiBothWg + i);
+      epi_def += at(c, b + prof::kWgEpiDeferred);
+      def_tiles += at(c, b + prof::kWgDeferredTiles);
+      def_parts += at(c, b + prof::kWgDeferredParts);
+      def_parts_ml += at(c, b + prof::kWgDeferredPartsInMainloop);
       ns += at(c, end_ns) - at(c, prof::kBeginNs);
     }
     const double other = total - job - ml - epi;
@@ -72,11 +77,19 @@ inline void Report(const char* label, int grid) {
              "cores' floor 1024; %.0f less the data waits, which overlap wgmma in flight), "
              "epilogue %.0f, job wait %.0f\n",
              ml / tiles, kbs / tiles, ml / kbs, (ml - full) / kbs, epi / tiles, job / tiles);
-    if (tiles > 0)
-      printf("       epilogue per tile: other warpgroup %.0f, math + staging %.0f, gate_up + "
-             "row destinations %.0f, reads + stores %.0f, fence + release %.0f cycles\n",
-             parts[0] / tiles, parts[1] / tiles, parts[2] / tiles, parts[3] / tiles,
-             (epi - parts[0] - parts[1] - parts[2] - parts[3]) / tiles);
+    // Staged tiles' parts per staged tile; deferred tiles' own epilogue and parts per deferred
+    // tile (the parts also count in the mainloop, or in "rest" where they ran on their own).
+    const double staged = tiles - def_tiles;
+    if (staged > 0)
+      printf("       staged epilogue per tile (%.0f tiles): other warpgroup %.0f, math + staging "
+             "%.0f, gate_up + row destinations %.0f, reads + stores %.0f, fence + release %.0f "
+             "cycles\n",
+             staged, parts[0] / staged, parts[1] / staged, parts[2] / staged, parts[3] / staged,
+             (epi - epi_def - parts[0] - parts[1] - parts[2] - parts[3]) / staged);
+    if (def_tiles > 0)
+      printf("       deferred epilogue per tile (%.0f tiles): at the tile's end %.0f cycles, its "
+             "deferred parts %.0f (%.0f of them inside the next mainloop)\n",
+             def_tiles, epi_def / def_tiles, def_parts / def_tiles, def_parts_ml / def_tiles);
   }
   double total = 0, job = 0, empty = 0, rows = 0, tiles = 0;
   for (int c = 0; c < n; ++c) {

@@ -18,6 +18,14 @@ enum WgSlot : int {
   kWgEpiStage,      // math (SwiGLU) and fragments into the staging slots, warpgroup barrier
   kWgEpiDst,        // gate_up's TMA stores issued; waiting for the rows' destinations
   kWgEpiStore,      // the slots read back and the global stores issued
+  // Deferred epilogues (MEGAMOE_DEFER_L1/L2_EPILOGUE): such a tile's epilogue (in kWgEpilogue,
+  // none of the parts above) stores its first column groups and keeps the rest in registers;
+  // the rest, the deferred parts, run in the next tile's first stages (inside kWgMainloop) or,
+  // before an L2 tile or at the end, on their own (outside the mainloop and the epilogue).
+  kWgEpiDeferred,   // deferred tiles' epilogue cycles
+  kWgDeferredTiles, // deferred tiles (count)
+  kWgDeferredParts, // the deferred parts' cycles, wherever they ran
+  kWgDeferredPartsInMainloop,  // of those, the parts run inside a mainloop
   kWgBeginClk,      // clock at the role's start and end
   kWgEndClk,
   kWgSlots

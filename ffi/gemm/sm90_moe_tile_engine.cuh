@@ -395,10 +395,15 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // `slow` reports an element where it does not (d = 1 + exp(-g) >= 2^126 or NaN, i.e. g < -87
 // or NaN), and the caller then recomputes with Swiglu() itself. The harness checks equality
 // over all bf16 values of g.
+// Two instruction savers, same bits: __expf(-g) is ex2.approx(g * -log2 e), whose non-ftz form
+// rescales inputs below -126 (a compare and two predicated multiplies an element); its ftz form
+// returns 0 there instead of a value below 2^-126, and 1 + either is 1. The range test as one
+// float compare (d >= 1, so only the top and NaN matter) instead of integer ops on the bits.
 __device__ __forceinline__ float sigmoid_fast_path(float gate, bool& slow) {
-  const float d = 1.0f + __expf(-gate);
-  const uint32_t bits = __float_as_uint(d);
-  slow |= ((bits + 0x1800000u) & 0x7f800000u) <= 0x1ffffffu;
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(gate * __int_as_float(0xbfb8aa3bu)));
+  const float d = 1.0f + e;
+  slow |= !(d < 0x1p126f);
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
   return fmaf(r, -fmaf(d, r, -1.0f), r);
@@ -440,10 +445,6 @@ __device__ __forceinline__ void swiglu_grad_x8(uint4 dv, uint4 gv, uint4 uv, boo
   }
   dgv = make_uint4(dg[0], dg[1], dg[2], dg[3]);
   duv = make_uint4(du[0], du[1], du[2], du[3]);
-}
-
-__device__ __forceinline__ float round_bf16(float x) {
-  return __bfloat162float(__float2bfloat16_rn(x));
 }
 
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
@@ -1150,30 +1151,34 @@ struct Sm90MoeTileEngine {
           detail::st_global_v4(dst + 32 * m + 8 * (lane & 3), make_uint4(x[0], x[1], x[2], x[3]));
       }
     };
-    // h words hw[j][hh] of an h group's blocks of 8 columns j = j_begin..j_end - 1 (of 0..3;
-    // cute::Int) from the bf16-rounded gate(j, hh, e) and up(j, hh, e), e = 0, 1: SwiGLU's fast
-    // path, or Swiglu() itself for those blocks where the fast path's range test fails in the
-    // warp (the staged epilogue's rule; where the test passes both give the same bits, so the
-    // vote's span does not change a bit). Warp-uniform.
-    [[maybe_unused]] auto swiglu_group = [&](auto j_begin, auto j_end, uint32_t (&hw)[4][2],
-                                             auto&& gate, auto&& up) {
+    // L1's SwiGLU, h = silu(g) * u from the bf16-rounded gate and up (what the gate_up residual
+    // holds, as the cuda backend's SwigluForward and the reference compute it), for blocks of 8
+    // columns j = j_begin..j_end - 1 (cute::Int) and rows hh = 0, 1 of this thread: gate(j, hh)
+    // and up(j, hh) are packed bf16 pairs, out(j, hh, word) takes the pair of h. The fast path,
+    // or Swiglu() itself for all the blocks where the fast path's range test fails somewhere in
+    // the warp (where it passes both give the same bits, so the vote's span changes no bit).
+    // Warp-uniform. The staged epilogue calls it on a tile's 16 blocks, the deferred one on
+    // parts of an h group (4 blocks).
+    auto swiglu_blocks = [&](auto j_begin, auto j_end, auto&& gate, auto&& up, auto&& out) {
       bool slow = false;
 #pragma unroll
       for (int j = j_begin; j < j_end; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const float h0 = detail::swiglu_fast_path(gate(j, hh, 0), up(j, hh, 0), slow);
-          const float h1 = detail::swiglu_fast_path(gate(j, hh, 1), up(j, hh, 1), slow);
-          hw[j][hh] = detail::pack_bf16x2(h0, h1);
+          const uint32_t g = gate(j, hh), u = up(j, hh);
+          const float h0 = detail::swiglu_fast_path(detail::bf16_lo(g), detail::bf16_lo(u), slow);
+          const float h1 = detail::swiglu_fast_path(detail::bf16_hi(g), detail::bf16_hi(u), slow);
+          out(j, hh, detail::pack_bf16x2(h0, h1));
         }
       if (__any_sync(0xffffffffu, slow)) {
 #pragma unroll
         for (int j = j_begin; j < j_end; ++j)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
-            const float h0 = megamoe::grouped::Swiglu(gate(j, hh, 0), up(j, hh, 0));
-            const float h1 = megamoe::grouped::Swiglu(gate(j, hh, 1), up(j, hh, 1));
-            hw[j][hh] = detail::pack_bf16x2(h0, h1);
+            const uint32_t g = gate(j, hh), u = up(j, hh);
+            const float h0 = megamoe::grouped::Swiglu(detail::bf16_lo(g), detail::bf16_lo(u));
+            const float h1 = megamoe::grouped::Swiglu(detail::bf16_hi(g), detail::bf16_hi(u));
+            out(j, hh, detail::pack_bf16x2(h0, h1));
           }
       }
     };
@@ -1200,13 +1205,11 @@ struct Sm90MoeTileEngine {
           // (pend[16 g + 2 j + hh], j < j0), its last part stores the group.
           constexpr int g = P / kL1PartsPerGroup, q = P % kL1PartsPerGroup;
           constexpr int nb = 4 / kL1PartsPerGroup, j0 = q * nb;
-          const auto half = [&](int w, int e) {
-            return e ? detail::bf16_hi(pend[w]) : detail::bf16_lo(pend[w]);
-          };
           uint32_t hw[4][2];
-          swiglu_group(cute::Int<j0>{}, cute::Int<j0 + nb>{}, hw,
-                       [&](int j, int hh, int e) { return half(16 * g + 2 * j + hh, e); },
-                       [&](int j, int hh, int e) { return half(16 * g + 8 + 2 * j + hh, e); });
+          swiglu_blocks(cute::Int<j0>{}, cute::Int<j0 + nb>{},
+                        [&](int j, int hh) { return pend[16 * g + 2 * j + hh]; },
+                        [&](int j, int hh) { return pend[16 * g + 8 + 2 * j + hh]; },
+                        [&](int j, int hh, uint32_t w) { hw[j][hh] = w; });
           if constexpr (q + 1 < kL1PartsPerGroup) {
 #pragma unroll
             for (int j = j0; j < j0 + nb; ++j)
@@ -1244,8 +1247,10 @@ struct Sm90MoeTileEngine {
       if constexpr (kDeferEpilogue) {
         // The last tile's rows; and a pending L1 tile before an L2 tile, which may wait for it.
         if (pend_slot >= 0 && (job.kind < 0 || (pend_l1 && job.kind == kL2Down))) {
+          const uint32_t parts_clk = profile::clock32();
           defer_all();
           defer_finish();
+          prof.since(profile::kWgDeferredParts, parts_clk);
         }
       }
       if (job.kind < 0) break;
@@ -1340,12 +1345,16 @@ struct Sm90MoeTileEngine {
         // 32% of its cycles (1,232 cycles a stage; session 33).
         if constexpr (decltype(parts)::value) {
           if (pend_slot >= 0) {
+            const uint32_t parts_clk = profile::clock32();
             detail::static_for(
                 [&](auto part) {
                   if (kb == decltype(part)::value) defer_part(part);
                 },
                 cute::make_int_sequence<kMaxDeferParts>{});
             if (kb == (pend_l1 ? kL1DeferParts : kL2DeferParts) - 1) defer_finish();
+            const uint32_t parts_cycles = profile::clock32() - parts_clk;
+            prof.count(profile::kWgDeferredParts, parts_cycles);
+            prof.count(profile::kWgDeferredPartsInMainloop, parts_cycles);
           }
         }
       };
@@ -1361,12 +1370,16 @@ struct Sm90MoeTileEngine {
       for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(acc[i]);
       if constexpr (kDeferEpilogue) {
         if (pend_slot >= 0) {  // a tile shorter than its pending tile's parts: the parts left
+          const uint32_t parts_clk = profile::clock32();
           detail::static_for(
               [&](auto part) {
                 if (decltype(part)::value >= num_kb) defer_part(part);
               },
               cute::make_int_sequence<kMaxDeferParts>{});
           defer_finish();
+          const uint32_t parts_cycles = profile::clock32() - parts_clk;
+          prof.count(profile::kWgDeferredParts, parts_cycles);
+          prof.count(profile::kWgDeferredPartsInMainloop, parts_cycles);
         }
         // Dead from here on every path (a constant), or the compiler keeps them live through
         // the epilogues below, where L1's SwiGLU then spilled.
@@ -1403,14 +1416,10 @@ struct Sm90MoeTileEngine {
 #pragma unroll
               for (int m = 0; m < kFirstDeferredL1Group; ++m) {
                 uint32_t hw[4][2];
-                swiglu_group(
-                    cute::Int<0>{}, cute::Int<4>{}, hw,
-                    [&](int j, int hh, int e) {
-                      return detail::round_bf16(acc[4 * (4 * m + j) + 2 * hh + e]);
-                    },
-                    [&](int j, int hh, int e) {
-                      return detail::round_bf16(acc[4 * (16 + 4 * m + j) + 2 * hh + e]);
-                    });
+                swiglu_blocks(cute::Int<0>{}, cute::Int<4>{},
+                              [&](int j, int hh) { return acc_pair(4 * m + j, hh); },
+                              [&](int j, int hh) { return acc_pair(16 + 4 * m + j, hh); },
+                              [&](int j, int hh, uint32_t w) { hw[j][hh] = w; });
                 store_group(slot, m, [&](int j, int hh) { return hw[j][hh]; });
               }
 #pragma unroll
@@ -1441,7 +1450,10 @@ struct Sm90MoeTileEngine {
           }
           pend_slot = slot;
           pend_l1 = l1_tile;
-          prof.since(profile::kWgEpilogue, epilogue_clk);
+          const uint32_t epi_cycles = profile::clock32() - epilogue_clk;
+          prof.count(profile::kWgEpilogue, epi_cycles);
+          prof.count(profile::kWgEpiDeferred, epi_cycles);
+          prof.count(profile::kWgDeferredTiles, 1);
           continue;
         }
       }
@@ -1487,46 +1499,17 @@ struct Sm90MoeTileEngine {
           if (!kFp8 && p.l1_raw_gate) {  // (FP8: below, the gate quantised as h)
             put(0, [&](int ii, int hh) { return acc_pair(ii, hh); });
           } else {
-            // h = silu(g) * u from the bf16-rounded gate/up (what the stored gate_up holds, as
-            // the cuda backend's SwigluForward and the reference compute it).
             uint32_t hv[32];
-            bool slow = false;
-#pragma unroll
-            for (int ii = 0; ii < 16; ++ii) {
-#pragma unroll
-              for (int hh = 0; hh < 2; ++hh) {
-                float o[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const float g = detail::round_bf16(acc[4 * ii + 2 * hh + e]);
-                  const float u = detail::round_bf16(acc[4 * (ii + 16) + 2 * hh + e]);
-                  o[e] = detail::swiglu_fast_path(g, u, slow);
-                }
-                hv[2 * ii + hh] = detail::pack_bf16x2(o[0], o[1]);
-              }
-            }
             if (kFp8 && p.l1_raw_gate) {  // benchmark only: the gate as h, no SwiGLU math
 #pragma unroll
               for (int ii = 0; ii < 16; ++ii)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) hv[2 * ii + hh] = acc_pair(ii, hh);
-              slow = false;
-            }
-            if (__any_sync(0xffffffffu, slow)) {  // g < -87 somewhere in the warp: exact path
-#pragma unroll
-              for (int ii = 0; ii < 16; ++ii) {
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                  float o[2];
-#pragma unroll
-                  for (int e = 0; e < 2; ++e) {
-                    const float g = detail::round_bf16(acc[4 * ii + 2 * hh + e]);
-                    const float u = detail::round_bf16(acc[4 * (ii + 16) + 2 * hh + e]);
-                    o[e] = megamoe::grouped::Swiglu(g, u);
-                  }
-                  hv[2 * ii + hh] = detail::pack_bf16x2(o[0], o[1]);
-                }
-              }
+            } else {
+              swiglu_blocks(cute::Int<0>{}, cute::Int<16>{},
+                            [&](int ii, int hh) { return acc_pair(ii, hh); },
+                            [&](int ii, int hh) { return acc_pair(ii + 16, hh); },
+                            [&](int ii, int hh, uint32_t w) { hv[2 * ii + hh] = w; });
             }
             if constexpr (kFp8) {
               if (p.gate_up != nullptr) {  // residual gate_up, staged beside h (slots 1, 2)
