@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device calls the last session prepared and could not run. Each session that leaves GPU
-# work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 33.
+# work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34 (session 33's
+# calls, rerun there on H100s: PART=bars and PART=harness; both still want an H200).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
 # EP = 2 bars, in two calls on the same warm machine (each builds the extension with its
@@ -11,18 +12,23 @@
 #   PART=ep2_bench (~6 min): the layer at EP = 2, cuda and fused in one run; the example on a
 #     data=1,expert=2 mesh, 20 steps.
 # One GPU:
-#   PART=bars (the default; ~6 min): the extension with its defaults (the L1 epilogue deferred
-#     since session 33), then the layer forward at EP = 1 for issue 14's table (bench_layer.py:
-#     cuda, fused, and fused + blocks for fp8; 30B and 235B). The bars are H200 figures: say
-#     which card ran it.
+#   PART=bars (the default; ~7 min): the extension with its defaults (the L1 epilogue deferred
+#     since session 33, SwiGLU's cheaper fast path since session 34), then the layer forward at
+#     EP = 1 for issue 14's table (bench_layer.py: cuda, fused, and fused + blocks for fp8; 30B
+#     and 235B); then the fused kernel with L2's rows by TMA off and on, twice in turn
+#     (fused_phases.py, MEGAMOE_FUSED_L2_TMA=0/1: +1% on H100s in sessions 31-32, default off
+#     "until an H200 shows a gain"). The bars are H200 figures: say which card ran it.
 #   PART=harness (~3 min): the standalone harnesses built (ten builds); the bf16 checks of
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
-#     _l1x4 (the deferred L1 SwiGLU over eight stages, never run), and their digests against
+#     _l1x4 (the deferred L1 SwiGLU over eight stages; at parity on an H100), and their digests against
 #     _staged's (bit for bit); then 30B L1, and 30B / 235B one launch, in each, twice. Worth
 #     it on an H200: the deferred L2 epilogue lost at 235B on H100s, whose L2 GEMM waits for
 #     data two thirds of the time; on an H200 that GEMM ran at 592 TFLOP/s (FUSED_CORE_NOTES,
 #     run 3), so _defer12 against the product build says whether L2's deferral pays there.
 # Each step has its own time limit, so that one hang does not take the others.
+# To compare two commits' engines (an A/B of a kernel change), build the harnesses of each here
+# (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
+# carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
 #   OUT=... [PART=bars|harness|ep2|ep2_bench] scripts/next_device_call.sh   (carry .whl: the
 #   CUTLASS wheel)
@@ -93,6 +99,13 @@ bars)
     --recipes fp8 --impls megamoe:cuda,megamoe:fused,megamoe:fused+blocks --ep 1 \
     --reps 10 --isolate off --out "$OUT/layer_fwd_fp8_ep1.json" 2>&1 \
     | tee "$OUT/layer_fwd_fp8_ep1.log" | tail -12
+  for round in 1 2; do
+    for tma in 0 1; do
+      echo "## round $round, MEGAMOE_FUSED_L2_TMA=$tma"
+      MEGAMOE_FUSED_L2_TMA=$tma timeout 80 python3 benchmarks/fused_phases.py --shapes 30b,235b \
+        --recipe bf16 --reps 10 2>&1 | grep "kernel"
+    done
+  done | tee "$OUT/fused_l2_tma.log"
   ;;
 *)
   echo "PART=${PART}: unknown (bars or harness)"
