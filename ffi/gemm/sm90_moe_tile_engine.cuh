@@ -401,7 +401,7 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // float compare (d >= 1, so only the top and NaN matter) instead of integer ops on the bits.
 __device__ __forceinline__ float sigmoid_fast_path(float gate, bool& slow) {
   float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(gate * __int_as_float(0xbfb8aa3bu)));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(gate * __uint_as_float(0xbfb8aa3bu)));
   const float d = 1.0f + e;
   slow |= !(d < 0x1p126f);
   float r;
