@@ -443,6 +443,16 @@ def workspace_for(mesh, expert_axis: str, *, max_tokens: int, hidden: int, top_k
   return ws
 
 
+def check_all() -> None:
+  """Raises RuntimeError if a kernel of any workspace `workspace_for` created recorded an error
+  (a wait that timed out). Such an error is otherwise raised by that workspace's next call; call
+  this after a run's last step (or before saving a checkpoint) so that none goes unreported."""
+  with _cache_lock:
+    workspaces = list(_cache.values()) + list(_retired)
+  for ws in workspaces:
+    ws.check()
+
+
 def close_all() -> None:
   """Closes every workspace `workspace_for` created (no program may use them afterwards)."""
   with _cache_lock:

@@ -4,13 +4,18 @@
 # calls, rerun there on H100s: PART=bars and PART=harness; both still want an H200).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
-# EP = 2 bars, in two calls on the same warm machine (each builds the extension with its
-# defaults if the machine has none, ~85 s):
-#   PART=ep2 (the default with two GPUs; ~5 min): the multi-GPU tests: the fused layer beside an
-#     all_gather, both process models, FP8; the cuda backend's two-process EP and training
-#     tests.
-#   PART=ep2_bench (~6 min): the layer at EP = 2, cuda and fused in one run; the example on a
-#     data=1,expert=2 mesh, 20 steps.
+# EP = 2 bars, in four calls on the same warm machine (each builds the extension with its
+# defaults if the machine has none, ~85 s). None of the fused two-GPU tests has ever run (a
+# review in session 34 expected the single call of old not to fit 600 s):
+#   PART=ep2 (the default with two GPUs; ~5 min): tests/test_fused_multigpu.py: the fused layer
+#     beside an all_gather (it also fails unless XLA scheduled the kernel inside the
+#     collective's window: "FUSED-WORKER-CONCURRENCY"), two processes, FP8 (two recipes).
+#   PART=ep2_ep (~4 min): backend cuda's two-process EP tests (tests/test_ep_two_process.py).
+#   PART=ep2_train (~6 min): the example as two processes (tests/test_two_process_training.py).
+#   PART=ep2_bench (~6 min): the layer at EP = 2, cuda and fused in one run; the example with
+#     backend fused on a data=1,expert=2 mesh, 20 steps (backend cuda's ran in session 8).
+# pytest runs verbose and unbuffered, under SIGINT at its limit (so that it still prints its
+# failures), with a JUnit XML in $OUT.
 # One GPU:
 #   PART=bars (the default; ~7 min): the extension with its defaults (the L1 epilogue deferred
 #     since session 33, SwiGLU's cheaper fast path since session 34), then the layer forward at
@@ -30,34 +35,45 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|harness|ep2|ep2_bench] scripts/next_device_call.sh   (carry .whl: the
+#   OUT=... [PART=bars|harness|ep2|ep2_ep|ep2_train|ep2_bench] scripts/next_device_call.sh   (carry .whl: the
 #   CUTLASS wheel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false MEGAMOE_EP_TIMEOUT_S=10
+# EP waits give up after 60 s: long enough for one process's slower compilation before a first
+# call (the tests that time out on purpose set their own).
+export XLA_PYTHON_CLIENT_PREALLOCATE=false MEGAMOE_EP_TIMEOUT_S=60 PYTHONUNBUFFERED=1
 GPUS=$(nvidia-smi -L | tee "$OUT/gpus.txt" | wc -l)
 cat "$OUT/gpus.txt"
 run() { echo "### $*"; timeout 120 "$@" 2>&1; echo "rc=$?"; }
+# multigpu_tests NAME SECONDS FILE...: the multigpu tests of FILEs, their log and XML in $OUT.
+multigpu_tests() {
+  local name=$1 limit=$2
+  shift 2
+  timeout -s INT -k 30 "$limit" python3 -m pytest -v -rs --durations=0 -m multigpu \
+    --junitxml="$OUT/$name.xml" "$@" 2>&1 | tee "$OUT/$name.log" | tail -25
+}
 
 if [ "$GPUS" -ge 2 ]; then
   python3 -c "import jax_megamoe as m, sys; sys.exit(not m.cuda_available())" 2>/dev/null \
     || JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
-  if [ "${PART:-ep2}" = ep2_bench ]; then
+  case "${PART:-ep2}" in
+  ep2) multigpu_tests tests_fused_multigpu 420 tests/test_fused_multigpu.py ;;
+  ep2_ep) multigpu_tests tests_ep_two_process 420 tests/test_ep_two_process.py ;;
+  ep2_train) multigpu_tests tests_two_process_training 480 tests/test_two_process_training.py ;;
+  ep2_bench)
     timeout 200 python3 benchmarks/bench_layer.py --passes fwd --shapes 30b,235b \
       --recipes bf16,fp8 --impls megamoe:cuda,megamoe:fused --ep 2 --reps 10 --isolate off \
       --out "$OUT/layer_fwd_ep2.json" 2>&1 | tee "$OUT/layer_fwd_ep2.log" | tail -20
     timeout 150 python3 examples/train_qwen3_moe.py --config qwen3-30b-a3b --num-layers 4 \
-      --seq-len 4096 --batch 8 --ce-chunk 1024 --lr 3e-4 --backend cuda --attention cudnn \
+      --seq-len 4096 --batch 8 --ce-chunk 1024 --lr 3e-4 --backend fused --attention cudnn \
       --mesh data=1,expert=2 --steps 20 --log_every 10 --checkpoint_every 0 --out /tmp/ep2 \
       2>&1 | tr '\r' '\n' | grep -v "step/s\|s/step" | tail -12 | tee "$OUT/example_ep2.log"
-  else
-    timeout 400 python3 -m pytest -q -rs -m multigpu tests/test_fused_multigpu.py \
-      tests/test_ep_two_process.py tests/test_two_process_training.py 2>&1 \
-      | tee "$OUT/tests_multigpu.log" | tail -15
-  fi
+    ;;
+  *) echo "PART=${PART}: unknown with two GPUs (ep2, ep2_ep, ep2_train or ep2_bench)"; exit 2 ;;
+  esac
   exit 0
 fi
 

@@ -12,7 +12,9 @@
       one process, two GPUs, recipe "fp8" / "fp8_pow2": forward and gradients against the FP8
       emulation (backend reference on the CPU; dW_gate_up from x as the sender quantises it,
       since the rows cross GPUs in FP8), 20 repeated forwards bitwise equal
-Prints "FUSED-WORKER-OK <id>" when every check passed, else exits non-zero saying what failed.
+Prints "FUSED-WORKER-OK <id>" when every check passed, else exits non-zero saying what failed;
+all_gather also prints "FUSED-WORKER-CONCURRENCY overlapped|not-overlapped: <why>", whether XLA
+scheduled the fused kernel inside the all_gather's asynchronous window (tests/hlo_schedule.py).
 """
 
 import sys
@@ -121,12 +123,21 @@ def check_layer(layer, mesh, arrays, process_id: int, recipe=None) -> None:
   def loss(x, w, wgu, wd, ids, probe):  # ids as an argument: a global array is not concrete
     return jnp.sum(layer(x, ids, w, wgu, wd).astype(jnp.float32) * probe)
 
-  y = jax.jit(layer)(gx, gids, gw, gwgu, gwd)
-  grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
-  check_backward_lowering(grad_fn.lower(gx, gw, gwgu, gwd, gids, gprobe).as_text(), recipe)
+  # Both programs compiled before either runs, and the processes meet after compiling: a fused
+  # call waits for its peers at most MEGAMOE_EP_TIMEOUT_S, which one process's slower
+  # compilation must not use up.
+  forward = jax.jit(layer).lower(gx, gids, gw, gwgu, gwd).compile()
+  grad_lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(
+      gx, gw, gwgu, gwd, gids, gprobe)
+  check_backward_lowering(grad_lowered.as_text(), recipe)
+  grad_fn = grad_lowered.compile()
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("fused worker: programs compiled")
+  y = forward(gx, gids, gw, gwgu, gwd)
   value, grads = grad_fn(gx, gw, gwgu, gwd, gids, gprobe)
   for call in range(20):  # consecutive calls: no stale signal, bitwise the same
-    again = jax.jit(layer)(gx, gids, gw, gwgu, gwd)
+    again = forward(gx, gids, gw, gwgu, gwd)
     for a, b in zip(again.addressable_shards, y.addressable_shards):
       if not np.array_equal(np.asarray(a.data), np.asarray(b.data)):
         raise SystemExit(f"FUSED-WORKER-FAIL {process_id}: forward call {call} differs")
@@ -156,7 +167,9 @@ def all_gather_beside(process_id: int = 0) -> None:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
   import ep_helpers
-  from jax_megamoe import parallel
+  import hlo_schedule
+  from jax_megamoe import parallel, symmetric
+  from jax_megamoe.backends import fused
 
   if len(jax.devices()) < 2:
     raise SystemExit(f"FUSED-WORKER-FAIL: needs 2 GPUs, has {jax.devices()}")
@@ -177,6 +190,13 @@ def all_gather_beside(process_id: int = 0) -> None:
   def program(x, ids, w, wgu, wd, big):
     return layer(x, ids, w, wgu, wd), gather(big)
 
+  # Whether XLA scheduled the fused kernel inside the all_gather's asynchronous window (else the
+  # two never run at the same time and the test says so: it would test nothing of item 3).
+  overlapped, why = hlo_schedule.op_inside_async_window(
+      program.lower(*args, gbig).compile().as_text(), "all-gather-start",
+      f'custom_call_target="{fused.TARGET}"')
+  print(f"FUSED-WORKER-CONCURRENCY {'overlapped' if overlapped else 'not-overlapped'}: {why}",
+        flush=True)
   ref_y = np.asarray(oracle(x, ids, w, wgu, wd, probe)[0])
   first = None
   for call in range(20):
@@ -192,6 +212,7 @@ def all_gather_beside(process_id: int = 0) -> None:
     for shard in full.addressable_shards:
       if not np.array_equal(np.asarray(shard.data), big):
         raise SystemExit(f"FUSED-WORKER-FAIL: call {call}: all_gather on {shard.device} wrong")
+  symmetric.check_all()  # a kernel timeout in the last call, reported by no later call
   print(f"FUSED-WORKER-OK {process_id}", flush=True)
 
 
@@ -212,6 +233,7 @@ def two_process(process_id: int, port: int) -> None:
   layer, check_lowering = fused_layer(mesh)
   check_lowering(*map(glob, (x, ids, w, wgu, wd)))
   check_layer(layer, mesh, (x, ids, w, wgu, wd, probe), process_id)
+  symmetric.check_all()
   symmetric.close_all()
   print(f"FUSED-WORKER-OK {process_id}", flush=True)
   jax.distributed.shutdown()
@@ -222,6 +244,8 @@ def fp8_two_gpus(recipe: str) -> None:
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+  from jax_megamoe import symmetric
+
   if len(jax.devices()) < 2:
     raise SystemExit(f"FUSED-WORKER-FAIL: needs 2 GPUs, has {jax.devices()}")
   mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
@@ -230,6 +254,7 @@ def fp8_two_gpus(recipe: str) -> None:
   layer, check_lowering = fused_layer(mesh, recipe)
   check_lowering(*[jax.device_put(a, rows) for a in (x, ids, w, wgu, wd)])
   check_layer(layer, mesh, (x, ids, w, wgu, wd, probe), 0, recipe)
+  symmetric.check_all()
   print("FUSED-WORKER-OK 0", flush=True)
 
 

@@ -1,9 +1,12 @@
 """Running test workers as separate processes: a free localhost port for jax.distributed, and
-processes run to completion (or killed at a time limit, so that a hang fails, not stalls)."""
+processes run to completion (or killed at a time limit, so that a hang fails, not stalls, and
+says where each process was)."""
 
 import os
 import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -15,21 +18,72 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_all(commands: list[list[str]], envs: list[dict], *, timeout: float, cwd=None
-            ) -> tuple[list[subprocess.Popen], list[str]]:
-  """Starts commands[i] with envs[i] together, waits for all (stdout and stderr merged) and
-  kills whatever still runs at `timeout` seconds (subprocess.TimeoutExpired propagates)."""
+class WorkersTimedOut(subprocess.TimeoutExpired):
+  """Workers still running at run_all's time limit (killed); the message carries every worker's
+  last output, so that a hang shows where each process was."""
+
+  def __init__(self, cmd, timeout, report: str):
+    super().__init__(cmd, timeout)
+    self.report = report
+
+  def __str__(self):
+    return f"workers still running after {self.timeout} s, killed:\n{self.report}"
+
+
+def run_all(commands: list[list[str]], envs: list[dict], *, timeout: float, cwd=None,
+            peer_grace: float | None = 60.0) -> tuple[list[subprocess.Popen], list[str]]:
+  """Starts commands[i] with envs[i] together and waits for all (stdout and stderr merged, read
+  by one thread per process, so that no pipe fills and stalls a worker).
+
+  A worker that exits with a non-zero code usually leaves its peers blocked (in a collective,
+  a handshake or a kernel's wait): `peer_grace` seconds later the ones still running are killed
+  and their output says so (None: wait for them until `timeout`). At `timeout` seconds every
+  worker still running is killed and WorkersTimedOut (a subprocess.TimeoutExpired) is raised
+  with each worker's last output.
+  """
   procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
            for cmd, env in zip(commands, envs)]
-  outs = []
+  chunks: list[list[str]] = [[] for _ in procs]
+  readers = [threading.Thread(target=lambda p=p, c=c: c.extend(iter(p.stdout.readline, "")),
+                              daemon=True) for p, c in zip(procs, chunks)]
+  for r in readers:
+    r.start()
+  start = time.monotonic()
+  failed = None  # (when, which, exit code) of the first worker that exited non-zero
+  cause = None  # why the wait ended with workers still running: "timeout" or "peer failed"
   try:
-    for p in procs:
-      outs.append(p.communicate(timeout=timeout)[0])
+    while None in [p.poll() for p in procs]:  # every worker polled (sets its returncode)
+      now = time.monotonic()
+      if now - start > timeout:
+        cause = "timeout"
+        break
+      if failed is None:
+        bad = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if bad:
+          failed = (now, bad[0], procs[bad[0]].returncode)
+      elif peer_grace is not None and now - failed[0] > peer_grace:
+        cause = "peer failed"
+        break
+      time.sleep(0.2)
   finally:
+    still = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in still:
+      procs[i].kill()
     for p in procs:
-      if p.poll() is None:
-        p.kill()
+      p.wait()
+    for r in readers:
+      r.join(timeout=10)
+  outs = ["".join(c) for c in chunks]
+  if cause == "peer failed":
+    for i in still:
+      outs[i] += (f"\n[run_all: killed {peer_grace:.0f} s after process {failed[1]} exited with "
+                  f"code {failed[2]}]")
+  if cause == "timeout":
+    report = "\n".join(
+        f"--- process {i} ({'killed at the time limit' if i in still else f'exit {p.returncode}'})"
+        f":\n{o[-3000:]}" for i, (p, o) in enumerate(zip(procs, outs)))
+    raise WorkersTimedOut(commands, timeout, report)
   return procs, outs
 
 

@@ -17,14 +17,14 @@ pytestmark = pytest.mark.multigpu
 EP_TIMEOUT_S = 10
 
 
-def _run_workers(mode: str, visibility: str, extra_env=None, timeout=240):
+def _run_workers(mode: str, visibility: str, extra_env=None, timeout=240, peer_grace=60.0):
   port = free_port()
   env = gpu_worker_env(**(extra_env or {}))
   envs = [dict(env, CUDA_VISIBLE_DEVICES=str(i)) if visibility == "cuda_visible_devices" else env
           for i in range(2)]
   commands = [[sys.executable, "-m", "ep_two_process_worker", str(i), str(port), mode]
               for i in range(2)]
-  return run_all(commands, envs, timeout=timeout, cwd=str(TESTS.parent))
+  return run_all(commands, envs, timeout=timeout, cwd=str(TESTS.parent), peer_grace=peer_grace)
 
 
 @pytest.mark.parametrize("visibility", ["local_device_ids", "cuda_visible_devices"])
@@ -36,8 +36,10 @@ def test_two_processes_one_gpu_each(mode, visibility):
 
 
 def test_a_process_dying_mid_step_makes_the_other_fail_not_hang():
+  # peer_grace=None: process 1's exit is the test; process 0 must end on its own.
   procs, outs = _run_workers("die", "local_device_ids",
-                             extra_env=dict(MEGAMOE_EP_TIMEOUT_S=str(EP_TIMEOUT_S)))
+                             extra_env=dict(MEGAMOE_EP_TIMEOUT_S=str(EP_TIMEOUT_S)),
+                             peer_grace=None)
   report = "\n".join(f"--- process {i} (exit {p.returncode}):\n{o[-3000:]}"
                      for i, (p, o) in enumerate(zip(procs, outs)))
   assert procs[1].returncode == 17 and "EP-WORKER-DYING 1" in outs[1], report
