@@ -6,7 +6,6 @@ makes the other fail within the EP timeout instead of hanging."""
 
 import re
 import sys
-import warnings
 
 import pytest
 
@@ -46,11 +45,11 @@ def test_a_process_dying_mid_step_makes_the_other_fail_not_hang():
   failure = re.search(r"EP-WORKER-PEER-FAILURE ([\d.]+) call \d+: (.*)", outs[0])
   if failure is None:
     # jax.distributed's own failure detection (missing heartbeats, 100 s by default) may end the
-    # process first: also a failure with a message, not a hang, but not the EP timeout's.
+    # process first: also a failure with a message, not a hang, but not the EP timeout's, which
+    # is what this test is for: reported as not run.
     assert "JAX distributed service detected fatal errors" in outs[0], report
-    warnings.warn("process 0 was ended by jax.distributed's failure detection before the EP "
-                  "timeout fired")
-    return
+    pytest.skip("not run: the EP timeout path (jax.distributed's failure detection ended "
+                "process 0 first; it failed with a message, it did not hang)")
   elapsed, message = float(failure.group(1)), failure.group(2)
   assert "timed out after" in message and "rank 0" in message, report
   assert elapsed < EP_TIMEOUT_S + 30, report
