@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The device calls the last session prepared and could not run. Each session that leaves GPU
-# work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34 (session 33's
-# calls, rerun there on H100s: PART=bars and PART=harness; both still want an H200).
+# work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34
+# (which ran session 33's PART=bars and PART=harness on H100s: both still want an H200).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
 # EP = 2 bars, in four calls on the same warm machine (each builds the extension with its
 # defaults if the machine has none, ~85 s). None of the fused two-GPU tests has ever run (a
-# review in session 34 expected the single call of old not to fit 600 s):
+# review in session 34 expected the old single call not to fit 600 s):
 #   PART=ep2 (the default with two GPUs; ~5 min): tests/test_fused_multigpu.py: the fused layer
 #     beside an all_gather (it also fails unless XLA scheduled the kernel inside the
 #     collective's window: "FUSED-WORKER-CONCURRENCY"), two processes, FP8 (two recipes).
@@ -25,8 +25,8 @@
 #     "until an H200 shows a gain"). The bars are H200 figures: say which card ran it.
 #   PART=harness (~3 min): the standalone harnesses built (ten builds); the bf16 checks of
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
-#     _l1x4 (the deferred L1 SwiGLU over eight stages; at parity on an H100), and their digests against
-#     _staged's (bit for bit); then 30B L1, and 30B / 235B one launch, in each, twice. Worth
+#     _l1x4 (the deferred L1 SwiGLU over eight stages; at parity on an H100), and their digests
+#     against _staged's (bit for bit); then 30B L1, and 30B / 235B one launch, in each, twice. Worth
 #     it on an H200: the deferred L2 epilogue lost at 235B on H100s, whose L2 GEMM waits for
 #     data two thirds of the time; on an H200 that GEMM ran at 592 TFLOP/s (FUSED_CORE_NOTES,
 #     run 3), so _defer12 against the product build says whether L2's deferral pays there.
@@ -35,8 +35,8 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|harness|ep2|ep2_ep|ep2_train|ep2_bench] scripts/next_device_call.sh   (carry .whl: the
-#   CUTLASS wheel)
+#   OUT=... [PART=bars|harness|ep2|ep2_ep|ep2_train|ep2_bench] scripts/next_device_call.sh
+#   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device_out}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLED = re.compile(r"(?:to_apply|calls|body|condition|called_computations)=\{?([^,}\s]+(?:,\s*%[\w.\-]+)*)\}?")
+_CALLED = re.compile(r"(?:to_apply|calls|body|condition|called_computations)="
+                     r"\{?([^,}\s]+(?:,\s*%[\w.\-]+)*)\}?")
 
 
 def computations(hlo: str) -> tuple[str, dict[str, list[str]]]:

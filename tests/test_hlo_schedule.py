@@ -6,21 +6,26 @@ from hlo_schedule import flat_schedule, op_inside_async_window
 
 TARGET = 'custom_call_target="megamoe_fused_moe_fwd"'
 
-HEADER = "HloModule jit_program, is_scheduled=true, entry_computation_layout={(f32[8]{0})->f32[8]{0}}\n"
+HEADER = ("HloModule jit_program, is_scheduled=true, "
+          "entry_computation_layout={(f32[8]{0})->f32[8]{0}}\n")
 
 
 def _module(entry_body: str, extra: str = "", sync: bool = False) -> str:
-  start = ('  %all-gather-start = (s32[1,8]{1,0}, s32[2,8]{1,0}) all-gather-start(s32[1,8]{1,0} %p1), '
-           'channel_id=1, replica_groups={{0,1}}, dimensions={0}, backend_config={"operation_queue_id"'
-           ':"0","collective_backend_config":{"is_sync":' + ("true" if sync else "false")
+  start = ("  %all-gather-start = (s32[1,8]{1,0}, s32[2,8]{1,0}) "
+           "all-gather-start(s32[1,8]{1,0} %p1), channel_id=1, replica_groups={{0,1}}, "
+           'dimensions={0}, backend_config={"operation_queue_id":"0",'
+           '"collective_backend_config":{"is_sync":' + ("true" if sync else "false")
            + ',"no_parallel_custom_call":false}}\n')
-  done = '  %all-gather-done = s32[2,8]{1,0} all-gather-done((s32[1,8]{1,0}, s32[2,8]{1,0}) %all-gather-start)\n'
+  done = ("  %all-gather-done = s32[2,8]{1,0} "
+          "all-gather-done((s32[1,8]{1,0}, s32[2,8]{1,0}) %all-gather-start)\n")
   call = ('  %custom-call.1 = bf16[8]{0} custom-call(bf16[8]{0} %p0), ' + TARGET
           + ', api_version=API_VERSION_TYPED_FFI\n')
   body = entry_body.replace("{start}", start).replace("{done}", done).replace("{call}", call)
-  return (HEADER + extra + "ENTRY %main.9 (p0: bf16[8], p1: s32[1,8]) -> (bf16[8], s32[2,8]) {\n"
+  return (HEADER + extra
+          + "ENTRY %main.9 (p0: bf16[8], p1: s32[1,8]) -> (bf16[8], s32[2,8]) {\n"
           "  %p0 = bf16[8]{0} parameter(0)\n  %p1 = s32[1,8]{1,0} parameter(1)\n" + body
-          + "  ROOT %tuple = (bf16[8]{0}, s32[2,8]{1,0}) tuple(%custom-call.1, %all-gather-done)\n}\n")
+          + "  ROOT %tuple = (bf16[8]{0}, s32[2,8]{1,0}) "
+          "tuple(%custom-call.1, %all-gather-done)\n}\n")
 
 
 def test_the_call_inside_the_window():
@@ -51,7 +56,8 @@ def test_no_collective_or_no_call():
 def test_a_call_inside_a_command_buffer_is_inlined_where_it_is_called():
   command_buffer = ("%command_buffer (p: bf16[8]) -> bf16[8] {\n"
                     "  %p = bf16[8]{0} parameter(0)\n"
-                    "  ROOT %custom-call.1 = bf16[8]{0} custom-call(bf16[8]{0} %p), " + TARGET + "\n"
+                    "  ROOT %custom-call.1 = bf16[8]{0} custom-call(bf16[8]{0} %p), "
+                    + TARGET + "\n"
                     "}\n\n")
   body = ("{start}  %call = bf16[8]{0} call(bf16[8]{0} %p0), to_apply=%command_buffer\n{done}")
   hlo = _module(body, extra=command_buffer).replace("tuple(%custom-call.1", "tuple(%call")

@@ -44,7 +44,8 @@ tmp=$(mktemp -d)
   grep -h "fast path" "$OUT"/checks_A.log "$OUT"/checks_B.log | sort | uniq -c
   # (The dgrad harness prints no digests: its check compares dgate_up with backend cuda's
   # SwigluBackward word for word, "0 words differ".)
-  grep -ho "dgate_up vs cuda SwigluBackward: [0-9]* words differ" "$OUT"/checks_*.log | sort | uniq -c
+  grep -ho "dgate_up vs cuda SwigluBackward: [0-9]* words differ" "$OUT"/checks_*.log \
+    | sort | uniq -c
   for b in $BF16 fused_core_fp8_bench; do
     grep digest "$tmp/A.$b" > "$tmp/dA"
     grep digest "$tmp/B.$b" > "$tmp/dB"
