@@ -23,13 +23,16 @@
 #     and 235B); then the fused kernel with L2's rows by TMA off and on, twice in turn
 #     (fused_phases.py, MEGAMOE_FUSED_L2_TMA=0/1: +1% on H100s in sessions 31-32, default off
 #     "until an H200 shows a gain"). The bars are H200 figures: say which card ran it.
-#   PART=harness (~3 min): the standalone harnesses built (ten builds); the bf16 checks of
+#   PART=harness (~4 min): the standalone harnesses built (eleven builds); the bf16 checks of
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
-#     _l1x4 (the deferred L1 SwiGLU over eight stages; at parity on an H100), and their digests
-#     against _staged's (bit for bit); then 30B L1, and 30B / 235B one launch, in each, twice. Worth
-#     it on an H200: the deferred L2 epilogue lost at 235B on H100s, whose L2 GEMM waits for
-#     data two thirds of the time; on an H200 that GEMM ran at 592 TFLOP/s (FUSED_CORE_NOTES,
-#     run 3), so _defer12 against the product build says whether L2's deferral pays there.
+#     _l2async (L2's TMA staging handed back in the next tile's first stage; built in session
+#     34, never run), and their digests against _staged's (bit for bit); then, twice: 30B L1
+#     and 30B / 235B one launch in _staged, the product and _defer12; L2 by TMA alone and one
+#     launch with L2 by TMA (30B, 235B) in the product and _l2async. Worth it on an H200: the
+#     deferred L2 epilogue lost at 235B on H100s, whose L2 GEMM waits for data two thirds of
+#     the time; on an H200 that GEMM ran at 592 TFLOP/s (FUSED_CORE_NOTES, run 3), so _defer12
+#     against the product build says whether L2's deferral pays there. (_l1x4 was at parity
+#     on an H100 in session 34: still built, no longer run.)
 # Each step has its own time limit, so that one hang does not take the others.
 # To compare two commits' engines (an A/B of a kernel change), build the harnesses of each here
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
@@ -84,26 +87,43 @@ harness)
   timeout 240 sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
     > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
   B=build/fused_core
-  # bf16: each build's checks, then its digests against the staged build's.
-  BUILDS="fused_core_bench_staged fused_core_bench fused_core_bench_defer12 fused_core_bench_l1x4"
+  # bf16: each build's checks (one log, a section per build), then its digests against the
+  # staged build's.
+  BUILDS="fused_core_bench_staged fused_core_bench fused_core_bench_defer12"
+  BUILDS="$BUILDS fused_core_bench_l2async"
   for b in $BUILDS; do
-    for pr in 0 1 6; do run $B/$b --problem $pr --engine 0; done > "$OUT/checks_$b.log"
-    echo "$b: $(grep -c PASS "$OUT/checks_$b.log") PASS, $(grep -c FAIL "$OUT/checks_$b.log") FAIL"
-    grep digest "$OUT/checks_$b.log" > "$OUT/digests_$b.txt"
+    echo "#### $b"
+    for pr in 0 1 6; do run $B/$b --problem $pr --engine 0; done
+  done > "$OUT/harness_checks.log"
+  tmp=$(mktemp -d)
+  for b in $BUILDS; do
+    awk -v h="#### $b" '/^#### /{on = ($0 == h); next} on' "$OUT/harness_checks.log" > "$tmp/$b"
+    echo "$b: $(grep -c PASS "$tmp/$b") PASS, $(grep -c FAIL "$tmp/$b") FAIL"
+    grep digest "$tmp/$b" > "$tmp/$b.digests"
   done
-  for b in fused_core_bench fused_core_bench_defer12 fused_core_bench_l1x4; do
-    cmp -s "$OUT/digests_fused_core_bench_staged.txt" "$OUT/digests_$b.txt" \
-      && echo "$b: digests identical to the staged build's" \
-      || echo "$b: DIGESTS DIFFER from the staged build's"
+  for b in fused_core_bench fused_core_bench_defer12 fused_core_bench_l2async; do
+    if [ -s "$tmp/$b.digests" ] && cmp -s "$tmp/fused_core_bench_staged.digests" "$tmp/$b.digests"
+    then echo "$b: $(wc -l < "$tmp/$b.digests") digest lines, identical to the staged build's"
+    else echo "$b: DIGESTS DIFFER from the staged build's (or none printed)"
+    fi
   done
+  rm -rf "$tmp"
   for round in 1 2; do
-    for b in $BUILDS; do
+    for b in fused_core_bench_staged fused_core_bench fused_core_bench_defer12; do
       run $B/$b --problem 2 --engine 0 --variant 0 --nocheck
       run $B/$b --problem 2 --engine 0 --variant 10 --nocheck
       run $B/$b --problem 4 --engine 0 --variant 12 --nocheck
     done
+    # L2's rows by TMA (one rank's layout): the staging released at the epilogue's end against
+    # in the next tile's first stage.
+    for b in fused_core_bench fused_core_bench_l2async; do
+      run $B/$b --problem 2 --engine 0 --variant 19 --nocheck
+      run $B/$b --problem 2 --engine 0 --variant 20 --nocheck
+      run $B/$b --problem 4 --engine 0 --variant 20 --nocheck
+    done
   done > "$OUT/harness_timing.log"
-  grep -E "^### |L1 contiguous-A \(TMA box\)|one launch" "$OUT/harness_timing.log" | head -80
+  grep -E "^### |L1 contiguous-A \(TMA box\)|one launch|rows by TMA" "$OUT/harness_timing.log" \
+    | uniq | head -100
   ;;
 bars)
   JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
