@@ -1637,6 +1637,11 @@ struct Sm90MoeTileEngine {
       detail::bulk_store_wait_all();
       if (p.l2_rows != nullptr) detail::fence_proxy_async_global();
     }
+    if constexpr (kL2TmaAsyncRelease) {
+      // The last tile's staging (no next tile took it back): its phase completed, so that the
+      // ring's barriers end every role in a whole phase, as without the option.
+      if (tma_staging_stage >= 0) release_stage(ss, tma_staging_stage, 2);
+    }
     prof.set(profile::kWgEndClk, profile::clock32());
     if (t == 0) prof.flush(wg == 0 ? profile::kWg0 : profile::kWg1,
                            wg == 0 ? profile::kWg0EndNs : profile::kWg1EndNs);
