@@ -548,8 +548,9 @@ struct Sm90MoeTileEngine {
       (kDeferL1Epilogue && kL1DeferParts > kL2DeferParts) ? kL1DeferParts : kL2DeferParts;
   static constexpr int kPendWords = 8 * kL2DeferParts;
   // MEGAMOE_L2_TMA_ASYNC_RELEASE: an L2 tile whose rows went out by TMA (EngineParams::l2_rows)
-  // keeps its staging stage until the next tile's first stage has issued its wgmma: thread 0 of
-  // the warpgroup, which issued the TMA stores, waits there for TMA's reads of the staging and
+  // keeps its staging stage until the next tile's first stage has issued its wgmma (or, if that
+  // stage's data has not arrived, until just before waiting for it): thread 0 of the
+  // warpgroup, which issued the TMA stores, waits there for TMA's reads of the staging and
   // releases the stage (its warp's two arrivals), while the other warps release at once. At the
   // epilogue's end that wait (~1,150 cycles a 30B L2 tile, session 31) held the whole
   // warpgroup, as the next tile's wgmma needs all four warps. The release needs the peeled
@@ -1200,8 +1201,13 @@ struct Sm90MoeTileEngine {
     int pend_slot = -1;
     [[maybe_unused]] bool pend_l1 = false;
     // kL2TmaAsyncRelease: the staging stage this thread (0 of the warpgroup) still has to hand
-    // back once TMA has read it, or -1.
+    // back once TMA has read it, or -1; and the hand-back (this warp's two arrivals).
     [[maybe_unused]] int tma_staging_stage = -1;
+    [[maybe_unused]] auto release_tma_staging = [&]() {
+      cute::tma_store_wait<0>();  // TMA has read the staging
+      release_stage(ss, tma_staging_stage, 2);
+      tma_staging_stage = -1;
+    };
     // Part P of the pending tile: L2 (P < kL2DeferParts) its group kFirstDeferredGroup + P; L1
     // (P < kL1DeferParts) the SwiGLU of blocks j0 .. j0 + 4 / kL1PartsPerGroup - 1 of h group
     // kFirstDeferredL1Group + P / kL1PartsPerGroup, and in the group's last part its stores.
@@ -1315,6 +1321,13 @@ struct Sm90MoeTileEngine {
       // goes after the stage's wgmma issue and the previous stage's release (kDeferEpilogue).
       auto stage = [&](int kb, auto parts) {
         const int s = it % kStages;
+        if constexpr (kL2TmaAsyncRelease && decltype(parts)::value) {
+          // The first stage's data not there yet: the staging goes back now rather than after
+          // that wait (test_wait does not block).
+          if (kb == 0 && tma_staging_stage >= 0 &&
+              !Barrier::test_wait(&ss.full[s], (it / kStages) & 1, 1u))
+            release_tma_staging();
+        }
         const uint32_t full_clk = profile::clock32();
         Barrier::wait(&ss.full[s], (it / kStages) & 1);
         prof.since(profile::kWgFullWait, full_clk);
@@ -1357,11 +1370,8 @@ struct Sm90MoeTileEngine {
         // 32% of its cycles (1,232 cycles a stage; session 33).
         if constexpr (decltype(parts)::value) {
           if constexpr (kL2TmaAsyncRelease) {
-            if (kb == 0 && tma_staging_stage >= 0) {  // (thread 0 of the warpgroup only)
-              cute::tma_store_wait<0>();  // TMA has read the previous tile's staging
-              release_stage(ss, tma_staging_stage, 2);
-              tma_staging_stage = -1;
-            }
+            // (thread 0 of the warpgroup only) the previous tile's staging
+            if (kb == 0 && tma_staging_stage >= 0) release_tma_staging();
           }
           if (pend_slot >= 0) {
             const uint32_t parts_clk = profile::clock32();
@@ -1640,7 +1650,7 @@ struct Sm90MoeTileEngine {
     if constexpr (kL2TmaAsyncRelease) {
       // The last tile's staging (no next tile took it back): its phase completed, so that the
       // ring's barriers end every role in a whole phase, as without the option.
-      if (tma_staging_stage >= 0) release_stage(ss, tma_staging_stage, 2);
+      if (tma_staging_stage >= 0) release_tma_staging();
     }
     prof.set(profile::kWgEndClk, profile::clock32());
     if (t == 0) prof.flush(wg == 0 ? profile::kWg0 : profile::kWg1,
