@@ -1246,6 +1246,12 @@ struct Sm90MoeTileEngine {
       detail::static_for([&](auto part) { defer_part(part); },
                          cute::make_int_sequence<kMaxDeferParts>{});
     };
+    // The cycle accounting of deferred parts run since `since` (inside a mainloop or not).
+    [[maybe_unused]] auto count_parts = [&](uint32_t since, bool in_mainloop) {
+      const uint32_t cycles = profile::clock32() - since;
+      prof.count(profile::kWgDeferredParts, cycles);
+      if (in_mainloop) prof.count(profile::kWgDeferredPartsInMainloop, cycles);
+    };
     // The pending tile's stores are issued: its `stored` arrival.
     [[maybe_unused]] auto defer_finish = [&]() {
       Barrier::arrive(&ss.stored[pend_slot]);
@@ -1268,7 +1274,7 @@ struct Sm90MoeTileEngine {
           const uint32_t parts_clk = profile::clock32();
           defer_all();
           defer_finish();
-          prof.since(profile::kWgDeferredParts, parts_clk);
+          count_parts(parts_clk, false);
         }
       }
       if (job.kind < 0) break;
@@ -1381,9 +1387,7 @@ struct Sm90MoeTileEngine {
                 },
                 cute::make_int_sequence<kMaxDeferParts>{});
             if (kb == (pend_l1 ? kL1DeferParts : kL2DeferParts) - 1) defer_finish();
-            const uint32_t parts_cycles = profile::clock32() - parts_clk;
-            prof.count(profile::kWgDeferredParts, parts_cycles);
-            prof.count(profile::kWgDeferredPartsInMainloop, parts_cycles);
+            count_parts(parts_clk, true);
           }
         }
       };
@@ -1406,9 +1410,7 @@ struct Sm90MoeTileEngine {
               },
               cute::make_int_sequence<kMaxDeferParts>{});
           defer_finish();
-          const uint32_t parts_cycles = profile::clock32() - parts_clk;
-          prof.count(profile::kWgDeferredParts, parts_cycles);
-          prof.count(profile::kWgDeferredPartsInMainloop, parts_cycles);
+          count_parts(parts_clk, true);
         }
         // Dead from here on every path (a constant), or the compiler keeps them live through
         // the epilogues below, where L1's SwiGLU then spilled.
