@@ -17,19 +17,19 @@ A=$1 B=$2 OUT=$3 ROUNDS=${4:-2}
 mkdir -p "$OUT"
 run() { echo "### $*"; timeout 150 "$@" 2>&1; echo "rc=$?"; }
 BF16="fused_core_bench fused_core_bench_staged"
-# checks SIDE DIR: every check of one side, each harness's section headed "#### NAME".
+# checks DIR: every check of one side's builds, each harness's section headed "#### NAME".
 checks() {
   for b in $BF16; do
     echo "#### $b"
-    for pr in 0 1 6; do run "$2/$b" --problem $pr --engine 0; done
+    for pr in 0 1 6; do run "$1/$b" --problem $pr --engine 0; done
   done
   echo "#### fused_core_fp8_bench"
-  run "$2/fused_core_fp8_bench"
+  run "$1/fused_core_fp8_bench"
   echo "#### fused_dgrad_bench"
-  for pr in 0 1; do run "$2/fused_dgrad_bench" --problem $pr; done
+  for pr in 0 1; do run "$1/fused_dgrad_bench" --problem $pr; done
 }
-checks A "$A" > "$OUT/checks_A.log"
-checks B "$B" > "$OUT/checks_B.log"
+checks "$A" > "$OUT/checks_A.log"
+checks "$B" > "$OUT/checks_B.log"
 # section SIDE NAME: the lines of harness NAME's section in SIDE's checks.
 section() { awk -v h="#### $2" '/^#### /{on = ($0 == h); next} on' "$OUT/checks_$1.log"; }
 tmp=$(mktemp -d)
@@ -71,5 +71,5 @@ for round in $(seq "$ROUNDS"); do
   done
 done > "$OUT/timing.log"
 # Each bf16 and dgrad line is printed twice by its harness (the run, then its summary).
-grep -E "^## |L1 contiguous-A \(TMA box\)|one launch  |median" "$OUT/timing.log" | uniq
+grep -E "^## |L1 contiguous-A \(TMA box\)|one launch|median" "$OUT/timing.log" | uniq
 cat "$OUT/summary.txt"
