@@ -33,10 +33,8 @@
 // With L2's rows by TMA (one rank alone, MEGAMOE_FUSED_L2_TMA=1, itself off by default): a
 // warpgroup hands its staging stage back in the next tile's first stage, after that stage's
 // wgmma issue, instead of waiting at the epilogue's end for TMA to read the staging
-// (Sm90MoeTileEngine::kL2TmaAsyncRelease; bf16 builds with a deferred epilogue). Benchmarks:
-// harness build fused_core_bench_l2async, built in session 34, not yet run. The extension has
-// no switch of its own for it (CUDAFLAGS=-DMEGAMOE_L2_TMA_ASYNC_RELEASE=1 at a first CMake
-// configure) and build_info() does not report it: give it one if it is kept.
+// (Sm90MoeTileEngine::kL2TmaAsyncRelease; bf16 builds with a deferred epilogue). Harness build
+// fused_core_bench_l2async; built in session 34, first run in session 35.
 #ifndef MEGAMOE_L2_TMA_ASYNC_RELEASE
 #define MEGAMOE_L2_TMA_ASYNC_RELEASE 0
 #endif
