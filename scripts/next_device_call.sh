@@ -36,8 +36,8 @@
 #   PART=l2async (~4 min): the extension built with JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON, then
 #     fused_phases with MEGAMOE_FUSED_L2_TMA 0/1 twice (as PART=bars does with the default
 #     build: run it after bars on the same machine) and the bitwise test of the two modes.
-#   PART=fp8tmp (~3 min): the FP8 harness with one 32-register temporary in its mainloop
-#     (fused_core_fp8_bench_tmp1) against the default two: checks, digests, 30B timing.
+#   PART=phases (~4 min): fused_phases.py bf16 and fp8 (30B, 235B: the kernel's phases), then
+#     the FP8 harness's four modes at 30B (where L1's and L2's epilogue time goes).
 # Each step has its own time limit, so that one hang does not take the others.
 # To compare two commits' engines (an A/B of a kernel change), build the harnesses of each here
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
@@ -148,37 +148,23 @@ bars)
     done
   done | tee "$OUT/fused_l2_tma.log"
   ;;
-fp8tmp)
-  # The FP8 mainloop with one 32-register temporary (MEGAMOE_FP8_TMP_BUFFERS=1) against two:
-  # each build's checks and digests (bit for bit the same), then 30B L1 and L2, the kernel and
-  # without its epilogue, in turn three times.
+phases)
+  # Where the product's time goes today (bf16 and fp8, 30B and 235B: each phase of the fused
+  # kernel, CTA 0's clock), and the FP8 core's L1 / L2 in the harness's four modes (the kernel,
+  # no global stores, no SwiGLU math, no epilogue: differences place the epilogue's time).
+  python3 -c "import jax_megamoe as m, sys; sys.exit(not m.cuda_available())" 2>/dev/null \
+    || JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+  for recipe in bf16 fp8; do
+    echo "## $recipe"
+    timeout 120 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe --reps 10 \
+      2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
+  done | tee "$OUT/fused_phases.log"
   mkdir -p /tmp/cutlass && python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
   export CUTLASS_INCLUDE=/tmp/cutlass/cutlass_library/source/include
   timeout 240 sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
     > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
-  B=build/fused_core
-  for b in fused_core_fp8_bench fused_core_fp8_bench_tmp1; do
-    echo "#### $b"
-    run $B/$b
-    run $B/$b --pow2
-  done > "$OUT/fp8tmp_checks.log"
-  for b in fused_core_fp8_bench fused_core_fp8_bench_tmp1; do
-    awk -v h="#### $b" '/^#### /{on = ($0 == h); next} on' "$OUT/fp8tmp_checks.log" \
-      > "/tmp/$b.log"
-    echo "$b: $(grep -c PASS /tmp/$b.log) PASS, $(grep -c FAIL /tmp/$b.log) FAIL"
-    grep digest "/tmp/$b.log" > "/tmp/$b.digests"
-  done
-  if [ -s /tmp/fused_core_fp8_bench.digests ] &&
-     cmp -s /tmp/fused_core_fp8_bench.digests /tmp/fused_core_fp8_bench_tmp1.digests
-  then echo "digests: $(wc -l < /tmp/fused_core_fp8_bench.digests) lines, identical"
-  else echo "digests: DIFFER (or none printed)"
-  fi
-  for round in 1 2 3; do
-    for b in fused_core_fp8_bench fused_core_fp8_bench_tmp1; do
-      echo "### $b, round $round"
-      timeout 120 $B/$b --timing --only "E128 x 1024" --modes 03 --reps 21 2>&1 | grep median
-    done
-  done | tee "$OUT/fp8tmp_timing.log"
+  timeout 150 build/fused_core/fused_core_fp8_bench --timing --only "E128 x 1024" --modes 0123 \
+    --reps 21 2>&1 | tee "$OUT/fp8_modes.log" | grep -E "PASS|FAIL|median" | tail -12
   ;;
 l2async)
   # The product with L2's TMA staging handed back in the next tile's first stage: the fused
@@ -197,7 +183,7 @@ l2async)
     | tail -5
   ;;
 *)
-  echo "PART=${PART}: unknown (bars, harness, l2async or fp8tmp)"
+  echo "PART=${PART}: unknown (bars, harness, l2async or phases)"
   exit 2
   ;;
 esac

@@ -9,9 +9,7 @@
 # fused_core_bench_defer12 (+ _profile); the product's with the deferred L1 SwiGLU spread
 # over eight stages instead of four (MEGAMOE_DEFER_L1_PARTS_PER_GROUP=4) as fused_core_bench_l1x4;
 # and the product's with L2's TMA staging handed back in the next tile's first stage
-# (MEGAMOE_L2_TMA_ASYNC_RELEASE=1; variants "rows by TMA") as fused_core_bench_l2async; the FP8
-# one with a single 32-register temporary in its mainloop (MEGAMOE_FP8_TMP_BUFFERS=1) as
-# fused_core_fp8_bench_tmp1.
+# (MEGAMOE_L2_TMA_ASYNC_RELEASE=1; variants "rows by TMA") as fused_core_bench_l2async.
 # Usage: benchmarks/kernels/build_fused_core_bench.sh [out_dir]   (default: build/fused_core)
 set -e
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -35,7 +33,7 @@ build() {
     tee "$OUT/$log" | grep -E "error|warning|C75|registers|spill|stack|$kernel" || true
   test -x "$OUT/$name${SUFFIX:-}"
 }
-# The twelve builds are independent: run at once (each prints its ptxas lines when it ends).
+# The eleven builds are independent: run at once (each prints its ptxas lines when it ends).
 build fused_core_bench ptxas.log MoeCore > "$OUT/.b1" 2>&1 &
 build fused_core_fp8_bench ptxas_fp8.log Fp8Core > "$OUT/.b2" 2>&1 &
 build fused_dgrad_bench ptxas_dgrad.log MoeCore ffi/impls/grouped_swiglu.cu > "$OUT/.b3" 2>&1 &
@@ -56,15 +54,13 @@ DEFINES=-DMEGAMOE_DEFER_L1_PARTS_PER_GROUP=4 SUFFIX=_l1x4 \
   build fused_core_bench ptxas_l1x4.log MoeCore > "$OUT/.b10" 2>&1 &
 DEFINES=-DMEGAMOE_L2_TMA_ASYNC_RELEASE=1 SUFFIX=_l2async \
   build fused_core_bench ptxas_l2async.log MoeCore > "$OUT/.b11" 2>&1 &
-DEFINES=-DMEGAMOE_FP8_TMP_BUFFERS=1 SUFFIX=_tmp1 \
-  build fused_core_fp8_bench ptxas_fp8_tmp1.log Fp8Core > "$OUT/.b12" 2>&1 &
 wait
 failed=0
-for i in 1 2 3 4 5 6 7 8 9 10 11 12; do cat "$OUT/.b$i"; rm -f "$OUT/.b$i"; done
+for i in 1 2 3 4 5 6 7 8 9 10 11; do cat "$OUT/.b$i"; rm -f "$OUT/.b$i"; done
 for b in fused_core_bench fused_core_fp8_bench fused_dgrad_bench fused_core_bench_profile \
          fused_core_fp8_bench_profile fused_core_bench_staged fused_core_bench_staged_profile \
          fused_core_bench_defer12 fused_core_bench_defer12_profile fused_core_bench_l1x4 \
-         fused_core_bench_l2async fused_core_fp8_bench_tmp1; do
+         fused_core_bench_l2async; do
   test -x "$OUT/$b" || { echo "build failed: $b"; failed=1; }
 done
 exit $failed

@@ -30,14 +30,6 @@
 #define MEGAMOE_DEFER_L1_PARTS_PER_GROUP 2
 #endif
 
-// FP8 mainloop: the 32-register temporaries a consumer warpgroup's 64-column chunks alternate
-// between (Sm90MoeTileEngine::kFp8TmpBuffers). 2: a chunk is promoted while the next one runs;
-// 1: each chunk is waited for alone, which frees 32 registers (the room a deferred FP8 L1
-// epilogue would need, as bf16's). Benchmarks: harness build fused_core_fp8_bench_tmp1.
-#ifndef MEGAMOE_FP8_TMP_BUFFERS
-#define MEGAMOE_FP8_TMP_BUFFERS 2
-#endif
-
 // With L2's rows by TMA (one rank alone, MEGAMOE_FUSED_L2_TMA=1, itself off by default): a
 // warpgroup hands its staging stage back in the next tile's first stage, after that stage's
 // wgmma issue, instead of waiting at the epilogue's end for TMA to read the staging

@@ -318,8 +318,8 @@ __device__ __forceinline__ void static_for(F&& f, cute::int_sequence<I...>) {
 }
 
 // One m64n64k32 e4m3 wgmma into d[kOff .. kOff + 32).
-template <int kOff, int kN, size_t... I>
-__device__ __forceinline__ void wgmma_fp8_n64_call(uint64_t da, uint64_t db, float (&d)[kN],
+template <int kOff, size_t... I>
+__device__ __forceinline__ void wgmma_fp8_n64_call(uint64_t da, uint64_t db, float (&d)[64],
                                                    bool acc, cute::index_sequence<I...>) {
   WgmmaFp8N64::fma(da, db, d[kOff + I]...,
                    acc ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
@@ -557,11 +557,6 @@ struct Sm90MoeTileEngine {
   // first stages of a deferred build (kDeferEpilogue: the bf16 product's); elsewhere (FP8, the
   // staged builds) the stage goes back at the epilogue's end as before.
   static constexpr bool kL2TmaAsyncRelease = MEGAMOE_L2_TMA_ASYNC_RELEASE != 0 && kDeferEpilogue;
-  // FP8: the temporaries a consumer warpgroup's chunks alternate between (mainloop_fp8), 32
-  // registers each.
-  static constexpr int kFp8TmpBuffers = MEGAMOE_FP8_TMP_BUFFERS;
-  static_assert(kFp8TmpBuffers == 1 || kFp8TmpBuffers == 2, "MEGAMOE_FP8_TMP_BUFFERS: 1 or 2");
-  static constexpr int kTmpWords = kFp8 ? 32 * kFp8TmpBuffers : 1;
   static_assert(!kDeferEpilogue || kJobSlots_ >= 2,
                 "a pending tile holds its job slot while the next tile runs");
   static_assert(kL1PartsPerGroup == 1 || kL1PartsPerGroup == 2 || kL1PartsPerGroup == 4,
@@ -889,11 +884,10 @@ struct Sm90MoeTileEngine {
   // nvcc 13.0), so a stage ends with its own wait. A stage is released once read, except the
   // tile's last two (the epilogue's staging); a one-stage tile also waits for the padding stage
   // the producer adds. sa_off: where the tile's first row sits in a stage's A-scale box
-  // (load_tile_fp8). With kFp8TmpBuffers == 1 each chunk goes to tmp[0 ..] and is waited for
-  // alone (wait<0>) and promoted before the next is issued: the same FFMA, in the same order.
+  // (load_tile_fp8).
   __device__ static void mainloop_fp8(SharedStorage& ss, int num_kb, int sa_off, int wg,
                                       int warp_in_wg, int lane, uint32_t& it, float (&acc)[128],
-                                      float (&tmp)[kTmpWords]) {
+                                      float (&tmp)[kFp8 ? 64 : 1]) {
     if constexpr (kFp8) {
       const int num_stages = num_kb < 2 ? 2 : num_kb;
       const int row = 64 * wg + warp_in_wg * 16 + (lane >> 2);  // fragment rows row, row + 8
@@ -917,7 +911,7 @@ struct Sm90MoeTileEngine {
           const uint32_t a_addr = detail::smem_u32(ss.a[s]) + wg * (64 * 128);
           detail::static_for([&](auto chunk) {
             constexpr int c = decltype(chunk)::value;
-            constexpr int kBuf = kFp8TmpBuffers == 2 ? 32 * (c & 1) : 0;
+            constexpr int kBuf = 32 * (c & 1);
             // B K-major: the chunk's 64 N-rows of 128 B start 8 KB into its half.
             const uint32_t b_addr =
                 detail::smem_u32(ss.b[s]) + (c >> 1) * kBHalfBytes + (c & 1) * 64 * 128;
@@ -935,20 +929,14 @@ struct Sm90MoeTileEngine {
             cute::warpgroup_commit_batch();
 #pragma unroll
             for (int i = 0; i < 32; ++i) cute::warpgroup_fence_operand(tmp[kBuf + i]);
-            if constexpr (kFp8TmpBuffers == 1) {  // one temporary: chunk c waited for alone
-              const float sb = (c >> 1) ? sb1 : sb0;
-              cute::warpgroup_wait<0>();
-              promote(cute::Int<0>{}, cute::Int<32 * c>{}, sa0 * sb, sa1 * sb);
-            } else if constexpr (c > 0) {  // chunk c - 1, while chunk c runs
+            if constexpr (c > 0) {  // chunk c - 1, while chunk c runs
               const float sb = ((c - 1) >> 1) ? sb1 : sb0;
               cute::warpgroup_wait<1>();
               promote(cute::Int<32 - kBuf>{}, cute::Int<32 * (c - 1)>{}, sa0 * sb, sa1 * sb);
             }
           }, cute::make_int_sequence<4>{});
-          if constexpr (kFp8TmpBuffers == 2) {
-            cute::warpgroup_wait<0>();
-            promote(cute::Int<32>{}, cute::Int<96>{}, sa0 * sb1, sa1 * sb1);  // chunk 3
-          }
+          cute::warpgroup_wait<0>();
+          promote(cute::Int<32>{}, cute::Int<96>{}, sa0 * sb1, sa1 * sb1);  // chunk 3
         }
         if (kb < num_stages - 2 && lane == 0) Barrier::arrive(&ss.empty[s]);
       }
@@ -1153,7 +1141,7 @@ struct Sm90MoeTileEngine {
     const uint32_t rd_off = uint32_t(rd_row0) * kSlotRowBytes +
                             ((uint32_t(rd_chunk) ^ uint32_t(rd_row0 & 7)) << 4);
     // FP8: one 128-column half of a stage, before its promotion.
-    [[maybe_unused]] float tmp[kTmpWords];
+    [[maybe_unused]] float tmp[kFp8 ? 64 : 1];
     profile::RoleSums<profile::kWgSlots> prof;  // (empty unless MEGAMOE_ENGINE_PROFILE)
     prof.set(profile::kWgBeginClk, profile::clock32());
     uint32_t epilogue_clk = 0;
