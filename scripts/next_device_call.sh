@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device calls the last session prepared and could not run. Each session that leaves GPU
-# work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34
-# (which ran session 33's PART=bars and PART=harness on H100s: both still want an H200).
+# work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34,
+# updated in session 35 (which ran PART=bars, harness, l2async and phases on H100s: bars and
+# harness still want an H200; the two-GPU parts have never run).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
 # EP = 2 bars, in four calls on the same warm machine (each builds the extension with its
@@ -25,8 +26,8 @@
 #     "until an H200 shows a gain"). The bars are H200 figures: say which card ran it.
 #   PART=harness (~4 min): the standalone harnesses built (eleven builds); the bf16 checks of
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
-#     _l2async (L2's TMA staging handed back in the next tile's first stage; built in session
-#     34, never run), and their digests against _staged's (bit for bit); then, twice: 30B L1
+#     _l2async (L2's TMA staging handed back in the next tile's first stage; on an H100 in
+#     session 35: L2 -1.6%), and their digests against _staged's (bit for bit); then, twice: 30B L1
 #     and 30B / 235B one launch in _staged, the product and _defer12; L2 by TMA alone and one
 #     launch with L2 by TMA (30B, 235B) in the product and _l2async. Worth it on an H200: the
 #     deferred L2 epilogue lost at 235B on H100s, whose L2 GEMM waits for data two thirds of
@@ -43,7 +44,8 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|harness|ep2|ep2_ep|ep2_train|ep2_bench] scripts/next_device_call.sh
+#   OUT=... [PART=bars|harness|l2async|phases|ep2|ep2_ep|ep2_train|ep2_bench] \
+#     scripts/next_device_call.sh
 #   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
 cd "$(dirname "$0")/.."
