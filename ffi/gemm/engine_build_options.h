@@ -33,8 +33,9 @@
 // With L2's rows by TMA (one rank alone, MEGAMOE_FUSED_L2_TMA=1, itself off by default): a
 // warpgroup hands its staging stage back in the next tile's first stage, after that stage's
 // wgmma issue, instead of waiting at the epilogue's end for TMA to read the staging
-// (Sm90MoeTileEngine::kL2TmaAsyncRelease; bf16 builds with a deferred epilogue). Harness build
-// fused_core_bench_l2async; built in session 34, first run in session 35.
+// (Sm90MoeTileEngine::kL2TmaAsyncRelease; bf16 builds with a deferred epilogue; harness build
+// fused_core_bench_l2async). Off: on an H100 30B's L2 alone -1.6%, the fused kernel unchanged
+// (FUSED_CORE_NOTES, session 35); an H200 may say otherwise.
 #ifndef MEGAMOE_L2_TMA_ASYNC_RELEASE
 #define MEGAMOE_L2_TMA_ASYNC_RELEASE 0
 #endif
