@@ -58,6 +58,27 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false MEGAMOE_EP_TIMEOUT_S=60 PYTHONUNBUFFE
 GPUS=$(nvidia-smi -L | tee "$OUT/gpus.txt" | wc -l)
 cat "$OUT/gpus.txt"
 run() { echo "### $*"; timeout 120 "$@" 2>&1; echo "rc=$?"; }
+# build_harnesses: the standalone harnesses into build/fused_core (CUTLASS from the carried wheel).
+build_harnesses() {
+  mkdir -p /tmp/cutlass && python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
+  CUTLASS_INCLUDE=/tmp/cutlass/cutlass_library/source/include timeout 240 \
+    sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
+    > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
+}
+# l2_tma_rounds LOG: the fused kernel (bf16, 30B and 235B) with L2's rows by TMA off and on, twice
+# in turn, into $OUT/LOG.
+l2_tma_rounds() {
+  {
+    python3 -c "import jax_megamoe as m; print('build_info:', m.build_info())"
+    for round in 1 2; do
+      for tma in 0 1; do
+        echo "## round $round, MEGAMOE_FUSED_L2_TMA=$tma"
+        MEGAMOE_FUSED_L2_TMA=$tma timeout 80 python3 benchmarks/fused_phases.py \
+          --shapes 30b,235b --recipe bf16 --reps 10 2>&1 | grep "kernel"
+      done
+    done
+  } | tee "$OUT/$1"
+}
 # multigpu_tests NAME SECONDS FILE...: the multigpu tests of FILEs, their log and XML in $OUT.
 multigpu_tests() {
   local name=$1 limit=$2
@@ -89,10 +110,7 @@ fi
 
 case "${PART:-bars}" in
 harness)
-  mkdir -p /tmp/cutlass && python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
-  export CUTLASS_INCLUDE=/tmp/cutlass/cutlass_library/source/include
-  timeout 240 sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
-    > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
+  build_harnesses
   B=build/fused_core
   # bf16: each build's checks (one log, a section per build), then its digests against the
   # staged build's.
@@ -142,13 +160,7 @@ bars)
     --recipes fp8 --impls megamoe:cuda,megamoe:fused,megamoe:fused+blocks --ep 1 \
     --reps 10 --isolate off --out "$OUT/layer_fwd_fp8_ep1.json" 2>&1 \
     | tee "$OUT/layer_fwd_fp8_ep1.log" | tail -12
-  for round in 1 2; do
-    for tma in 0 1; do
-      echo "## round $round, MEGAMOE_FUSED_L2_TMA=$tma"
-      MEGAMOE_FUSED_L2_TMA=$tma timeout 80 python3 benchmarks/fused_phases.py --shapes 30b,235b \
-        --recipe bf16 --reps 10 2>&1 | grep "kernel"
-    done
-  done | tee "$OUT/fused_l2_tma.log"
+  l2_tma_rounds fused_l2_tma.log
   ;;
 phases)
   # Where the product's time goes today (bf16 and fp8, 30B and 235B: each phase of the fused
@@ -161,10 +173,7 @@ phases)
     timeout 120 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe --reps 10 \
       2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
   done | tee "$OUT/fused_phases.log"
-  mkdir -p /tmp/cutlass && python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
-  export CUTLASS_INCLUDE=/tmp/cutlass/cutlass_library/source/include
-  timeout 240 sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
-    > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
+  build_harnesses
   timeout 150 build/fused_core/fused_core_fp8_bench --timing --only "E128 x 1024" --modes 0123 \
     --reps 21 2>&1 | tee "$OUT/fp8_modes.log" | grep -E "PASS|FAIL|median" | tail -12
   ;;
@@ -174,13 +183,7 @@ l2async)
   # twice in turn, then the test that the two modes give the same bits.
   JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build \
     || exit 1
-  for round in 1 2; do
-    for tma in 0 1; do
-      echo "## round $round, MEGAMOE_FUSED_L2_TMA=$tma (l2_tma_async_release on)"
-      MEGAMOE_FUSED_L2_TMA=$tma timeout 80 python3 benchmarks/fused_phases.py --shapes 30b,235b \
-        --recipe bf16 --reps 10 2>&1 | grep "kernel"
-    done
-  done | tee "$OUT/fused_l2_tma_async.log"
+  l2_tma_rounds fused_l2_tma_async.log
   timeout 200 python3 -m pytest -q -rs -m gpu tests/test_fused_moe.py -k "l2_rows_by_tma" 2>&1 \
     | tail -5
   ;;
