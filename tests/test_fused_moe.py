@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import AxisType
 
 import jax_megamoe as jm
-from jax_megamoe import fp8, virtual_ranks
+from jax_megamoe import _ffi, fp8, virtual_ranks
 from jax_megamoe.backends import fused
 from jax_megamoe.validation import check_layer_args
 import ep_helpers
@@ -276,7 +276,6 @@ def test_virtual_ranks_backward_on_the_dgrad_core(monkeypatch, num_ranks):
   tile engine's dgrad core (ffi/heuristics/moe_dgrad_core.h): every rank's backward ran on it
   (its launch count), the gradients match the reference and are bitwise run to run. Sizes: 200
   tokens per rank over 16 experts, top 4, masked slots."""
-  from jax_megamoe import _ffi
   monkeypatch.setenv("MEGAMOE_FUSED_BACKWARD", "0")
   tokens, experts, top_k, hidden, ffn = 200, 16, 4, 512, 256
   args = _inputs(31 + num_ranks, num_ranks * tokens, experts, top_k, "masked", hidden=hidden,
@@ -374,17 +373,22 @@ def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
   stores (0; unset: the default of ffi/heuristics/fused_l2_store.h): y, the residuals the
   backward reads and every gradient are the same bit for bit. Full and part-filled warpgroups
   (an expert's last tile: its rows go by generic stores either way), empty experts and one-row
-  experts ("sparse"). A bad value is refused by name."""
+  experts ("sparse"). Each mode is seen to reach the launch (its launch count: until session
+  35 "1" left the default in place, and this test compared the generic stores with
+  themselves). A bad value is refused by name."""
   args = _inputs(91 + tokens, tokens, 24, 4, kind)
   layer = lambda *a: jm.moe(*a, backend="fused", recipe=recipe)
-  outs = {}
+  outs, by_tma = {}, {}
   for mode in ("0", "1", None):
     if mode is None:
       monkeypatch.delenv("MEGAMOE_FUSED_L2_TMA", raising=False)
     else:
       monkeypatch.setenv("MEGAMOE_FUSED_L2_TMA", mode)
     _poison()
+    before = _ffi.launch_counts()["fused_l2_rows_by_tma"]
     outs[mode] = _value_and_grads(layer, *args)
+    by_tma[mode] = _ffi.launch_counts()["fused_l2_rows_by_tma"] - before
+  assert by_tma["0"] == 0 and by_tma["1"] > 0, by_tma
   assert np.all(np.isfinite(np.asarray(outs[None][0], np.float32))), "y has non-finite rows"
   _assert_bitwise(outs["0"], outs["1"])
   _assert_bitwise(outs["0"], outs[None])

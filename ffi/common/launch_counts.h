@@ -10,11 +10,12 @@ namespace megamoe {
 
 enum class CountedLaunch : int {
   kMoeDgradCore = 0,  // backend cuda's MLP backward on the dgrad core (ffi/impls/moe_dgrad.h)
+  kFusedL2RowsByTma,  // the fused forward with L2's rows by TMA (ffi/heuristics/fused_l2_store.h)
   kNumCounted,
 };
 
 // The Python names of the counts, in CountedLaunch order.
-inline constexpr const char* kCountedLaunchNames[] = {"moe_dgrad_core"};
+inline constexpr const char* kCountedLaunchNames[] = {"moe_dgrad_core", "fused_l2_rows_by_tma"};
 static_assert(sizeof(kCountedLaunchNames) / sizeof(kCountedLaunchNames[0]) ==
                   static_cast<size_t>(CountedLaunch::kNumCounted),
               "one Python name per counted launch");

@@ -18,11 +18,10 @@
 
 namespace megamoe::heuristics {
 
-// Measured (benchmarks/RESULTS.md, session 31, one H100; both modes bitwise equal): the
-// harness's L2 alone 0.671 -> 0.635 ms at 30B and 3.645 -> 2.986 at 235B, but the fused kernel
-// (fused_phases.py) 2.401 -> 2.407 ms at 30B bf16, 9.767 -> 9.640 at 235B, 1.808 -> 1.809 at
-// 30B fp8: the gain does not carry over to the kernel, whose tiles run beside the row copy
-// (how their cycles split there is not measured yet). Off until an H200 shows a gain.
+// Measured (benchmarks/RESULTS.md, session 31, one H100): the harness's L2 alone 0.671 -> 0.635
+// ms at 30B and 3.645 -> 2.986 at 235B. The fused kernel's "on" figures of sessions 31-35 are
+// void: until session 35 "1" left the default (off) in place, so both modes ran the generic
+// stores. Off until the fused kernel is measured with it.
 inline constexpr bool kFusedL2RowsByTmaDefault = false;
 
 // Whether L2's rows go out by TMA (one rank alone only). Returns an error text for a bad
@@ -32,7 +31,9 @@ inline std::string FusedL2RowsByTma(bool one_rank, bool* use) {
   if (const char* env = std::getenv("MEGAMOE_FUSED_L2_TMA"); env != nullptr && env[0] != '\0') {
     if (std::strcmp(env, "0") == 0) {
       on = false;
-    } else if (std::strcmp(env, "1") != 0) {
+    } else if (std::strcmp(env, "1") == 0) {
+      on = true;
+    } else {
       return std::string("MEGAMOE_FUSED_L2_TMA must be 0 or 1, got '") + env + "'";
     }
   }

@@ -50,6 +50,7 @@
 #include "ffi/comm/slot_sum.cuh"
 #include "ffi/comm/symmetric_memory.h"
 #include "ffi/common/device_info.h"
+#include "ffi/common/launch_counts.h"
 #include "ffi/gemm/sm90_moe_tile_engine.cuh"
 #include "ffi/gemm/sm90_tensor_maps.cuh"
 #include "ffi/heuristics/fused_copy_head.h"
@@ -797,6 +798,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   params.pool_scale_offset = fp8 ? L.fused_rows * H : 0;
   params.pool_scale_pitch = FusedScalePitch(L.fused_rows);
   const int64_t h_scale_pitch = FusedScalePitch(p.n_cap);
+  bool any_l2_tma = false;  // counted (launch_counts.h), so that a test sees the mode was taken
   for (int r = 0; r < count; ++r) {
     const FusedRankOperands& o = ranks[r];
     RankParams& rp = params.rank[r];
@@ -906,6 +908,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
              .empty())
       return "fused forward: " + err;
     if (l2_tma) {
+      any_l2_tma = true;
       ep_.l2_rows =
           reinterpret_cast<__nv_bfloat16*>(ep_.l2_dest.base[0] + ep_.l2_dest.comb_offset);
       ep_.l2_rows_ld = H;
@@ -918,6 +921,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   }
   std::string err = fp8 ? LaunchKernel<Fp8Engine, false>(params, per_rank * count, stream)
                          : LaunchKernel<Engine, false>(params, per_rank * count, stream);
+  if (err.empty() && any_l2_tma) CountLaunch(CountedLaunch::kFusedL2RowsByTma);
   if (err.empty()) err = DebugSync(p, fp8 ? "FP8 fused forward" : "bf16 fused forward", stream);
   return err;
 }
