@@ -37,6 +37,8 @@
 #   PART=l2async (~4 min): the extension built with JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON, then
 #     fused_phases with MEGAMOE_FUSED_L2_TMA 0/1 twice (as PART=bars does with the default
 #     build: run it after bars on the same machine) and the bitwise test of the two modes.
+#   PART=l2tma (~4 min): the bitwise test of L2's rows by TMA and the fused kernel with them off
+#     and on (session 35 found MEGAMOE_FUSED_L2_TMA=1 a no-op before its fix: never measured).
 #   PART=phases (~4 min): fused_phases.py bf16 and fp8 (30B, 235B: the kernel's phases), then
 #     the FP8 harness's four modes at 30B (where L1's and L2's epilogue time goes).
 # Each step has its own time limit, so that one hang does not take the others.
@@ -177,6 +179,15 @@ phases)
   timeout 150 build/fused_core/fused_core_fp8_bench --timing --only "E128 x 1024" --modes 0123 \
     --reps 21 2>&1 | tee "$OUT/fp8_modes.log" | grep -E "PASS|FAIL|median" | tail -12
   ;;
+l2tma)
+  # The fused kernel with L2's rows by TMA for the first time (MEGAMOE_FUSED_L2_TMA=1 was a no-op
+  # until session 35): the bitwise test (now with launch counts), then off / on twice.
+  python3 -c "import jax_megamoe as m, sys; sys.exit(not m.cuda_available())" 2>/dev/null \
+    || JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+  timeout 200 python3 -m pytest -q -rs -m gpu tests/test_fused_moe.py -k "l2_rows_by_tma" 2>&1 \
+    | tail -5
+  l2_tma_rounds fused_l2_tma.log
+  ;;
 l2async)
   # The product with L2's TMA staging handed back in the next tile's first stage: the fused
   # kernel with L2's rows by TMA off (the same code as the default build's: the control) and on,
@@ -188,7 +199,7 @@ l2async)
     | tail -5
   ;;
 *)
-  echo "PART=${PART}: unknown (bars, harness, l2async or phases)"
+  echo "PART=${PART}: unknown (bars, harness, l2tma, l2async or phases)"
   exit 2
   ;;
 esac
