@@ -22,8 +22,8 @@
 #     since session 33, SwiGLU's cheaper fast path since session 34), then the layer forward at
 #     EP = 1 for issue 14's table (bench_layer.py: cuda, fused, and fused + blocks for fp8; 30B
 #     and 235B); then the fused kernel with L2's rows by TMA off and on, twice in turn
-#     (fused_phases.py, MEGAMOE_FUSED_L2_TMA=0/1: +1% on H100s in sessions 31-32, default off
-#     "until an H200 shows a gain"). The bars are H200 figures: say which card ran it.
+#     (fused_phases.py, MEGAMOE_FUSED_L2_TMA=0/1: a no-op until session 35's fix, so never
+#     measured in the fused kernel). The bars are H200 figures: say which card ran it.
 #   PART=harness (~4 min): the standalone harnesses built (eleven builds); the bf16 checks of
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
 #     _l2async (L2's TMA staging handed back in the next tile's first stage; on an H100 in
