@@ -2,7 +2,10 @@
 # The device calls the last session prepared and could not run. Each session that leaves GPU
 # work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34,
 # updated in session 35 (which ran PART=bars, harness, l2async and phases on H100s: bars and
-# harness still want an H200; the two-GPU parts have never run).
+# harness still want an H200; the two-GPU parts have never run). First in session 36:
+# PART=l2tma (the fused kernel has never been timed with L2's rows by TMA: the override was a
+# no-op until 04f8d18), then PART=bars on an H200. The combine beside the tiles lives on branch
+# combine-overlap (its own PART=overlap; measured 3x slower GEMM phase in session 35).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
 # EP = 2 bars, in four calls on the same warm machine (each builds the extension with its
