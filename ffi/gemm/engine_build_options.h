@@ -34,8 +34,9 @@
 // warpgroup hands its staging stage back in the next tile's first stage, after that stage's
 // wgmma issue, instead of waiting at the epilogue's end for TMA to read the staging
 // (Sm90MoeTileEngine::kL2TmaAsyncRelease; bf16 builds with a deferred epilogue; harness build
-// fused_core_bench_l2async). Off: on an H100 30B's L2 alone -1.6%, the fused kernel unchanged
-// (FUSED_CORE_NOTES, session 35); an H200 may say otherwise.
+// fused_core_bench_l2async). Off: on an H100 30B's L2 alone -1.6% in the harness; not yet timed
+// in the fused kernel, which never took L2's rows by TMA before session 35's fix of its override
+// (FUSED_CORE_NOTES, session 35).
 #ifndef MEGAMOE_L2_TMA_ASYNC_RELEASE
 #define MEGAMOE_L2_TMA_ASYNC_RELEASE 0
 #endif
