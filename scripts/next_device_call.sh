@@ -63,6 +63,11 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false MEGAMOE_EP_TIMEOUT_S=60 PYTHONUNBUFFE
 GPUS=$(nvidia-smi -L | tee "$OUT/gpus.txt" | wc -l)
 cat "$OUT/gpus.txt"
 run() { echo "### $*"; timeout 120 "$@" 2>&1; echo "rc=$?"; }
+# ensure_extension: the extension with its defaults, built unless this machine has one (~85 s).
+ensure_extension() {
+  python3 -c "import jax_megamoe as m, sys; sys.exit(not m.cuda_available())" 2>/dev/null \
+    || JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+}
 # build_harnesses: the standalone harnesses into build/fused_core (CUTLASS from the carried wheel).
 build_harnesses() {
   mkdir -p /tmp/cutlass && python3 -m zipfile -e .whl/nvidia_cutlass-*.whl /tmp/cutlass >/dev/null
@@ -93,8 +98,7 @@ multigpu_tests() {
 }
 
 if [ "$GPUS" -ge 2 ]; then
-  python3 -c "import jax_megamoe as m, sys; sys.exit(not m.cuda_available())" 2>/dev/null \
-    || JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+  ensure_extension
   case "${PART:-ep2}" in
   ep2) multigpu_tests tests_fused_multigpu 420 tests/test_fused_multigpu.py ;;
   ep2_ep) multigpu_tests tests_ep_two_process 420 tests/test_ep_two_process.py ;;
@@ -171,8 +175,7 @@ phases)
   # Where the product's time goes today (bf16 and fp8, 30B and 235B: each phase of the fused
   # kernel, CTA 0's clock), and the FP8 core's L1 / L2 in the harness's four modes (the kernel,
   # no global stores, no SwiGLU math, no epilogue: differences place the epilogue's time).
-  python3 -c "import jax_megamoe as m, sys; sys.exit(not m.cuda_available())" 2>/dev/null \
-    || JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+  ensure_extension
   for recipe in bf16 fp8; do
     echo "## $recipe"
     timeout 120 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe --reps 10 \
@@ -185,8 +188,7 @@ phases)
 l2tma)
   # The fused kernel with L2's rows by TMA for the first time (MEGAMOE_FUSED_L2_TMA=1 was a no-op
   # until session 35): the bitwise test (now with launch counts), then off / on twice.
-  python3 -c "import jax_megamoe as m, sys; sys.exit(not m.cuda_available())" 2>/dev/null \
-    || JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+  ensure_extension
   timeout 200 python3 -m pytest -q -rs -m gpu tests/test_fused_moe.py -k "l2_rows_by_tma" 2>&1 \
     | tail -5
   l2_tma_rounds fused_l2_tma.log
