@@ -75,19 +75,28 @@ build_harnesses() {
     sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
     > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
 }
-# l2_tma_rounds LOG: the fused kernel (bf16, 30B and 235B) with L2's rows by TMA off and on, twice
-# in turn, into $OUT/LOG.
+# l2_tma_rounds LOG [RECIPES] [ROUNDS] [REPS]: the fused kernel (30B and 235B; recipes bf16 unless
+# given) with L2's rows by TMA off and on, in turn, ROUNDS times (2), into $OUT/LOG.
 l2_tma_rounds() {
   {
     python3 -c "import jax_megamoe as m; print('build_info:', m.build_info())"
-    for round in 1 2; do
-      for tma in 0 1; do
-        echo "## round $round, MEGAMOE_FUSED_L2_TMA=$tma"
-        MEGAMOE_FUSED_L2_TMA=$tma timeout 80 python3 benchmarks/fused_phases.py \
-          --shapes 30b,235b --recipe bf16 --reps 10 2>&1 | grep "kernel"
+    for round in $(seq "${3:-2}"); do
+      for recipe in ${2:-bf16}; do
+        for tma in 0 1; do
+          echo "## round $round, $recipe, MEGAMOE_FUSED_L2_TMA=$tma"
+          MEGAMOE_FUSED_L2_TMA=$tma timeout 80 python3 benchmarks/fused_phases.py \
+            --shapes 30b,235b --recipe "$recipe" --reps "${4:-10}" 2>&1 | grep "kernel"
+        done
       done
     done
   } | tee "$OUT/$1"
+}
+# bench_fwd_ep1 NAME RECIPE IMPLS SECONDS: bench_layer.py's EP = 1 forward (30B, 235B) into
+# $OUT/NAME.{json,log}.
+bench_fwd_ep1() {
+  timeout "$4" python3 benchmarks/bench_layer.py --passes fwd --shapes 30b,235b --recipes "$2" \
+    --impls "$3" --ep 1 --reps 10 --isolate off --out "$OUT/$1.json" 2>&1 \
+    | tee "$OUT/$1.log" | tail -12
 }
 # multigpu_tests NAME SECONDS FILE...: the multigpu tests of FILEs, their log and XML in $OUT.
 multigpu_tests() {
@@ -161,15 +170,20 @@ harness)
   ;;
 bars)
   JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
-  timeout 200 python3 benchmarks/bench_layer.py --passes fwd --shapes 30b,235b \
-    --recipes bf16 --impls megamoe:cuda,megamoe:fused --ep 1 \
-    --reps 10 --isolate off --out "$OUT/layer_fwd_bf16_ep1.json" 2>&1 \
-    | tee "$OUT/layer_fwd_bf16_ep1.log" | tail -12
-  timeout 250 python3 benchmarks/bench_layer.py --passes fwd --shapes 30b,235b \
-    --recipes fp8 --impls megamoe:cuda,megamoe:fused,megamoe:fused+blocks --ep 1 \
-    --reps 10 --isolate off --out "$OUT/layer_fwd_fp8_ep1.json" 2>&1 \
-    | tee "$OUT/layer_fwd_fp8_ep1.log" | tail -12
+  bench_fwd_ep1 layer_fwd_bf16_ep1 bf16 megamoe:cuda,megamoe:fused 200
+  bench_fwd_ep1 layer_fwd_fp8_ep1 fp8 megamoe:cuda,megamoe:fused,megamoe:fused+blocks 250
   l2_tma_rounds fused_l2_tma.log
+  ;;
+l2tma_ab)
+  # Whether L2's rows by TMA should be the default (session 36's first timing, an H100: 30B bf16
+  # -1.3% / -1.9%, 235B within its noise): the fused kernel off / on in turn, bf16 and fp8,
+  # three rounds of 20 calls; then the layer forward with it on, beside backend cuda in the same
+  # run (the bars' figures as they would be with the default flipped).
+  ensure_extension
+  l2_tma_rounds fused_l2_tma_ab.log "bf16 fp8" 3 20
+  export MEGAMOE_FUSED_L2_TMA=1
+  bench_fwd_ep1 layer_fwd_bf16_ep1_l2tma bf16 megamoe:cuda,megamoe:fused 200
+  bench_fwd_ep1 layer_fwd_fp8_ep1_l2tma fp8 megamoe:cuda,megamoe:fused+blocks 200
   ;;
 phases)
   # Where the product's time goes today (bf16 and fp8, 30B and 235B: each phase of the fused
@@ -204,7 +218,7 @@ l2async)
     | tail -5
   ;;
 *)
-  echo "PART=${PART}: unknown (bars, harness, l2tma, l2async or phases)"
+  echo "PART=${PART}: unknown (bars, harness, l2tma, l2tma_ab, l2async or phases)"
   exit 2
   ;;
 esac
