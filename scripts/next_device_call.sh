@@ -106,6 +106,12 @@ multigpu_tests() {
     --junitxml="$OUT/$name.xml" "$@" 2>&1 | tee "$OUT/$name.log" | tail -25
 }
 
+# l2_tma_tests NAME: the bitwise tests of L2's rows by TMA (one GPU), their log and XML in $OUT.
+l2_tma_tests() {
+  timeout -s INT -k 30 200 python3 -m pytest -v -rs -m gpu --junitxml="$OUT/$1.xml" \
+    tests/test_fused_moe.py -k "l2_rows_by_tma" 2>&1 | tee "$OUT/$1.log" | tail -5
+}
+
 if [ "$GPUS" -ge 2 ]; then
   ensure_extension
   case "${PART:-ep2}" in
@@ -203,8 +209,7 @@ l2tma)
   # The fused kernel with L2's rows by TMA for the first time (MEGAMOE_FUSED_L2_TMA=1 was a no-op
   # until session 35): the bitwise test (now with launch counts), then off / on twice.
   ensure_extension
-  timeout 200 python3 -m pytest -q -rs -m gpu tests/test_fused_moe.py -k "l2_rows_by_tma" 2>&1 \
-    | tail -5
+  l2_tma_tests tests_l2_tma
   l2_tma_rounds fused_l2_tma.log
   ;;
 l2async)
@@ -214,8 +219,7 @@ l2async)
   JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build \
     || exit 1
   l2_tma_rounds fused_l2_tma_async.log
-  timeout 200 python3 -m pytest -q -rs -m gpu tests/test_fused_moe.py -k "l2_rows_by_tma" 2>&1 \
-    | tail -5
+  l2_tma_tests tests_l2_tma_async
   ;;
 *)
   echo "PART=${PART}: unknown (bars, harness, l2tma, l2tma_ab, l2async or phases)"
