@@ -400,6 +400,40 @@ def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
     jax.block_until_ready(jax.jit(layer)(*args[:5]))
 
 
+@pytest.mark.parametrize("recipe", [None, "fp8"])
+@pytest.mark.parametrize("kind", ["uniform", "sparse"])
+def test_l1_order_changes_no_bit(monkeypatch, recipe, kind):
+  """L1's tiles inside an expert M-block-major (MEGAMOE_FUSED_L1_ORDER=m) or N-block-major (n;
+  unset: ffi/heuristics/fused_tile_order.h's default by weight size): y, the residuals and
+  every gradient are the same bit for bit, since a tile's arithmetic does not depend on when it
+  runs. Experts of several M-blocks (the last partial) and, with 2F = 1,024, several L1
+  N-blocks, so that the orders differ; "sparse" adds empty and one-row experts. Each order is
+  seen to reach the launch (its launch count), and a bad value is refused by name."""
+  args = _inputs(57 + len(kind), 1000, 8, 2, kind, ffn=512)
+  layer = lambda *a: jm.moe(*a, backend="fused", recipe=recipe)
+  outs, n_major = {}, {}
+  for order in ("m", "n", None):
+    if order is None:
+      monkeypatch.delenv("MEGAMOE_FUSED_L1_ORDER", raising=False)
+    else:
+      monkeypatch.setenv("MEGAMOE_FUSED_L1_ORDER", order)
+    _poison()
+    before = _ffi.launch_counts()["fused_l1_n_major"]
+    outs[order] = _value_and_grads(layer, *args)
+    n_major[order] = _ffi.launch_counts()["fused_l1_n_major"] - before
+  # These weights are far below the default's threshold: unset is M-block-major.
+  assert n_major["m"] == 0 and n_major["n"] > 0 and n_major[None] == 0, n_major
+  assert np.all(np.isfinite(np.asarray(outs[None][0], np.float32))), "y has non-finite rows"
+  _assert_bitwise(outs["m"], outs["n"])
+  _assert_bitwise(outs["m"], outs[None])
+  if recipe is None:
+    ep_helpers.assert_errors_below(_errors(outs[None], _value_and_grads(_reference, *args)),
+                                   1e-2)
+  monkeypatch.setenv("MEGAMOE_FUSED_L1_ORDER", "N")
+  with pytest.raises(Exception, match=r"MEGAMOE_FUSED_L1_ORDER must be m or n"):
+    jax.block_until_ready(jax.jit(layer)(*args[:5]))
+
+
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
 @pytest.mark.parametrize("kind", ["uniform", "one_expert", "masked"])
 def test_virtual_ranks_match_reference(num_ranks, kind):

@@ -149,7 +149,7 @@ def test_cpu_handler_inside_shard_map_gradients(weights_sharded):
 def test_launch_counts_name_the_dgrad_core_and_the_cpu_handler_does_not_count():
   x, gs, wgu, wd, dy = make_inputs(3, 40, 256, 256, 4, 33, jnp.float32)
   before = _ffi.launch_counts()
-  assert set(before) == {"moe_dgrad_core", "fused_l2_rows_by_tma"}, before
+  assert set(before) == {"moe_dgrad_core", "fused_l2_rows_by_tma", "fused_l1_n_major"}, before
   assert all(isinstance(v, int) and v >= 0 for v in before.values()), before
   with jax.default_device(jax.devices("cpu")[0]):
     loss_and_grads(cuda_bf16.grouped_mlp, x, gs, wgu, wd, dy)

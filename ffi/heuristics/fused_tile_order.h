@@ -2,7 +2,8 @@
 // decided here for every launch, with an environment override for benchmarking:
 //   MEGAMOE_FUSED_L1_ORDER   "m": M-block-major (N fastest: consecutive tiles share A rows),
 //                            "n": N-block-major (M fastest: consecutive tiles share a weight
-//                            slice); anything else or unset: the default below.
+//                            slice); unset or empty: the default below; anything else
+//                            refuses the call (a mistyped override must not time the default).
 // Measured:
 // - the core harness (benchmarks/kernels/FUSED_CORE_NOTES.md, run 3, bf16 L1): at 30B (an
 //   expert's gate/up weights 6 MiB) M-major is faster (617 vs 607 TFLOP/s); at 235B (24 MiB)
@@ -17,6 +18,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 namespace megamoe::heuristics {
 
@@ -28,11 +30,16 @@ inline bool DefaultFusedL1NMajor(int64_t hidden, int64_t ffn, bool fp8) {
   return slice_bytes > kFusedL1NMajorSliceBytes;
 }
 
-// Read at every call (a process may A/B both orders).
-inline bool FusedL1NMajor(int64_t hidden, int64_t ffn, bool fp8) {
+// Read at every call (a process may A/B both orders). Returns an error text for a bad override,
+// else "" and sets *n_major.
+inline std::string FusedL1NMajor(int64_t hidden, int64_t ffn, bool fp8, bool* n_major) {
+  *n_major = DefaultFusedL1NMajor(hidden, ffn, fp8);
   const char* env = std::getenv("MEGAMOE_FUSED_L1_ORDER");
-  if (env != nullptr && (env[0] == 'm' || env[0] == 'n') && env[1] == '\0') return env[0] == 'n';
-  return DefaultFusedL1NMajor(hidden, ffn, fp8);
+  if (env == nullptr || env[0] == '\0') return "";
+  if ((env[0] != 'm' && env[0] != 'n') || env[1] != '\0')
+    return std::string("MEGAMOE_FUSED_L1_ORDER must be m or n, got '") + env + "'";
+  *n_major = env[0] == 'n';
+  return "";
 }
 
 }  // namespace megamoe::heuristics

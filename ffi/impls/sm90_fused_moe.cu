@@ -790,7 +790,11 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
     return err;
   const ep::WorkspaceLayout& L = ranks[0].view->layout;
   const int per_rank = params.ctas_per_rank;
-  params.l1_n_major = heuristics::FusedL1NMajor(p.hidden, p.ffn, p.fp8 != 0) ? 1 : 0;
+  bool l1_n_major = false;
+  if (std::string err = heuristics::FusedL1NMajor(p.hidden, p.ffn, p.fp8 != 0, &l1_n_major);
+      !err.empty())
+    return "fused forward: " + err;
+  params.l1_n_major = l1_n_major ? 1 : 0;
   const int R = ranks[0].view->num_ranks;
   const int64_t El = p.num_experts / R, H = p.hidden, F = p.ffn;
   const bool fp8 = p.fp8 != 0;
@@ -922,6 +926,7 @@ std::string LaunchFusedForward(const FusedRankOperands* ranks, int count, int ab
   std::string err = fp8 ? LaunchKernel<Fp8Engine, false>(params, per_rank * count, stream)
                          : LaunchKernel<Engine, false>(params, per_rank * count, stream);
   if (err.empty() && any_l2_tma) CountLaunch(CountedLaunch::kFusedL2RowsByTma);
+  if (err.empty() && l1_n_major) CountLaunch(CountedLaunch::kFusedL1NMajor);
   if (err.empty()) err = DebugSync(p, fp8 ? "FP8 fused forward" : "bf16 fused forward", stream);
   return err;
 }
