@@ -243,7 +243,7 @@ def test_cuda_dgrad_core_against_the_cutlass_path(case, monkeypatch):
   bit for bit those of the CUTLASS path: both GEMMs run the same wgmma (m64n256k16, A and B
   K-major) over K in the same order with the same bf16 rounding, and the SwiGLU backward is the
   same math (the harness checks it bit for bit). Each path starts from cleared caches, so that
-  the handler runs (XLA may replay a recorded CUDA graph without it)."""
+  the handler runs (XLA may replay a recorded CUDA graph without it). A bad value is refused."""
   n, h, f, e, valid = case
   x, gs, wgu, wd, dy = make_inputs(hash(case) % 1000, n, h, f, e, valid, jnp.bfloat16)
   grads = {}
@@ -270,6 +270,10 @@ def test_cuda_dgrad_core_against_the_cutlass_path(case, monkeypatch):
   for name, a, b in zip(("dx", "dw_gate_up", "dw_down"), grads["1"], grads["0"]):
     differ = int(np.sum(f32(a).view(np.uint32) != f32(b).view(np.uint32)))
     assert differ == 0, f"{name}: {differ} elements differ between the dgrad core and CUTLASS"
+  monkeypatch.setenv("MEGAMOE_DGRAD_CORE", "yes")  # a bad value is refused by name
+  jax.clear_caches()
+  with pytest.raises(Exception, match=r"MEGAMOE_DGRAD_CORE must be 0 or 1"):
+    loss_and_grads(cuda.grouped_mlp, x, gs, wgu, wd, dy)
 
 
 @pytest.mark.gpu

@@ -84,9 +84,13 @@ ffi::Error GroupedMlpBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuf
 
   MEGAMOE_RETURN_IF_KERNEL_ERROR(GroupOffsets(
       static_cast<const int32_t*>(group_sizes.untyped_data()), e, d.n, ws.offsets, stream));
+  bool dgrad_core = false;
+  if (std::string err = heuristics::UseMoeDgradCore(
+          MoeDgradUnsupportedReason(d.h, d.f, d.e).empty(), d.h, d.f, &dgrad_core);
+      !err.empty())
+    return InvalidArgument(err);
   if (d.n > 0) {
-    if (heuristics::UseMoeDgradCore(MoeDgradUnsupportedReason(d.h, d.f, d.e).empty(), d.h,
-                                    d.f)) {
+    if (dgrad_core) {
       // dh + SwiGLU backward -> dgate_up, then dx, on the tile engine's dgrad core (dh itself
       // is not stored: its result buffer stays scratch).
       const MoeDgradProblem core{dy.untyped_data(),        gate_up.untyped_data(),

@@ -4,7 +4,7 @@
 // kernel between them; decided here for every call, with an environment override for
 // benchmarking and A/B tests:
 //   MEGAMOE_DGRAD_CORE   "0": the CUTLASS path; "1": the core wherever it takes the shape;
-//                        anything else or unset: the default below.
+//                        unset or empty: the default below; anything else refuses the call.
 // Measured (benchmarks/RESULTS.md, session 16, one H200, 131,072 rows over 128 experts):
 // - 30B (H 2048, F 768; an expert's w_gate_up 6 MiB): the core 2.09-2.16 ms for both dgrads and
 //   the SwiGLU backward, against CUTLASS's 2.15 ms for the two GEMMs plus ~0.25 ms for the
@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include "ffi/heuristics/fused_tile_order.h"
 
@@ -29,11 +30,15 @@ inline bool DefaultMoeDgradCore(int64_t hidden, int64_t ffn) {
 // handler (until it records the graph again, e.g. for new buffer addresses), so a live
 // executable may keep the path it was recorded with: to A/B, set the variable and clear JAX's
 // caches (jax.clear_caches()) or use separate processes. `takes`: the core supports the shape.
-inline bool UseMoeDgradCore(bool takes, int64_t hidden, int64_t ffn) {
-  if (!takes) return false;
+// Returns an error text for a bad override, else "" and sets *use.
+inline std::string UseMoeDgradCore(bool takes, int64_t hidden, int64_t ffn, bool* use) {
+  *use = takes && DefaultMoeDgradCore(hidden, ffn);
   const char* env = std::getenv("MEGAMOE_DGRAD_CORE");
-  if (env != nullptr && (env[0] == '0' || env[0] == '1') && env[1] == '\0') return env[0] == '1';
-  return DefaultMoeDgradCore(hidden, ffn);
+  if (env == nullptr || env[0] == '\0') return "";
+  if ((env[0] != '0' && env[0] != '1') || env[1] != '\0')
+    return std::string("MEGAMOE_DGRAD_CORE must be 0 or 1, got '") + env + "'";
+  *use = takes && env[0] == '1';
+  return "";
 }
 
 // The dx tiles' order inside an expert (ExpertTileWalk::decode's n_major).
