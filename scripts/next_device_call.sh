@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The device calls the last session prepared and could not run. Each session that leaves GPU
 # work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34,
-# updated in session 35 (which ran PART=bars, harness, l2async and phases on H100s: bars and
-# harness still want an H200; the two-GPU parts have never run). First in session 36:
-# PART=l2tma (the fused kernel has never been timed with L2's rows by TMA: the override was a
-# no-op until 04f8d18), then PART=bars on an H200. The combine beside the tiles lives on branch
-# combine-overlap (its own PART=overlap; measured 3x slower GEMM phase in session 35).
+# updated in sessions 35 and 36 (36 ran PART=l2tma and l2tma_ab on H100s: L2's rows by TMA
+# measured faster, kept off until the suite has run with it on). First in session 37:
+# PART=l2tma_suite (then flip kFusedL2RowsByTmaDefault if it passes), then PART=bars on an
+# H200. The combine beside the tiles lives on branch combine-overlap (its own PART=overlap; v3
+# measured in session 36: it loses, the branch is kept for the record only).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
 # EP = 2 bars, in four calls on the same warm machine (each builds the extension with its
@@ -41,7 +41,10 @@
 #     fused_phases with MEGAMOE_FUSED_L2_TMA 0/1 twice (as PART=bars does with the default
 #     build: run it after bars on the same machine) and the bitwise test of the two modes.
 #   PART=l2tma (~4 min): the bitwise test of L2's rows by TMA and the fused kernel with them off
-#     and on (session 35 found MEGAMOE_FUSED_L2_TMA=1 a no-op before its fix: never measured).
+#     and on (session 35 found MEGAMOE_FUSED_L2_TMA=1 a no-op before its fix; session 36 ran it).
+#   PART=l2tma_ab (~5 min): the same off / on, bf16 and fp8, three rounds of 20 calls, then the
+#     layer with it on beside backend cuda (session 36, an H100).
+#   PART=l2tma_suite (~7 min): the one-rank fused tests with L2's rows by TMA forced on.
 #   PART=phases (~4 min): fused_phases.py bf16 and fp8 (30B, 235B: the kernel's phases), then
 #     the FP8 harness's four modes at 30B (where L1's and L2's epilogue time goes).
 # Each step has its own time limit, so that one hang does not take the others.
@@ -49,7 +52,8 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|harness|l2async|phases|ep2|ep2_ep|ep2_train|ep2_bench] \
+#   OUT=... [PART=bars|harness|l2tma|l2tma_ab|l2tma_suite|l2async|phases
+#            |ep2|ep2_ep|ep2_train|ep2_bench] \
 #     scripts/next_device_call.sh
 #   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
@@ -212,6 +216,17 @@ l2tma)
   l2_tma_tests tests_l2_tma
   l2_tma_rounds fused_l2_tma.log
   ;;
+l2tma_suite)
+  # Before L2's rows by TMA become the default (measured faster in session 36: fp8 30B -3%, 235B
+  # -0.5%, bf16 30B ~-2%): the bitwise tests of the two modes (training and inference forward),
+  # then the one-rank fused tests with the mode forced on (virtual ranks: R > 1 never takes it).
+  # If all pass, set kFusedL2RowsByTmaDefault = true (ffi/heuristics/fused_l2_store.h).
+  ensure_extension
+  l2_tma_tests tests_l2_tma
+  MEGAMOE_FUSED_L2_TMA=1 timeout -s INT -k 30 420 python3 -m pytest -v -rs -n 4 -m gpu \
+    tests/test_fused_moe.py -k "not virtual_ranks" --junitxml="$OUT/tests_fused_l2_tma_on.xml" \
+    2>&1 | tee "$OUT/tests_fused_l2_tma_on.log" | grep -E "^E |passed|failed|FAILED" | tail -20
+  ;;
 l2async)
   # The product with L2's TMA staging handed back in the next tile's first stage: the fused
   # kernel with L2's rows by TMA off (the same code as the default build's: the control) and on,
@@ -222,7 +237,7 @@ l2async)
   l2_tma_tests tests_l2_tma_async
   ;;
 *)
-  echo "PART=${PART}: unknown (bars, harness, l2tma, l2tma_ab, l2async or phases)"
+  echo "PART=${PART}: unknown (bars, harness, l2tma, l2tma_ab, l2tma_suite, l2async or phases)"
   exit 2
   ;;
 esac

@@ -373,25 +373,32 @@ def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
   stores (0; unset: the default of ffi/heuristics/fused_l2_store.h): y, the residuals the
   backward reads and every gradient are the same bit for bit. Full and part-filled warpgroups
   (an expert's last tile: its rows go by generic stores either way), empty experts and one-row
-  experts ("sparse"). Each mode is seen to reach the launch (its launch count: until session
+  experts ("sparse"); the training forward and the inference forward (their L2 rows land in
+  different buffers). Each mode is seen to reach the launch (its launch count: until session
   35 "1" left the default in place, and this test compared the generic stores with
   themselves). A bad value is refused by name."""
   args = _inputs(91 + tokens, tokens, 24, 4, kind)
   layer = lambda *a: jm.moe(*a, backend="fused", recipe=recipe)
-  outs, by_tma = {}, {}
+  outs, ys, by_tma = {}, {}, {}
   for mode in ("0", "1", None):
     if mode is None:
       monkeypatch.delenv("MEGAMOE_FUSED_L2_TMA", raising=False)
     else:
       monkeypatch.setenv("MEGAMOE_FUSED_L2_TMA", mode)
-    _poison()
     before = _ffi.launch_counts()["fused_l2_rows_by_tma"]
+    # The training forward (L2's rows into y_sorted, a residual) and the inference forward (into
+    # the workspace's comb rows): two destinations of the TMA boxes.
+    _poison()
     outs[mode] = _value_and_grads(layer, *args)
+    _poison()
+    ys[mode] = np.asarray(jax.jit(layer)(*args[:5]), np.float32)
     by_tma[mode] = _ffi.launch_counts()["fused_l2_rows_by_tma"] - before
-  assert by_tma["0"] == 0 and by_tma["1"] > 0, by_tma
+  assert by_tma["0"] == 0 and by_tma["1"] >= 2, by_tma
   assert np.all(np.isfinite(np.asarray(outs[None][0], np.float32))), "y has non-finite rows"
   _assert_bitwise(outs["0"], outs["1"])
   _assert_bitwise(outs["0"], outs[None])
+  for mode in ("1", None):
+    np.testing.assert_array_equal(ys[mode], ys["0"], err_msg=f"inference y, L2_TMA={mode}")
   if recipe is None:
     ep_helpers.assert_errors_below(_errors(outs[None], _value_and_grads(_reference, *args)),
                                    1e-2)

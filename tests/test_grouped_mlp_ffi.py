@@ -273,7 +273,7 @@ def test_cuda_dgrad_core_against_the_cutlass_path(case, monkeypatch):
   monkeypatch.setenv("MEGAMOE_DGRAD_CORE", "yes")  # a bad value is refused by name
   jax.clear_caches()
   with pytest.raises(Exception, match=r"MEGAMOE_DGRAD_CORE must be 0 or 1"):
-    loss_and_grads(cuda.grouped_mlp, x, gs, wgu, wd, dy)
+    jax.block_until_ready(loss_and_grads(cuda.grouped_mlp, x, gs, wgu, wd, dy))
 
 
 @pytest.mark.gpu
