@@ -218,7 +218,7 @@ l2tma)
   ;;
 l2tma_suite)
   # Before L2's rows by TMA become the default (measured faster in session 36: fp8 30B -3%, 235B
-  # -0.5%, bf16 30B ~-2%): the bitwise tests of the two modes (training and inference forward),
+  # -0.4%, bf16 30B ~-2%): the bitwise tests of the two modes (training and inference forward),
   # then the one-rank fused tests with the mode forced on (virtual ranks: R > 1 never takes it).
   # If all pass, set kFusedL2RowsByTmaDefault = true (ffi/heuristics/fused_l2_store.h).
   ensure_extension
