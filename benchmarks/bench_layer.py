@@ -208,6 +208,7 @@ def run_process(cmd, *, timeout_s: float, capture_stdout: bool):
 def run_jax(args, mesh, ids, weights, deadline, records: list[dict], save=lambda: None):
   """Appends the JAX implementations' records to `records`, calling save() after each case."""
   from benchmarks import jax_impls  # noqa: PLC0415
+  from jax_megamoe import _ffi  # noqa: PLC0415
   impls = [i for i in args.impls if i != "torch"]
   # Recipe-major: every shape's bf16 numbers before any fp8 one, in case the budget runs out.
   for recipe in args.recipes:
@@ -234,10 +235,17 @@ def run_jax(args, mesh, ids, weights, deadline, records: list[dict], save=lambda
                                       "error": f"inputs: {message}"}) for p in args.passes]
             continue
         layer = jax_impls.make_layer(impl, recipe, mesh)
+        before = _ffi.launch_counts()
         per_pass = jax_impls.time_passes(layer, jax_impls.layer_inputs(impl, recipe, mesh, inputs),
                                          dy, args.passes, reps=args.reps,
                                          case_cap_s=args.case_cap, deadline=deadline, log=log)
-        records += [dict(base, **{"pass": p}, **r) for p, r in per_pass.items()]
+        # Kernels a heuristic or an override picked, launched by this case's handlers (a
+        # replayed CUDA graph does not count): which path the case took, e.g. whether
+        # MEGAMOE_FUSED_L2_TMA=1 reached the kernel (ffi/common/launch_counts.h).
+        launches = {k: v - before.get(k, 0) for k, v in _ffi.launch_counts().items()}
+        if any(launches.values()):
+          log(f"    launches: {', '.join(f'{k} {v}' for k, v in launches.items() if v)}")
+        records += [dict(base, **{"pass": p}, **r, launches=launches) for p, r in per_pass.items()]
         save()
       del inputs, dy
 

@@ -25,8 +25,8 @@
 #     since session 33, SwiGLU's cheaper fast path since session 34), then the layer forward at
 #     EP = 1 for issue 14's table (bench_layer.py: cuda, fused, and fused + blocks for fp8; 30B
 #     and 235B); then the fused kernel with L2's rows by TMA off and on, twice in turn
-#     (fused_phases.py, MEGAMOE_FUSED_L2_TMA=0/1: a no-op until session 35's fix, so never
-#     measured in the fused kernel). The bars are H200 figures: say which card ran it.
+#     (fused_phases.py, MEGAMOE_FUSED_L2_TMA=0/1; first measured in session 36, on H100s).
+#     The bars are H200 figures: say which card ran it.
 #   PART=harness (~4 min): the standalone harnesses built (eleven builds); the bf16 checks of
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
 #     _l2async (L2's TMA staging handed back in the next tile's first stage; on an H100 in
@@ -44,7 +44,7 @@
 #     and on (session 35 found MEGAMOE_FUSED_L2_TMA=1 a no-op before its fix; session 36 ran it).
 #   PART=l2tma_ab (~5 min): the same off / on, bf16 and fp8, three rounds of 20 calls, then the
 #     layer with it on beside backend cuda (session 36, an H100).
-#   PART=l2tma_suite (~7 min): the one-rank fused tests with L2's rows by TMA forced on.
+#   PART=l2tma_suite (~7 min with a build): the one-rank fused tests with L2's rows by TMA on.
 #   PART=phases (~4 min): fused_phases.py bf16 and fp8 (30B, 235B: the kernel's phases), then
 #     the FP8 harness's four modes at 30B (where L1's and L2's epilogue time goes).
 # Each step has its own time limit, so that one hang does not take the others.
@@ -217,15 +217,18 @@ l2tma)
   l2_tma_rounds fused_l2_tma.log
   ;;
 l2tma_suite)
-  # Before L2's rows by TMA become the default (measured faster in session 36: fp8 30B -3%, 235B
-  # -0.4%, bf16 30B ~-2%): the bitwise tests of the two modes (training and inference forward),
-  # then the one-rank fused tests with the mode forced on (virtual ranks: R > 1 never takes it).
-  # If all pass, set kFusedL2RowsByTmaDefault = true (ffi/heuristics/fused_l2_store.h).
+  # Before L2's rows by TMA become the default (session 36, paired medians of three rounds: fp8
+  # 30B -2.8%, 235B -0.6%; bf16 30B -1.5%, 235B -2.6%): the bitwise tests of the two modes
+  # (training and inference forward), then the one-rank fused tests with the mode forced on (a
+  # test with several ranks, "virtual" in its name, never takes it), fused + weight blocks
+  # included. If all pass, set kFusedL2RowsByTmaDefault = true (ffi/heuristics/fused_l2_store.h)
+  # and update the defaults in tests/test_env_overrides.py and the L2-TMA test's count of None.
   ensure_extension
   l2_tma_tests tests_l2_tma
-  MEGAMOE_FUSED_L2_TMA=1 timeout -s INT -k 30 420 python3 -m pytest -v -rs -n 4 -m gpu \
-    tests/test_fused_moe.py -k "not virtual_ranks" --junitxml="$OUT/tests_fused_l2_tma_on.xml" \
-    2>&1 | tee "$OUT/tests_fused_l2_tma_on.log" | grep -E "^E |passed|failed|FAILED" | tail -20
+  MEGAMOE_FUSED_L2_TMA=1 timeout -s INT -k 20 280 python3 -m pytest -v -rs -n 4 -m gpu \
+    tests/test_fused_moe.py tests/test_weight_blocks.py -k "not virtual and not l2_rows_by_tma" \
+    --junitxml="$OUT/tests_fused_l2_tma_on.xml" 2>&1 | tee "$OUT/tests_fused_l2_tma_on.log" \
+    | grep -E "^E |passed|failed|FAILED" | tail -20
   ;;
 l2async)
   # The product with L2's TMA staging handed back in the next tile's first stage: the fused

@@ -379,6 +379,10 @@ def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
   themselves). A bad value is refused by name."""
   args = _inputs(91 + tokens, tokens, 24, 4, kind)
   layer = lambda *a: jm.moe(*a, backend="fused", recipe=recipe)
+  # A new function for every jitted call, so that each compiles and its handler runs: XLA may
+  # replay a cached executable's CUDA graph without the handler, which would keep the mode it
+  # was recorded with (and count nothing).
+  fresh_forward = lambda *a: jax.jit(lambda *b: layer(*b))(*a)
   outs, ys, by_tma = {}, {}, {}
   for mode in ("0", "1", None):
     if mode is None:
@@ -387,14 +391,18 @@ def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
       monkeypatch.setenv("MEGAMOE_FUSED_L2_TMA", mode)
     before = _ffi.launch_counts()["fused_l2_rows_by_tma"]
     # The training forward (L2's rows into y_sorted, a residual) and the inference forward (into
-    # the workspace's comb rows): two destinations of the TMA boxes.
+    # the workspace's comb rows, which _poison does not reach: a call on -x first leaves other
+    # rows there, so that a row the mode fails to write shows).
     _poison()
     outs[mode] = _value_and_grads(layer, *args)
+    jax.block_until_ready(fresh_forward(-args[0], *args[1:5]))
     _poison()
-    ys[mode] = np.asarray(jax.jit(layer)(*args[:5]), np.float32)
+    ys[mode] = np.asarray(fresh_forward(*args[:5]), np.float32)
     by_tma[mode] = _ffi.launch_counts()["fused_l2_rows_by_tma"] - before
-  assert by_tma["0"] == 0 and by_tma["1"] >= 2, by_tma
+  # Unset is kFusedL2RowsByTmaDefault (off): update with the default.
+  assert by_tma["0"] == 0 and by_tma["1"] >= 3 and by_tma[None] == 0, by_tma
   assert np.all(np.isfinite(np.asarray(outs[None][0], np.float32))), "y has non-finite rows"
+  assert np.all(np.isfinite(ys["0"])), "inference y has non-finite rows"
   _assert_bitwise(outs["0"], outs["1"])
   _assert_bitwise(outs["0"], outs[None])
   for mode in ("1", None):
@@ -404,7 +412,7 @@ def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
                                    1e-2)
   monkeypatch.setenv("MEGAMOE_FUSED_L2_TMA", "2")
   with pytest.raises(Exception, match=r"MEGAMOE_FUSED_L2_TMA must be 0 or 1"):
-    jax.block_until_ready(jax.jit(layer)(*args[:5]))
+    jax.block_until_ready(fresh_forward(*args[:5]))
 
 
 @pytest.mark.parametrize("recipe", [None, "fp8"])
@@ -438,7 +446,7 @@ def test_l1_order_changes_no_bit(monkeypatch, recipe, kind):
                                    1e-2)
   monkeypatch.setenv("MEGAMOE_FUSED_L1_ORDER", "N")
   with pytest.raises(Exception, match=r"MEGAMOE_FUSED_L1_ORDER must be m or n"):
-    jax.block_until_ready(jax.jit(layer)(*args[:5]))
+    jax.block_until_ready(jax.jit(lambda *a: layer(*a))(*args[:5]))
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])

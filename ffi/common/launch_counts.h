@@ -11,7 +11,7 @@ namespace megamoe {
 enum class CountedLaunch : int {
   kMoeDgradCore = 0,  // backend cuda's MLP backward on the dgrad core (ffi/impls/moe_dgrad.h)
   kFusedL2RowsByTma,  // the fused forward with L2's rows by TMA (ffi/heuristics/fused_l2_store.h)
-  kFusedL1NMajor,     // the fused forward with L1's tiles N-block-major (fused_tile_order.h)
+  kFusedL1NMajor,     // the fused forward with L1 N-block-major (ffi/heuristics/fused_tile_order.h)
   kNumCounted,
 };
 

@@ -78,17 +78,17 @@ ffi::Error GroupedMlpBwdImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuf
   MEGAMOE_RETURN_IF_ERROR(CheckCudaDims(d));
   MEGAMOE_RETURN_IF_ERROR(
       CheckMlpBwdOperands(d, dy, gate_up, h, dx, dw_gate_up, dw_down, dgate_up, dh));
+  bool dgrad_core = false;
+  if (std::string err = heuristics::UseMoeDgradCore(
+          MoeDgradUnsupportedReason(d.h, d.f, d.e).empty(), d.h, d.f, &dgrad_core);
+      !err.empty())
+    return InvalidArgument(err);
   Scratch ws;
   MEGAMOE_RETURN_IF_ERROR(SplitScratch(workspace, MlpScratchNeed(d.e, SmCount()), &ws));
   const int e = int(d.e), sm = SmCount();
 
   MEGAMOE_RETURN_IF_KERNEL_ERROR(GroupOffsets(
       static_cast<const int32_t*>(group_sizes.untyped_data()), e, d.n, ws.offsets, stream));
-  bool dgrad_core = false;
-  if (std::string err = heuristics::UseMoeDgradCore(
-          MoeDgradUnsupportedReason(d.h, d.f, d.e).empty(), d.h, d.f, &dgrad_core);
-      !err.empty())
-    return InvalidArgument(err);
   if (d.n > 0) {
     if (dgrad_core) {
       // dh + SwiGLU backward -> dgate_up, then dx, on the tile engine's dgrad core (dh itself

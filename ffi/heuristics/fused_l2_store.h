@@ -12,34 +12,27 @@
 // and per-row TMA ops are op-bound (FUSED_CORE_NOTES, run 1): generic stores stay there.
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
+
+#include "ffi/heuristics/env_override.h"
 
 namespace megamoe::heuristics {
 
 // Measured (benchmarks/RESULTS.md, session 31, one H100): the harness's L2 alone 0.671 -> 0.635
 // ms at 30B and 3.645 -> 2.986 at 235B. The fused kernel's "on" figures of sessions 31-35 are
 // void: until session 35 "1" left the default (off) in place, so both modes ran the generic
-// stores. The fused kernel with it (session 36, H100): 30B bf16 -2.1%, 30B fp8 -2.8%, 235B fp8
-// -0.4%, 235B bf16 within its noise. Off until the one-rank suite has run with it on
-// (scripts/next_device_call.sh PART=l2tma_suite).
+// stores. The fused kernel with it (session 36, H100, median of three rounds' ratios): 30B bf16
+// -1.5%, 235B bf16 -2.6% (within its noise), 30B fp8 -2.8%, 235B fp8 -0.6%. Off until the
+// one-rank suite has run with it on (scripts/next_device_call.sh PART=l2tma_suite).
 inline constexpr bool kFusedL2RowsByTmaDefault = false;
 
 // Whether L2's rows go out by TMA (one rank alone only). Returns an error text for a bad
 // override, else "" and sets *use.
 inline std::string FusedL2RowsByTma(bool one_rank, bool* use) {
-  bool on = kFusedL2RowsByTmaDefault;
-  if (const char* env = std::getenv("MEGAMOE_FUSED_L2_TMA"); env != nullptr && env[0] != '\0') {
-    if (std::strcmp(env, "0") == 0) {
-      on = false;
-    } else if (std::strcmp(env, "1") == 0) {
-      on = true;
-    } else {
-      return std::string("MEGAMOE_FUSED_L2_TMA must be 0 or 1, got '") + env + "'";
-    }
-  }
-  *use = on && one_rank;
+  char choice;
+  if (std::string err = OneCharOverride("MEGAMOE_FUSED_L2_TMA", "01", &choice); !err.empty())
+    return err;
+  *use = one_rank && (choice == '\0' ? kFusedL2RowsByTmaDefault : choice == '1');
   return "";
 }
 

@@ -17,8 +17,9 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
+
+#include "ffi/heuristics/env_override.h"
 
 namespace megamoe::heuristics {
 
@@ -30,15 +31,14 @@ inline bool DefaultFusedL1NMajor(int64_t hidden, int64_t ffn, bool fp8) {
   return slice_bytes > kFusedL1NMajorSliceBytes;
 }
 
-// Read at every call (a process may A/B both orders). Returns an error text for a bad override,
-// else "" and sets *n_major.
+// Read whenever the handler runs (a process may A/B both orders; a CUDA graph that XLA replays
+// keeps the order it was recorded with). Returns an error text for a bad override, else "" and
+// sets *n_major.
 inline std::string FusedL1NMajor(int64_t hidden, int64_t ffn, bool fp8, bool* n_major) {
-  *n_major = DefaultFusedL1NMajor(hidden, ffn, fp8);
-  const char* env = std::getenv("MEGAMOE_FUSED_L1_ORDER");
-  if (env == nullptr || env[0] == '\0') return "";
-  if ((env[0] != 'm' && env[0] != 'n') || env[1] != '\0')
-    return std::string("MEGAMOE_FUSED_L1_ORDER must be m or n, got '") + env + "'";
-  *n_major = env[0] == 'n';
+  char choice;
+  if (std::string err = OneCharOverride("MEGAMOE_FUSED_L1_ORDER", "mn", &choice); !err.empty())
+    return err;
+  *n_major = choice == '\0' ? DefaultFusedL1NMajor(hidden, ffn, fp8) : choice == 'n';
   return "";
 }
 

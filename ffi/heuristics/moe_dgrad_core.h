@@ -15,9 +15,9 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
+#include "ffi/heuristics/env_override.h"
 #include "ffi/heuristics/fused_tile_order.h"
 
 namespace megamoe::heuristics {
@@ -32,12 +32,10 @@ inline bool DefaultMoeDgradCore(int64_t hidden, int64_t ffn) {
 // caches (jax.clear_caches()) or use separate processes. `takes`: the core supports the shape.
 // Returns an error text for a bad override, else "" and sets *use.
 inline std::string UseMoeDgradCore(bool takes, int64_t hidden, int64_t ffn, bool* use) {
-  *use = takes && DefaultMoeDgradCore(hidden, ffn);
-  const char* env = std::getenv("MEGAMOE_DGRAD_CORE");
-  if (env == nullptr || env[0] == '\0') return "";
-  if ((env[0] != '0' && env[0] != '1') || env[1] != '\0')
-    return std::string("MEGAMOE_DGRAD_CORE must be 0 or 1, got '") + env + "'";
-  *use = takes && env[0] == '1';
+  char choice;
+  if (std::string err = OneCharOverride("MEGAMOE_DGRAD_CORE", "01", &choice); !err.empty())
+    return err;
+  *use = takes && (choice == '\0' ? DefaultMoeDgradCore(hidden, ffn) : choice == '1');
   return "";
 }
 
