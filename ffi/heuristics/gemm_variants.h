@@ -4,14 +4,16 @@
 //   MEGAMOE_GROUPED_GEMM_VARIANT  bf16 GEMMs: "1" (every kind) or "fprop:0,dgrad:2,wgrad:1"
 //   MEGAMOE_FP8_GEMM_VARIANT      FP8 rows x weights (fprop, dgrad): one digit
 //   MEGAMOE_FP8_WGRAD_VARIANT     FP8 K-grouped weight gradient: one digit
-// A value that names no variant is ignored (the default runs).
+// Unset or empty: the default; a value that names no variant refuses the GEMM's call by name
+// (until session 36 it was ignored, which let a mistyped A/B time the default twice).
 #pragma once
 
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
+#include <string>
 
 #include "ffi/gemm/grouped_gemm.h"
+#include "ffi/heuristics/env_override.h"
 
 namespace megamoe::heuristics {
 
@@ -27,47 +29,83 @@ inline int DefaultBf16GemmVariant(grouped::GemmKind kind, int num_groups) {
   return 0;
 }
 
-inline int Bf16GemmVariant(grouped::GemmKind kind, int num_groups) {
-  static std::once_flag once;
-  static int chosen[3] = {-1, -1, -1};  // per kind; -1: the default
-  std::call_once(once, [] {
-    const char* env = std::getenv("MEGAMOE_GROUPED_GEMM_VARIANT");
-    if (env == nullptr || *env == '\0') return;
-    if (env[1] == '\0' && env[0] >= '0' && env[0] < '0' + kBf16GemmVariants) {
-      chosen[0] = chosen[1] = chosen[2] = env[0] - '0';
-      return;
-    }
-    const char* names[3] = {"fprop:", "dgrad:", "wgrad:"};
-    for (int k = 0; k < 3; ++k) {
-      const char* at = std::strstr(env, names[k]);
-      if (at != nullptr) {
-        const char c = at[std::strlen(names[k])];
-        if (c >= '0' && c < '0' + kBf16GemmVariants) chosen[k] = c - '0';
-      }
-    }
-  });
-  const int v = chosen[static_cast<int>(kind)];
-  return v >= 0 ? v : DefaultBf16GemmVariant(kind, num_groups);
-}
+// MEGAMOE_GROUPED_GEMM_VARIANT parsed: per kind (GemmKind order) the variant, -1 for the
+// default; or an error text, with every kind at its default.
+struct Bf16VariantOverride {
+  int chosen[3] = {-1, -1, -1};
+  std::string error;
+};
 
-// The variant named by environment variable `name` (one digit below `count`), else 0, the
-// measured best of the FP8 GEMMs (benchmarks/RESULTS.md).
-inline int Fp8VariantFromEnv(const char* name, int count) {
-  const char* env = std::getenv(name);
-  if (env != nullptr && env[0] >= '0' && env[0] < '0' + count && env[1] == '\0') {
-    return env[0] - '0';
+inline Bf16VariantOverride ParseBf16GemmVariant(const char* env) {
+  Bf16VariantOverride o;
+  if (env == nullptr || env[0] == '\0') return o;
+  const auto digit = [](char c) { return c >= '0' && c < '0' + kBf16GemmVariants; };
+  if (digit(env[0]) && env[1] == '\0') {
+    o.chosen[0] = o.chosen[1] = o.chosen[2] = env[0] - '0';
+    return o;
   }
-  return 0;
+  const char* names[3] = {"fprop:", "dgrad:", "wgrad:"};
+  for (const char* at = env;;) {
+    int kind = 0;
+    while (kind < 3 && std::strncmp(at, names[kind], 6) != 0) ++kind;
+    if (kind == 3 || !digit(at[6]) || o.chosen[kind] >= 0 || (at[7] != ',' && at[7] != '\0')) {
+      Bf16VariantOverride bad;
+      bad.error = std::string("MEGAMOE_GROUPED_GEMM_VARIANT must be one digit below ") +
+                  std::to_string(kBf16GemmVariants) +
+                  " or kind:digit items joined by commas, each of fprop, dgrad, wgrad at most "
+                  "once, got '" + env + "'";
+      return bad;
+    }
+    o.chosen[kind] = at[6] - '0';
+    if (at[7] == '\0') return o;
+    at += 8;
+  }
 }
 
-inline int Fp8GemmVariant() {
-  static const int chosen = Fp8VariantFromEnv("MEGAMOE_FP8_GEMM_VARIANT", kFp8GemmVariants);
-  return chosen;
+// The bf16 GEMM's variant (read once per process). Returns the override's error text, if any,
+// with *variant at the default (so that workspace sizes stay those of a compiled variant).
+inline std::string Bf16GemmVariant(grouped::GemmKind kind, int num_groups, int* variant) {
+  static const Bf16VariantOverride o =
+      ParseBf16GemmVariant(std::getenv("MEGAMOE_GROUPED_GEMM_VARIANT"));
+  const int v = o.chosen[static_cast<int>(kind)];
+  *variant = v >= 0 ? v : DefaultBf16GemmVariant(kind, num_groups);
+  return o.error;
 }
 
-inline int Fp8WgradVariant() {
-  static const int chosen = Fp8VariantFromEnv("MEGAMOE_FP8_WGRAD_VARIANT", kFp8WgradVariants);
-  return chosen;
+// An FP8 GEMM's variant: environment variable `name`, one digit below `count`; unset or empty:
+// 0, the measured best of the FP8 GEMMs (benchmarks/RESULTS.md). Returns an error text for
+// anything else, with *variant 0.
+inline std::string Fp8VariantFromEnv(const char* name, int count, int* variant) {
+  const std::string choices = std::string("0123456789").substr(0, count);
+  char choice;
+  std::string err = OneCharOverride(name, choices.c_str(), &choice);
+  *variant = err.empty() && choice != '\0' ? choice - '0' : 0;
+  return err;
+}
+
+struct Fp8Variant {
+  int variant = 0;
+  std::string error;
+};
+
+inline std::string Fp8GemmVariant(int* variant) {
+  static const Fp8Variant v = [] {
+    Fp8Variant r;
+    r.error = Fp8VariantFromEnv("MEGAMOE_FP8_GEMM_VARIANT", kFp8GemmVariants, &r.variant);
+    return r;
+  }();
+  *variant = v.variant;
+  return v.error;
+}
+
+inline std::string Fp8WgradVariant(int* variant) {
+  static const Fp8Variant v = [] {
+    Fp8Variant r;
+    r.error = Fp8VariantFromEnv("MEGAMOE_FP8_WGRAD_VARIANT", kFp8WgradVariants, &r.variant);
+    return r;
+  }();
+  *variant = v.variant;
+  return v.error;
 }
 
 }  // namespace megamoe::heuristics

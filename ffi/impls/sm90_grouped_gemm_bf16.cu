@@ -111,14 +111,19 @@ const bool kRegistered = [] {
 
 #if MEGAMOE_SHARD == 0  // the entry points, once
 namespace {
-const gemm::CompiledGemm<GroupedGemmProblem>& Chosen(GemmKind kind, int num_groups) {
-  const int v = heuristics::Bf16GemmVariant(kind, num_groups);
+// The variant to run; *error: the override's error text, if any (the default variant is
+// returned then, so that the workspace is sized for a compiled one).
+const gemm::CompiledGemm<GroupedGemmProblem>& Chosen(GemmKind kind, int num_groups,
+                                                     std::string* error) {
+  int v = 0;
+  *error = heuristics::Bf16GemmVariant(kind, num_groups, &v);
   return Bf16GemmInstances()[static_cast<int>(kind) * kVariants + v];
 }
 }  // namespace
 
 size_t GroupedGemmWorkspaceBytes(GemmKind kind, int num_groups, int sm_count) {
-  const auto& gemm = Chosen(kind, num_groups);
+  std::string error;  // refused by RunGroupedGemm
+  const auto& gemm = Chosen(kind, num_groups, &error);
   return gemm.workspace_bytes != nullptr ? gemm.workspace_bytes(num_groups, sm_count) : 0;
 }
 
@@ -132,7 +137,9 @@ size_t GroupedGemmMaxWorkspaceBytes(int num_groups, int sm_count) {
 
 std::string RunGroupedGemm(const GroupedGemmProblem& p, void* workspace, size_t workspace_bytes,
                            int sm_count, cudaStream_t stream) {
-  const auto& gemm = Chosen(p.kind, p.num_groups);
+  std::string error;
+  const auto& gemm = Chosen(p.kind, p.num_groups, &error);
+  if (!error.empty()) return "grouped GEMM: " + error;
   if (gemm.run == nullptr) return "grouped GEMM: this variant is not compiled into the build";
   return gemm.run(p, workspace, workspace_bytes, sm_count, stream);
 }

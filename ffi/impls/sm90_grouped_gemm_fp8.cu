@@ -166,7 +166,10 @@ std::string RunGroupedGemmFp8(const GroupedGemmFp8Problem& problem, void* worksp
     return "FP8 grouped GEMM needs K and N multiples of 128, got K=" +
            std::to_string(problem.k) + " N=" + std::to_string(problem.n);
   }
-  const auto& gemm = Fp8GemmInstances()[heuristics::Fp8GemmVariant()];
+  int variant = 0;
+  if (std::string err = heuristics::Fp8GemmVariant(&variant); !err.empty())
+    return "FP8 grouped GEMM: " + err;
+  const auto& gemm = Fp8GemmInstances()[variant];
   if (gemm.run == nullptr) return "FP8 grouped GEMM: this variant is not compiled into the build";
   return gemm.run(problem, workspace, workspace_bytes, sm_count, stream);
 }
@@ -182,7 +185,10 @@ std::string RunGroupedWgradFp8(const GroupedWgradFp8Problem& problem, void* work
            std::to_string(problem.ca) + " Cb=" + std::to_string(problem.cb) + " length=" +
            std::to_string(problem.length);
   }
-  const auto& gemm = Fp8WgradInstances()[heuristics::Fp8WgradVariant()];
+  int variant = 0;
+  if (std::string err = heuristics::Fp8WgradVariant(&variant); !err.empty())
+    return "FP8 grouped wgrad: " + err;
+  const auto& gemm = Fp8WgradInstances()[variant];
   if (gemm.run == nullptr) return "FP8 grouped wgrad: this variant is not compiled into the build";
   return gemm.run(problem, workspace, workspace_bytes, sm_count, stream);
 }
