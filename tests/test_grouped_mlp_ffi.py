@@ -9,6 +9,8 @@ multiple of any tile; padding rows must come back exactly 0 and every valid row 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -639,3 +641,45 @@ def test_moe_cuda_fp8_rows_dispatched_in_fp8_two_gpus(recipe):
   for name, err in errs.items():
     limit = 6e-2 if name == "dw_gate_up vs bf16 rows" else 2e-2
     assert err < limit, f"{name}: {err:.3g} (all: {errs})"
+
+
+# A child's forward of the cuda grouped MLP (bf16 or fp8) on small inputs: prints "ran" or the
+# error's text.
+_CHILD = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax_megamoe.backends import cuda
+rng = np.random.default_rng(0)
+e, n, h, f = 4, 256, 256, 128
+x = jnp.asarray(rng.standard_normal((n, h)), jnp.bfloat16)
+gs = jnp.asarray([64, 64, 64, 64], jnp.int32)
+wgu = jnp.asarray(rng.standard_normal((e, h, 2 * f)) / 16, jnp.bfloat16)
+wd = jnp.asarray(rng.standard_normal((e, f, h)) / 16, jnp.bfloat16)
+recipe = None if sys.argv[1] == "bf16" else sys.argv[1]
+try:
+  jax.block_until_ready(cuda.grouped_mlp(x, gs, wgu, wd, recipe=recipe))
+  print("ran")
+except Exception as ex:  # the refusal, by name
+  print(str(ex))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, value, recipe", [
+    ("MEGAMOE_GROUPED_GEMM_VARIANT", "fprop:7", "bf16"),
+    ("MEGAMOE_GROUPED_GEMM_VARIANT", "1", "bf16"),
+    ("MEGAMOE_FP8_GEMM_VARIANT", "9", "fp8"),
+])
+def test_gemm_variant_overrides_reach_the_gemm_or_refuse(name, value, recipe):
+  """The GEMM variant overrides (ffi/heuristics/gemm_variants.h) are read once per process, so
+  each case runs in a child: a valid value runs, a mistyped one fails the GEMM's call naming the
+  variable (until session 36 it was ignored and the default ran). The parser's every case:
+  tests/test_env_overrides.py, on the CPU."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("MEGAMOE_")}
+  env.update({name: value, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+  out = subprocess.run([sys.executable, "-c", _CHILD, recipe], env=env, capture_output=True,
+                       text=True, timeout=300).stdout
+  if value == "1":
+    assert out.strip().splitlines()[-1] == "ran", out
+  else:
+    assert f"{name} must be" in out and f"got '{value}'" in out, out
