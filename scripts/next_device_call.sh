@@ -229,6 +229,10 @@ l2tma_suite)
     tests/test_fused_moe.py tests/test_weight_blocks.py -k "not virtual and not l2_rows_by_tma" \
     --junitxml="$OUT/tests_fused_l2_tma_on.xml" 2>&1 | tee "$OUT/tests_fused_l2_tma_on.log" \
     | grep -E "^E |passed|failed|FAILED" | tail -20
+  # Session 36's GEMM variant overrides, never run on a GPU: a valid one runs, a mistyped one
+  # refuses the call by name (each in a child process: they are read once per process).
+  timeout -s INT -k 10 100 python3 -m pytest -v -rs -m gpu tests/test_grouped_mlp_ffi.py \
+    -k "gemm_variant_overrides" 2>&1 | tee "$OUT/tests_gemm_variant_overrides.log" | tail -5
   ;;
 l2async)
   # The product with L2's TMA staging handed back in the next tile's first stage: the fused
