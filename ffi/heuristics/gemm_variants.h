@@ -73,37 +73,31 @@ inline std::string Bf16GemmVariant(grouped::GemmKind kind, int num_groups, int* 
 }
 
 // An FP8 GEMM's variant: environment variable `name`, one digit below `count`; unset or empty:
-// 0, the measured best of the FP8 GEMMs (benchmarks/RESULTS.md). Returns an error text for
-// anything else, with *variant 0.
-inline std::string Fp8VariantFromEnv(const char* name, int count, int* variant) {
-  const std::string choices = std::string("0123456789").substr(0, count);
-  char choice;
-  std::string err = OneCharOverride(name, choices.c_str(), &choice);
-  *variant = err.empty() && choice != '\0' ? choice - '0' : 0;
-  return err;
-}
-
+// 0, the measured best of the FP8 GEMMs (benchmarks/RESULTS.md); anything else: an error text,
+// with the variant 0.
 struct Fp8Variant {
   int variant = 0;
   std::string error;
 };
 
+inline Fp8Variant Fp8VariantFromEnv(const char* name, int count) {
+  const std::string choices = std::string("0123456789").substr(0, count);
+  char choice;
+  Fp8Variant r;
+  r.error = OneCharOverride(name, choices.c_str(), &choice);
+  if (r.error.empty() && choice != '\0') r.variant = choice - '0';
+  return r;
+}
+
+// Read once per process; each returns the override's error text, if any.
 inline std::string Fp8GemmVariant(int* variant) {
-  static const Fp8Variant v = [] {
-    Fp8Variant r;
-    r.error = Fp8VariantFromEnv("MEGAMOE_FP8_GEMM_VARIANT", kFp8GemmVariants, &r.variant);
-    return r;
-  }();
+  static const Fp8Variant v = Fp8VariantFromEnv("MEGAMOE_FP8_GEMM_VARIANT", kFp8GemmVariants);
   *variant = v.variant;
   return v.error;
 }
 
 inline std::string Fp8WgradVariant(int* variant) {
-  static const Fp8Variant v = [] {
-    Fp8Variant r;
-    r.error = Fp8VariantFromEnv("MEGAMOE_FP8_WGRAD_VARIANT", kFp8WgradVariants, &r.variant);
-    return r;
-  }();
+  static const Fp8Variant v = Fp8VariantFromEnv("MEGAMOE_FP8_WGRAD_VARIANT", kFp8WgradVariants);
   *variant = v.variant;
   return v.error;
 }
