@@ -102,18 +102,23 @@ bench_fwd_ep1() {
     --impls "$3" --ep 1 --reps 10 --isolate off --out "$OUT/$1.json" 2>&1 \
     | tee "$OUT/$1.log" | tail -12
 }
-# multigpu_tests NAME SECONDS FILE...: the multigpu tests of FILEs, their log and XML in $OUT.
+# logged_tests NAME SECONDS PYTEST_ARGS...: pytest verbose under SIGINT at its limit, its log and
+# JUnit XML in $OUT (NAME.log, NAME.xml), its last lines printed.
+logged_tests() {
+  local name=$1 limit=$2
+  shift 2
+  timeout -s INT -k 30 "$limit" python3 -m pytest -v -rs --junitxml="$OUT/$name.xml" "$@" 2>&1 \
+    | tee "$OUT/$name.log" | tail -25
+}
+# multigpu_tests NAME SECONDS FILE...: the multigpu tests of FILEs.
 multigpu_tests() {
   local name=$1 limit=$2
   shift 2
-  timeout -s INT -k 30 "$limit" python3 -m pytest -v -rs --durations=0 -m multigpu \
-    --junitxml="$OUT/$name.xml" "$@" 2>&1 | tee "$OUT/$name.log" | tail -25
+  logged_tests "$name" "$limit" --durations=0 -m multigpu "$@"
 }
-
-# l2_tma_tests NAME: the bitwise tests of L2's rows by TMA (one GPU), their log and XML in $OUT.
+# l2_tma_tests NAME: the bitwise tests of L2's rows by TMA (one GPU).
 l2_tma_tests() {
-  timeout -s INT -k 30 200 python3 -m pytest -v -rs -m gpu --junitxml="$OUT/$1.xml" \
-    tests/test_fused_moe.py -k "l2_rows_by_tma" 2>&1 | tee "$OUT/$1.log" | tail -5
+  logged_tests "$1" 200 -m gpu tests/test_fused_moe.py -k "l2_rows_by_tma"
 }
 
 if [ "$GPUS" -ge 2 ]; then
@@ -225,14 +230,12 @@ l2tma_suite)
   # and update the defaults in tests/test_env_overrides.py and the L2-TMA test's count of None.
   ensure_extension
   l2_tma_tests tests_l2_tma
-  MEGAMOE_FUSED_L2_TMA=1 timeout -s INT -k 20 280 python3 -m pytest -v -rs -n 4 -m gpu \
-    tests/test_fused_moe.py tests/test_weight_blocks.py -k "not virtual and not l2_rows_by_tma" \
-    --junitxml="$OUT/tests_fused_l2_tma_on.xml" 2>&1 | tee "$OUT/tests_fused_l2_tma_on.log" \
-    | grep -E "^E |passed|failed|FAILED" | tail -20
+  MEGAMOE_FUSED_L2_TMA=1 logged_tests tests_fused_l2_tma_on 280 -n 4 -m gpu \
+    tests/test_fused_moe.py tests/test_weight_blocks.py -k "not virtual and not l2_rows_by_tma"
   # Session 36's GEMM variant overrides, never run on a GPU: a valid one runs, a mistyped one
   # refuses the call by name (each in a child process: they are read once per process).
-  timeout -s INT -k 10 100 python3 -m pytest -v -rs -m gpu tests/test_grouped_mlp_ffi.py \
-    -k "gemm_variant_overrides" 2>&1 | tee "$OUT/tests_gemm_variant_overrides.log" | tail -5
+  logged_tests tests_gemm_variant_overrides 100 -m gpu tests/test_grouped_mlp_ffi.py \
+    -k "gemm_variant_overrides"
   ;;
 l2async)
   # The product with L2's TMA staging handed back in the next tile's first stage: the fused
