@@ -115,7 +115,7 @@ def gemm_probe(tmp_path_factory):
 
 # The defaults are the headers' (30B: H 2048, F 768; 235B: H 4096, F 1536): update with them.
 @pytest.mark.parametrize("what, name, default, choices", [
-    ("l2", "MEGAMOE_FUSED_L2_TMA", "ok 0", {"0": "ok 0", "1": "ok 1"}),
+    ("l2", "MEGAMOE_FUSED_L2_TMA", "ok 1", {"0": "ok 0", "1": "ok 1"}),
     ("l2_ranks", "MEGAMOE_FUSED_L2_TMA", "ok 0", {"0": "ok 0", "1": "ok 0"}),  # one rank only
     ("l1_30b", "MEGAMOE_FUSED_L1_ORDER", "ok 0", {"m": "ok 0", "n": "ok 1"}),
     ("l1_235b", "MEGAMOE_FUSED_L1_ORDER", "ok 1", {"m": "ok 0", "n": "ok 1"}),

@@ -399,8 +399,8 @@ def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
     _poison()
     ys[mode] = np.asarray(fresh_forward(*args[:5]), np.float32)
     by_tma[mode] = _ffi.launch_counts()["fused_l2_rows_by_tma"] - before
-  # Unset is kFusedL2RowsByTmaDefault (off): update with the default.
-  assert by_tma["0"] == 0 and by_tma["1"] >= 3 and by_tma[None] == 0, by_tma
+  # Unset is kFusedL2RowsByTmaDefault (on since session 37): update with the default.
+  assert by_tma["0"] == 0 and by_tma["1"] >= 3 and by_tma[None] == by_tma["1"], by_tma
   assert np.all(np.isfinite(np.asarray(outs[None][0], np.float32))), "y has non-finite rows"
   assert np.all(np.isfinite(ys["0"])), "inference y has non-finite rows"
   _assert_bitwise(outs["0"], outs["1"])

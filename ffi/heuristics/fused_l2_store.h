@@ -22,9 +22,10 @@ namespace megamoe::heuristics {
 // ms at 30B and 3.645 -> 2.986 at 235B. The fused kernel's "on" figures of sessions 31-35 are
 // void: until session 35 "1" left the default (off) in place, so both modes ran the generic
 // stores. The fused kernel with it (session 36, H100, median of three rounds' ratios): 30B bf16
-// -1.5%, 235B bf16 -2.6% (within its noise), 30B fp8 -2.8%, 235B fp8 -0.6%. Off until the
-// one-rank suite has run with it on (scripts/next_device_call.sh PART=l2tma_suite).
-inline constexpr bool kFusedL2RowsByTmaDefault = false;
+// -1.5%, 235B bf16 -2.6% (within its noise), 30B fp8 -2.8%, 235B fp8 -0.6%. On since session 37,
+// after the one-rank fused suite passed with it forced on (H100: the bitwise test of the two
+// modes 6 passed, 53 one-rank fused and weight-block tests passed).
+inline constexpr bool kFusedL2RowsByTmaDefault = true;
 
 // Whether L2's rows go out by TMA (one rank alone only). Returns an error text for a bad
 // override, else "" and sets *use.
