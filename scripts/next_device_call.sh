@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The device calls the last session prepared and could not run. Each session that leaves GPU
 # work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34,
-# updated in sessions 35 and 36 (36 ran PART=l2tma and l2tma_ab on H100s: L2's rows by TMA
-# measured faster, kept off until the suite has run with it on). First in session 37:
-# PART=l2tma_suite (then flip kFusedL2RowsByTmaDefault if it passes), then PART=bars on an
-# H200. The combine beside the tiles lives on branch combine-overlap (its own PART=overlap; v3
-# measured in session 36: it loses, the branch is kept for the record only).
+# updated in sessions 35-37 (37 ran the L2-TMA suite on an H100 and made L2's rows by TMA the
+# default; its PART=l2tma* calls are done and gone). First in session 38: PART=bars on an H200
+# (no H200 figure since session 25), then PART=l2async on the same machine. The combine beside
+# the tiles lives on branch combine-overlap (measured in session 36: it loses; kept for the
+# record only).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
 # EP = 2 bars, in four calls on the same warm machine (each builds the extension with its
@@ -21,30 +21,26 @@
 # pytest runs verbose and unbuffered, under SIGINT at its limit (so that it still prints its
 # failures), with a JUnit XML in $OUT.
 # One GPU:
-#   PART=bars (the default; ~7 min): the extension with its defaults (the L1 epilogue deferred
-#     since session 33, SwiGLU's cheaper fast path since session 34), then the layer forward at
-#     EP = 1 for issue 14's table (bench_layer.py: cuda, fused, and fused + blocks for fp8; 30B
-#     and 235B); then the fused kernel with L2's rows by TMA off and on, twice in turn
-#     (fused_phases.py, MEGAMOE_FUSED_L2_TMA=0/1; first measured in session 36, on H100s).
-#     The bars are H200 figures: say which card ran it.
+#   PART=bars (the default; ~5 min): the extension with its defaults (L2's rows by TMA at one
+#     rank since session 37), then the layer forward at EP = 1 for issue 14's table
+#     (bench_layer.py: cuda, fused, and fused + blocks for fp8; 30B and 235B), then where a
+#     call's time goes (fused_phases.py --overhead, bf16 and fp8: CTA 0's phases, alone /
+#     queued, every kernel's GPU time per call beside backend cuda's). The bars are H200
+#     figures: say which card ran it.
 #   PART=harness (~4 min): the standalone harnesses built (eleven builds); the bf16 checks of
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
-#     _l2async (L2's TMA staging handed back in the next tile's first stage; on an H100 in
-#     session 35: L2 -1.6%), and their digests against _staged's (bit for bit); then, twice: 30B L1
-#     and 30B / 235B one launch in _staged, the product and _defer12; L2 by TMA alone and one
-#     launch with L2 by TMA (30B, 235B) in the product and _l2async. Worth it on an H200: the
-#     deferred L2 epilogue lost at 235B on H100s, whose L2 GEMM waits for data two thirds of
-#     the time; on an H200 that GEMM ran at 592 TFLOP/s (FUSED_CORE_NOTES, run 3), so _defer12
-#     against the product build says whether L2's deferral pays there. (_l1x4 was at parity
-#     on an H100 in session 34: still built, no longer run.)
-#   PART=l2async (~4 min): the extension built with JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON, then
-#     fused_phases with MEGAMOE_FUSED_L2_TMA 0/1 twice (as PART=bars does with the default
-#     build: run it after bars on the same machine) and the bitwise test of the two modes.
-#   PART=l2tma (~4 min): the bitwise test of L2's rows by TMA and the fused kernel with them off
-#     and on (session 35 found MEGAMOE_FUSED_L2_TMA=1 a no-op before its fix; session 36 ran it).
-#   PART=l2tma_ab (~5 min): the same off / on, bf16 and fp8, three rounds of 20 calls, then the
-#     layer with it on beside backend cuda (session 36, an H100).
-#   PART=l2tma_suite (~7 min with a build): the one-rank fused tests with L2's rows by TMA on.
+#     _l2async (L2's TMA staging handed back in the next tile's first stage), and their digests
+#     against _staged's (bit for bit); then, twice: 30B L1 and 30B / 235B one launch in _staged,
+#     the product and _defer12; L2 by TMA alone and one launch with L2 by TMA (30B, 235B) in the
+#     product and _l2async. Worth it on an H200: the deferred L2 epilogue lost at 235B on H100s,
+#     whose L2 GEMM waits for data two thirds of the time; on an H200 that GEMM ran at 592
+#     TFLOP/s (FUSED_CORE_NOTES, run 3), so _defer12 against the product build says whether
+#     L2's deferral pays there.
+#   PART=l2async (~5 min): whether the extension should be built with
+#     JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON (session 37, not interleaved: 30B bf16 kernel ~-1%):
+#     both builds' extensions kept, then the fused kernel (bf16 and fp8, 30B and 235B) in each,
+#     alternately, three rounds; then the bitwise test of L2's two store modes in the async
+#     build.
 #   PART=phases (~4 min): fused_phases.py bf16 and fp8 (30B, 235B: the kernel's phases), then
 #     the FP8 harness's four modes at 30B (where L1's and L2's epilogue time goes).
 # Each step has its own time limit, so that one hang does not take the others.
@@ -52,8 +48,7 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|harness|l2tma|l2tma_ab|l2tma_suite|l2async|phases
-#            |ep2|ep2_ep|ep2_train|ep2_bench] \
+#   OUT=... [PART=bars|harness|l2async|phases|ep2|ep2_ep|ep2_train|ep2_bench] \
 #     scripts/next_device_call.sh
 #   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
@@ -79,22 +74,15 @@ build_harnesses() {
     sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
     > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
 }
-# l2_tma_rounds LOG [RECIPES] [ROUNDS] [REPS]: the fused kernel (30B and 235B; recipes bf16 unless
-# given) with L2's rows by TMA off and on, in turn, ROUNDS times (2), into $OUT/LOG.
-l2_tma_rounds() {
-  {
-    python3 -c "import jax_megamoe as m; print('build_info:', m.build_info())"
-    for round in $(seq "${3:-2}"); do
-      for recipe in ${2:-bf16}; do
-        for tma in 0 1; do
-          echo "## round $round, $recipe, MEGAMOE_FUSED_L2_TMA=$tma"
-          MEGAMOE_FUSED_L2_TMA=$tma timeout 80 python3 benchmarks/fused_phases.py \
-            --shapes 30b,235b --recipe "$recipe" --reps "${4:-10}" 2>&1 | grep "kernel"
-        done
-      done
-    done
-  } | tee "$OUT/$1"
+# build_kept NAME [VAR=VALUE ...]: the extension built with those build variables (device_run.sh),
+# its .so kept under /tmp/so_NAME (use_build NAME puts it back in place: one process per run).
+build_kept() {
+  local name=$1
+  shift
+  env "$@" JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+  mkdir -p "/tmp/so_$name" && cp jax_megamoe/_megamoe*.so "/tmp/so_$name/"
 }
+use_build() { cp "/tmp/so_$1"/_megamoe*.so jax_megamoe/; }
 # bench_fwd_ep1 NAME RECIPE IMPLS SECONDS: bench_layer.py's EP = 1 forward (30B, 235B) into
 # $OUT/NAME.{json,log}.
 bench_fwd_ep1() {
@@ -187,18 +175,12 @@ bars)
   JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
   bench_fwd_ep1 layer_fwd_bf16_ep1 bf16 megamoe:cuda,megamoe:fused 200
   bench_fwd_ep1 layer_fwd_fp8_ep1 fp8 megamoe:cuda,megamoe:fused,megamoe:fused+blocks 250
-  l2_tma_rounds fused_l2_tma.log
-  ;;
-l2tma_ab)
-  # Whether L2's rows by TMA should be the default (session 36's first timing, an H100: 30B bf16
-  # -1.3% / -1.9%, 235B within its noise): the fused kernel off / on in turn, bf16 and fp8,
-  # three rounds of 20 calls; then the layer forward with it on, beside backend cuda in the same
-  # run (the bars' figures as they would be with the default flipped).
-  ensure_extension
-  l2_tma_rounds fused_l2_tma_ab.log "bf16 fp8" 3 20
-  export MEGAMOE_FUSED_L2_TMA=1
-  bench_fwd_ep1 layer_fwd_bf16_ep1_l2tma bf16 megamoe:cuda,megamoe:fused 200
-  bench_fwd_ep1 layer_fwd_fp8_ep1_l2tma fp8 megamoe:cuda,megamoe:fused+blocks 200
+  rm -f "$OUT"/*.png  # a call returns at most 8 files
+  for recipe in bf16 fp8; do
+    echo "## $recipe"
+    timeout 150 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe --reps 10 \
+      --overhead 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
+  done | tee "$OUT/fused_overhead.log" | grep -E "fwd: kernel|alone|queued"
   ;;
 phases)
   # Where the product's time goes today (bf16 and fp8, 30B and 235B: each phase of the fused
@@ -214,40 +196,27 @@ phases)
   timeout 150 build/fused_core/fused_core_fp8_bench --timing --only "E128 x 1024" --modes 0123 \
     --reps 21 2>&1 | tee "$OUT/fp8_modes.log" | grep -E "PASS|FAIL|median" | tail -12
   ;;
-l2tma)
-  # The fused kernel with L2's rows by TMA for the first time (MEGAMOE_FUSED_L2_TMA=1 was a no-op
-  # until session 35): the bitwise test (now with launch counts), then off / on twice.
-  ensure_extension
-  l2_tma_tests tests_l2_tma
-  l2_tma_rounds fused_l2_tma.log
-  ;;
-l2tma_suite)
-  # Before L2's rows by TMA become the default (session 36, paired medians of three rounds: fp8
-  # 30B -2.8%, 235B -0.6%; bf16 30B -1.5%, 235B -2.6%): the bitwise tests of the two modes
-  # (training and inference forward), then the one-rank fused tests with the mode forced on (a
-  # test with several ranks, "virtual" in its name, never takes it), fused + weight blocks
-  # included. If all pass, set kFusedL2RowsByTmaDefault = true (ffi/heuristics/fused_l2_store.h)
-  # and update the defaults in tests/test_env_overrides.py and the L2-TMA test's count of None.
-  ensure_extension
-  l2_tma_tests tests_l2_tma
-  MEGAMOE_FUSED_L2_TMA=1 logged_tests tests_fused_l2_tma_on 280 -n 4 -m gpu \
-    tests/test_fused_moe.py tests/test_weight_blocks.py -k "not virtual and not l2_rows_by_tma"
-  # Session 36's GEMM variant overrides, never run on a GPU: a valid one runs, a mistyped one
-  # refuses the call by name (each in a child process: they are read once per process).
-  logged_tests tests_gemm_variant_overrides 100 -m gpu tests/test_grouped_mlp_ffi.py \
-    -k "gemm_variant_overrides"
-  ;;
 l2async)
-  # The product with L2's TMA staging handed back in the next tile's first stage: the fused
-  # kernel with L2's rows by TMA off (the same code as the default build's: the control) and on,
-  # twice in turn, then the test that the two modes give the same bits.
-  JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build \
-    || exit 1
-  l2_tma_rounds fused_l2_tma_async.log
+  # L2's TMA staging handed back in the next tile's first stage, or at the epilogue's end (the
+  # default build): the fused kernel with L2's rows by TMA (the default) in each build in turn,
+  # so that clocks and heat are shared; then the bitwise test of the two store modes there.
+  build_kept default
+  build_kept async JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON
+  for round in 1 2 3; do
+    for build in default async; do
+      use_build $build
+      for recipe in bf16 fp8; do
+        echo "## round $round, $build build, $recipe"
+        timeout 80 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe \
+          --reps 20 2>&1 | grep "kernel"
+      done
+    done
+  done | tee "$OUT/fused_l2_tma_async_ab.log"
+  use_build async
   l2_tma_tests tests_l2_tma_async
   ;;
 *)
-  echo "PART=${PART}: unknown (bars, harness, l2tma, l2tma_ab, l2tma_suite, l2async or phases)"
+  echo "PART=${PART}: unknown (bars, harness, l2async or phases)"
   exit 2
   ;;
 esac
