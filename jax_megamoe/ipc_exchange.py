@@ -35,6 +35,8 @@ import time
 import warnings
 from typing import Protocol
 
+from jax_megamoe import env_overrides
+
 KEY_PREFIX = "jax_megamoe/ep_ws"
 TIMEOUT_ENV = "MEGAMOE_EP_HANDSHAKE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0  # processes reach their first trace minutes apart at worst (data, compile)
@@ -82,11 +84,7 @@ class DistributedStore:
 def timeout_from_env(timeout_s: float | None) -> float:
   """timeout_s, else MEGAMOE_EP_HANDSHAKE_TIMEOUT_S, else 300 s; must be > 0."""
   if timeout_s is None:
-    raw = os.environ.get(TIMEOUT_ENV, "")
-    try:
-      timeout_s = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-      raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    timeout_s = env_overrides.positive_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
   if not timeout_s > 0:
     raise ValueError(f"handshake_timeout_s must be > 0 seconds, got {timeout_s}")
   return float(timeout_s)

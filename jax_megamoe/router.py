@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-import os
 from typing import NamedTuple
 
 import jax
@@ -12,7 +11,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 
-from jax_megamoe import _ffi, parallel
+from jax_megamoe import _ffi, env_overrides, parallel
 
 
 class RouterAux(NamedTuple):
@@ -84,7 +83,7 @@ BALANCE_SINKHORN = "exp"
 # per device under route's `mesh`; elsewhere the JAX loops. On since its GPU tests passed on an
 # H100 (session 29: 0.25 ms a call in the step against the loops' ~0.6; the same choice at
 # 16,384 x 128); MEGAMOE_BALANCE_KERNEL=0 turns it off.
-BALANCE_KERNEL = os.environ.get("MEGAMOE_BALANCE_KERNEL", "1") != "0"
+BALANCE_KERNEL = env_overrides.switch("MEGAMOE_BALANCE_KERNEL", True)
 BALANCE_KERNEL_TARGET = "megamoe_balance_offsets"
 BALANCE_KERNEL_MAX_EXPERTS = 512  # ffi/layout/balance_problem.h's kBalanceMaxExperts
 # The platforms (jax.lax.platform_dependent's names) whose handler the kernel path calls; tests

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_megamoe import ipc_exchange
+from jax_megamoe import env_overrides, ipc_exchange
 
 MAX_RANKS = 8
 SIGNAL_BYTES = 512  # sizeof(megamoe::ep::SignalArea)
@@ -51,6 +51,25 @@ IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 # runs on another stream at the same time could then find no room. 128 leaves room on each SM.
 DEFAULT_COMM_BLOCKS = 128
 DEFAULT_TIMEOUT_S = 60.0
+
+
+def send_settings(comm_blocks: int | None, timeout_s: float | None,
+                  caller: str) -> tuple[int, float]:
+  """A workspace's (comm_blocks, timeout_s), validated: the arguments where given, else
+  MEGAMOE_EP_COMM_BLOCKS / MEGAMOE_EP_TIMEOUT_S, else DEFAULT_COMM_BLOCKS / DEFAULT_TIMEOUT_S
+  (every workspace, real or virtual, decides them here)."""
+  if comm_blocks is None:
+    comm_blocks = env_overrides.positive_int("MEGAMOE_EP_COMM_BLOCKS", DEFAULT_COMM_BLOCKS,
+                                             "a positive number of thread blocks")
+  elif (isinstance(comm_blocks, bool) or not isinstance(comm_blocks, numbers.Integral)
+        or comm_blocks < 1):
+    raise ValueError(f"{caller}: comm_blocks must be a positive int, got {comm_blocks!r}")
+  if timeout_s is None:
+    timeout_s = env_overrides.positive_seconds("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+  elif not (isinstance(timeout_s, numbers.Real) and 0 < timeout_s < float("inf")):
+    raise ValueError(f"{caller}: timeout_s must be a positive number of seconds, got "
+                     f"{timeout_s!r}")
+  return int(comm_blocks), float(timeout_s)
 
 
 def _align(value: int, alignment: int = 256) -> int:
@@ -272,25 +291,16 @@ def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidd
   """
   # Arguments checked before any native call, so that a bad one is named here instead of
   # surfacing as a ctypes or CUDA driver error.
-  for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("top_k", top_k),
-                      ("comm_blocks", 1 if comm_blocks is None else comm_blocks)):
+  for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("top_k", top_k)):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
       raise ValueError(f"create_workspace: {name} must be a positive int, got {value!r}")
   max_tokens, hidden, top_k = int(max_tokens), int(hidden), int(top_k)
-  comm_blocks = None if comm_blocks is None else int(comm_blocks)
-  if timeout_s is not None and not (isinstance(timeout_s, numbers.Real)
-                                    and 0 < timeout_s < float("inf")):
-    raise ValueError(f"create_workspace: timeout_s must be a positive number of seconds, got "
-                     f"{timeout_s!r}")
+  comm_blocks, timeout_s = send_settings(comm_blocks, timeout_s, "create_workspace")
   _require_gpus(mesh)
   elem_bytes = int(np.dtype(dtype).itemsize)
   groups = ep_groups(mesh, expert_axis)
   num_ranks = groups.shape[1]
   _check_sizes(num_ranks, max_tokens, hidden, top_k, elem_bytes)
-  if comm_blocks is None:
-    comm_blocks = int(os.environ.get("MEGAMOE_EP_COMM_BLOCKS", DEFAULT_COMM_BLOCKS))
-  if timeout_s is None:
-    timeout_s = float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
   handshake_timeout_s = ipc_exchange.timeout_from_env(handshake_timeout_s)
   me = _this_process()
   local = [(g, r, d) for g in range(groups.shape[0]) for r in range(num_ranks)

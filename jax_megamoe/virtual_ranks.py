@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import os
 from typing import Any, Callable
 
 import jax
@@ -57,6 +56,8 @@ def create_workspace(num_ranks: int, *, max_tokens: int, hidden: int, top_k: int
   elem_bytes = int(np.dtype(dtype).itemsize)
   one_rank = symmetric.workspace_bytes(int(num_ranks), max_tokens, hidden, top_k, elem_bytes,
                                        fused_rows)  # validates the sizes
+  comm_blocks, timeout_s = symmetric.send_settings(comm_blocks, timeout_s,
+                                                   "virtual_ranks.create_workspace")
   if device is None:
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
@@ -64,10 +65,6 @@ def create_workspace(num_ranks: int, *, max_tokens: int, hidden: int, top_k: int
     device = gpus[0]
   if device.platform != "gpu":
     raise ValueError(f"device must be a GPU, got {device}")
-  if comm_blocks is None:
-    comm_blocks = int(os.environ.get("MEGAMOE_EP_COMM_BLOCKS", symmetric.DEFAULT_COMM_BLOCKS))
-  if timeout_s is None:
-    timeout_s = float(os.environ.get("MEGAMOE_EP_TIMEOUT_S", symmetric.DEFAULT_TIMEOUT_S))
   ws_id = ctypes.c_int64(0)
   symmetric._call(_virtual_library().megamoe_ep_ws_new_virtual, int(num_ranks), max_tokens,
                   hidden, top_k, elem_bytes, fused_rows, comm_blocks, timeout_s,

@@ -217,7 +217,8 @@ def test_handshake_timeout_setting(monkeypatch):
   assert ipc_exchange.timeout_from_env(None) == 12.5
   assert ipc_exchange.timeout_from_env(3) == 3.0
   monkeypatch.setenv("MEGAMOE_EP_HANDSHAKE_TIMEOUT_S", "soon")
-  with pytest.raises(ValueError, match="MEGAMOE_EP_HANDSHAKE_TIMEOUT_S must be a number.*'soon'"):
+  with pytest.raises(ValueError, match="MEGAMOE_EP_HANDSHAKE_TIMEOUT_S must be a positive "
+                                       "number of seconds, got 'soon'"):
     ipc_exchange.timeout_from_env(None)
   with pytest.raises(ValueError, match="handshake_timeout_s must be > 0 seconds, got 0"):
     ipc_exchange.timeout_from_env(0)

@@ -23,6 +23,7 @@
 
 #include "ffi/comm/peer_signal.cuh"
 #include "ffi/handlers/ep_ops.h"
+#include "ffi/heuristics/fused_debug.h"
 #include "ffi/impls/fused_moe.h"
 #include "ffi/registry.h"
 
@@ -158,9 +159,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   if (ost.dims[0] != 4) return Fail("stats must be [4] per rank");
   if (oph.dims[0] != kFusedPhases)
     return Fail("phases must be [" + n(kFusedPhases) + "] per rank");
-  // MEGAMOE_FUSED_DEBUG (fused_moe.h: kFusedDebug*): fault localisation only, unset normally.
-  const char* debug_env = std::getenv("MEGAMOE_FUSED_DEBUG");
-  const int debug = debug_env != nullptr ? std::atoi(debug_env) : 0;
+  int debug = 0;  // MEGAMOE_FUSED_DEBUG: fault localisation only, unset normally
+  if (std::string err = heuristics::FusedDebugBits(&debug); !err.empty()) return Fail(err);
   const FusedForwardProblem problem{static_cast<int>(T), static_cast<int>(H),
                                     static_cast<int>(F), static_cast<int>(K),
                                     static_cast<int>(num_experts), static_cast<int>(n_cap),

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "ffi/handlers/ep_ops.h"
+#include "ffi/heuristics/fused_debug.h"
 #include "ffi/impls/fused_moe.h"
 #include "ffi/registry.h"
 
@@ -118,8 +119,8 @@ ffi::Error FusedMoeBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dy,
   if (ost.dims[0] != 4) return Fail("stats must be [4] per rank");
   if (oph.dims[0] != kFusedPhases)
     return Fail("phases must be [" + n(kFusedPhases) + "] per rank");
-  const char* debug_env = std::getenv("MEGAMOE_FUSED_DEBUG");
-  const int debug = debug_env != nullptr ? std::atoi(debug_env) : 0;
+  int debug = 0;  // MEGAMOE_FUSED_DEBUG: fault localisation only, unset normally
+  if (std::string err = heuristics::FusedDebugBits(&debug); !err.empty()) return Fail(err);
   const FusedForwardProblem problem{static_cast<int>(T), static_cast<int>(H),
                                     static_cast<int>(F), static_cast<int>(K),
                                     static_cast<int>(num_experts), static_cast<int>(n_cap),

@@ -1,6 +1,7 @@
-// The environment overrides of the heuristics here that take one character ("0" / "1",
-// "m" / "n"): one parser, so that each refuses a mistyped value by name instead of quietly
-// running its default (session 35: an override that did nothing voided a benchmark).
+// The parsers of the environment overrides here: one character ("0" / "1", "m" / "n") or a
+// bounded integer, so that each refuses a mistyped value by name instead of quietly running its
+// default (session 35: an override that did nothing voided a benchmark). The Python side's are
+// jax_megamoe/env_overrides.py.
 #pragma once
 
 #include <cstdlib>
@@ -26,6 +27,30 @@ inline std::string OneCharOverride(const char* name, const char* choices, char* 
     allowed += *c;
   }
   return std::string(name) + " must be " + allowed + ", got '" + env + "'";
+}
+
+// Reads variable `name` as a decimal integer in [lo, hi] (digits only: no sign, no spaces).
+// Unset or empty: "" and *value untouched (the caller's default). In range: "" and *value = it.
+// Anything else: an error text naming the variable, `what` (e.g. "an integer percent"), the
+// range and the value.
+inline std::string IntOverride(const char* name, int lo, int hi, const char* what, int* value) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || env[0] == '\0') return "";
+  long v = 0;
+  int digits = 0;
+  for (const char* c = env; *c != '\0'; ++c, ++digits) {
+    if (*c < '0' || *c > '9' || digits == 9) {  // 9 digits fit an int
+      v = -1;
+      break;
+    }
+    v = v * 10 + (*c - '0');
+  }
+  if (v < lo || v > hi) {
+    return std::string(name) + " must be " + what + " in [" + std::to_string(lo) + ", " +
+           std::to_string(hi) + "], got \"" + env + "\"";
+  }
+  *value = static_cast<int>(v);
+  return "";
 }
 
 }  // namespace megamoe::heuristics

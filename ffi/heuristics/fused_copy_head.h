@@ -12,8 +12,9 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
+
+#include "ffi/heuristics/env_override.h"
 
 namespace megamoe::heuristics {
 
@@ -33,17 +34,10 @@ inline constexpr int kFusedCopyHeadPercent = 12;
 // (kFusedCopyHeadPercent unless overridden), or an error naming a value that is not an integer
 // in [0, 100].
 inline std::string FusedCopyHeadPercent(int32_t* percent) {
-  *percent = kFusedCopyHeadPercent;
-  const char* env = std::getenv("MEGAMOE_FUSED_COPY_HEAD");
-  if (env == nullptr || env[0] == '\0') return "";
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  if (*end != '\0' || v < 0 || v > 100) {
-    return std::string("MEGAMOE_FUSED_COPY_HEAD must be an integer percent in [0, 100], got \"") +
-           env + "\"";
-  }
-  *percent = static_cast<int32_t>(v);
-  return "";
+  int value = kFusedCopyHeadPercent;
+  std::string err = IntOverride("MEGAMOE_FUSED_COPY_HEAD", 0, 100, "an integer percent", &value);
+  *percent = value;
+  return err;
 }
 
 }  // namespace megamoe::heuristics

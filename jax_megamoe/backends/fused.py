@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import NamedTuple
 
 import jax
@@ -80,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_megamoe import _ffi, parallel, symmetric, varying
+from jax_megamoe import _ffi, env_overrides, parallel, symmetric, varying
 from jax_megamoe.backends import cuda, cuda_bf16, cuda_ep, cuda_fp8
 from jax_megamoe.validation import LayerShape
 
@@ -162,11 +161,8 @@ def auto_reason(shape: LayerShape | None, mesh, expert_axis: str) -> str | None:
 
 def max_ctas(spans_gpus: bool) -> int:
   """The launch's CTA budget attribute: > 0 at most that many, <= 0 every SM but -value."""
-  env = os.environ.get("MEGAMOE_FUSED_MAX_CTAS")
-  if env is not None:
-    value = int(env)
-    if value < 1:
-      raise ValueError(f"MEGAMOE_FUSED_MAX_CTAS must be a positive number of CTAs, got {env!r}")
+  value = env_overrides.positive_int("MEGAMOE_FUSED_MAX_CTAS", None, "a positive number of CTAs")
+  if value is not None:
     return value
   return -SMS_LEFT_FOR_COLLECTIVES if spans_gpus else 0
 
@@ -180,9 +176,7 @@ def kernel_backward_requested() -> bool | None:
   11.12; 235B at R = 2 21.75 against 21.95. At one rank of 16,384 tokens (30B) they tie (7.86
   against 7.90 ms alone, 8.19 against 8.17 queued), and backend cuda's layer took 7.62 (session
   20): so one rank keeps cuda's kernels."""
-  value = os.environ.get("MEGAMOE_FUSED_BACKWARD", "auto")
-  if value not in ("0", "1", "auto"):
-    raise ValueError(f"MEGAMOE_FUSED_BACKWARD must be 0, 1 or auto, got {value!r}")
+  value = env_overrides.choice("MEGAMOE_FUSED_BACKWARD", ("0", "1", "auto"), "auto")
   return None if value == "auto" else value == "1"
 
 

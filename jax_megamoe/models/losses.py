@@ -5,14 +5,13 @@ gradient)."""
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jax_megamoe import _ffi, parallel
+from jax_megamoe import _ffi, env_overrides, parallel
 
 # The float32 logits one device may hold at once before the cross-entropy is chunked: 1 GiB
 # (the 30B config's 151,936-token vocabulary at 16,384 tokens would take 10 GB, and as much
@@ -33,7 +32,7 @@ CE_LSE_ONE_PASS = True
 # On since its GPU tests passed on an H100 (session 29: the chunk's loss + d_logits 0.385 ms in
 # the step against XLA's 0.56, the 4-layer step's outside share 15.8% -> 13.8% with the balance
 # kernel); MEGAMOE_CE_KERNEL=0 turns it off.
-CE_KERNEL = os.environ.get("MEGAMOE_CE_KERNEL", "1") != "0"
+CE_KERNEL = env_overrides.switch("MEGAMOE_CE_KERNEL", True)
 CE_KERNEL_TARGET = "megamoe_cross_entropy_grad"
 # The platforms (jax.lax.platform_dependent's names) whose handler the kernel path calls; tests
 # add "cpu", the handler's CPU twin, to run the path end to end in CI.
