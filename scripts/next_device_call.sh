@@ -25,8 +25,9 @@
 #     rank since session 37), then the layer forward at EP = 1 for issue 14's table
 #     (bench_layer.py: cuda, fused, and fused + blocks for fp8; 30B and 235B), then where a
 #     call's time goes (fused_phases.py --overhead, bf16 and fp8: CTA 0's phases, alone /
-#     queued, every kernel's GPU time per call beside backend cuda's). The bars are H200
-#     figures: say which card ran it.
+#     queued, every kernel's GPU time per call beside backend cuda's), then the GPU tests of
+#     session 37's integer overrides (MEGAMOE_FUSED_DEBUG, MEGAMOE_FUSED_COPY_HEAD). The bars
+#     are H200 figures: say which card ran it.
 #   PART=harness (~4 min): the standalone harnesses built (eleven builds); the bf16 checks of
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
 #     _l2async (L2's TMA staging handed back in the next tile's first stage), and their digests
@@ -181,6 +182,10 @@ bars)
     timeout 150 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe --reps 10 \
       --overhead 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
   done | tee "$OUT/fused_overhead.log" | grep -E "fwd: kernel|alone|queued"
+  # Session 37's refusals of a mistyped MEGAMOE_FUSED_DEBUG / MEGAMOE_FUSED_COPY_HEAD in the
+  # handlers (IntOverride, env_override.h), never run on a GPU.
+  logged_tests tests_int_overrides 200 -m gpu tests/test_fused_moe.py \
+    -k "debug_bits or copy_before_or_beside"
   ;;
 phases)
   # Where the product's time goes today (bf16 and fp8, 30B and 235B: each phase of the fused

@@ -494,6 +494,26 @@ def test_kernel_backward_matches_reference(monkeypatch, num_ranks, tokens, exper
     ws.close()
 
 
+def test_debug_bits_override_refuses_a_bad_value(monkeypatch):
+  """MEGAMOE_FUSED_DEBUG, read by both fused handlers at every call (heuristics/fused_debug.h):
+  "0" runs the normal kernels, a value that is not an integer of the kFusedDebug* bits refuses
+  the call by name, in the forward and in the backward's kernel pass alone on residuals made
+  before (it was read with atoi: "0x2" ran the normal kernel). A fresh jit for every call: a
+  replayed CUDA graph skips the handler."""
+  x, ids, w, wgu, wd, dy = _inputs(7, 64, 8, 2, ffn=256)  # FFN 256: the backward's dh tiles
+  forward = lambda: jax.jit(lambda *a: jm.moe(*a, backend="fused"))(x, ids, w, wgu, wd)
+  error = r"MEGAMOE_FUSED_DEBUG must be an integer of fused_moe.h's kFusedDebug\* bits in \[0, 31\]"
+  for bad in ("0x2", "32", "-1"):
+    monkeypatch.setenv("MEGAMOE_FUSED_DEBUG", "0")
+    backward = fused.backward_with_phases(x, ids, w, wgu, wd)  # its forward runs here
+    assert np.all(np.isfinite(np.asarray(forward(), np.float32)))
+    monkeypatch.setenv("MEGAMOE_FUSED_DEBUG", bad)
+    with pytest.raises(Exception, match=error):
+      jax.block_until_ready(forward())
+    with pytest.raises(Exception, match=error):
+      jax.block_until_ready(backward(dy))
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 3])
 def test_kernel_backward_topk_weight_grads_equal_cuda_bitwise(monkeypatch, num_ranks):
   """d topk_weights from the kernel's backward pass (MEGAMOE_FUSED_BACKWARD=1) equal those of
