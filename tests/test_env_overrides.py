@@ -131,12 +131,18 @@ def probe(tmp_path_factory):
       what, overrides=None if name is None else {name: value})
 
 
-@pytest.fixture(scope="module")
-def gemm_probe(tmp_path_factory):
+def _compile_with_cuda(tmp_path_factory, name, source, needs):
+  """_compile with the CUDA headers on the include path (`needs`: the header that wants them)."""
   cuda = _cuda_include()
   if cuda is None:
-    pytest.skip("not run: no CUDA headers (cuda_runtime.h) for ffi/gemm/grouped_gemm.h")
-  return _compile(tmp_path_factory, "gemm_variants", GEMM_PROGRAM, [cuda])
+    pytest.skip(f"not run: no CUDA headers (cuda_runtime.h) for {needs}")
+  return _compile(tmp_path_factory, name, source, [cuda])
+
+
+@pytest.fixture(scope="module")
+def gemm_probe(tmp_path_factory):
+  return _compile_with_cuda(tmp_path_factory, "gemm_variants", GEMM_PROGRAM,
+                            "ffi/gemm/grouped_gemm.h")
 
 
 # The defaults are the headers' (30B: H 2048, F 768; 235B: H 4096, F 1536): update with them.
@@ -163,10 +169,8 @@ def test_override_takes_its_choices_and_refuses_the_rest(probe, what, name, defa
 
 @pytest.fixture(scope="module")
 def debug_probe(tmp_path_factory):
-  cuda = _cuda_include()
-  if cuda is None:
-    pytest.skip("not run: no CUDA headers (cuda_runtime.h) for ffi/impls/fused_moe.h")
-  return _compile(tmp_path_factory, "fused_debug", DEBUG_PROGRAM, [cuda])
+  return _compile_with_cuda(tmp_path_factory, "fused_debug", DEBUG_PROGRAM,
+                            "ffi/impls/fused_moe.h")
 
 
 INT_BAD = ("-1", "+5", " 5", "5 ", "0x2", "1.5", "abc", "99999999999")
