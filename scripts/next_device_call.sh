@@ -76,14 +76,18 @@ build_harnesses() {
     > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
 }
 # build_kept NAME [VAR=VALUE ...]: the extension built with those build variables (device_run.sh),
-# its .so kept under /tmp/so_NAME (use_build NAME puts it back in place: one process per run).
+# its .so kept under /tmp/so_NAME (use_build NAME puts it back in place, for the processes
+# started after it, and prints its build_info; it fails if NAME was never kept).
 build_kept() {
   local name=$1
   shift
   env "$@" JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
   mkdir -p "/tmp/so_$name" && cp jax_megamoe/_megamoe*.so "/tmp/so_$name/"
 }
-use_build() { cp "/tmp/so_$1"/_megamoe*.so jax_megamoe/; }
+use_build() {
+  cp "/tmp/so_$1"/_megamoe*.so jax_megamoe/ || { echo "use_build $1: no kept extension"; return 1; }
+  python3 -c "import jax_megamoe as m; print('build $1:', m.build_info())"
+}
 # bench_fwd_ep1 NAME RECIPE IMPLS SECONDS: bench_layer.py's EP = 1 forward (30B, 235B) into
 # $OUT/NAME.{json,log}.
 bench_fwd_ep1() {
@@ -174,6 +178,7 @@ harness)
   ;;
 bars)
   JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
+  rm -f "$OUT/gpus.txt" "$OUT/build.log"  # printed above; a call returns at most 8 files
   bench_fwd_ep1 layer_fwd_bf16_ep1 bf16 megamoe:cuda,megamoe:fused 200
   bench_fwd_ep1 layer_fwd_fp8_ep1 fp8 megamoe:cuda,megamoe:fused,megamoe:fused+blocks 250
   rm -f "$OUT"/*.png  # a call returns at most 8 files
@@ -209,7 +214,7 @@ l2async)
   build_kept async JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON
   for round in 1 2 3; do
     for build in default async; do
-      use_build $build
+      use_build $build || exit 1  # (ends the rounds: they run in the pipeline's subshell)
       for recipe in bf16 fp8; do
         echo "## round $round, $build build, $recipe"
         timeout 80 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe \
@@ -217,7 +222,7 @@ l2async)
       done
     done
   done | tee "$OUT/fused_l2_tma_async_ab.log"
-  use_build async
+  use_build async || exit 1
   l2_tma_tests tests_l2_tma_async
   ;;
 *)

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -173,7 +174,9 @@ def debug_probe(tmp_path_factory):
                             "ffi/impls/fused_moe.h")
 
 
-INT_BAD = ("-1", "+5", " 5", "5 ", "0x2", "1.5", "abc", "99999999999")
+# The last two: past a long's range, and ten digits whose value fits in a long (the parser's
+# nine-digit cap refuses both before any overflow).
+INT_BAD = ("-1", "+5", " 5", "5 ", "0x2", "1.5", "abc", "9" * 25, "0000000007")
 
 
 def _int_override_cases(run, name, default, hi, what):
@@ -300,6 +303,9 @@ def test_workspace_send_settings(monkeypatch):
   with pytest.raises(ValueError, match="MEGAMOE_EP_COMM_BLOCKS must be a positive number of "
                                        "thread blocks, got '128 blocks'"):
     virtual_ranks.create_workspace(2, max_tokens=8, hidden=256, top_k=2)
+  cpu_mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("expert",))
+  with pytest.raises(ValueError, match="MEGAMOE_EP_COMM_BLOCKS must be"):  # before "not GPUs"
+    symmetric.create_workspace(cpu_mesh, "expert", max_tokens=8, hidden=256, top_k=2)
   monkeypatch.setenv("MEGAMOE_EP_COMM_BLOCKS", "64")
   monkeypatch.setenv("MEGAMOE_EP_TIMEOUT_S", "0")
   with pytest.raises(ValueError, match="MEGAMOE_EP_TIMEOUT_S must be a positive number of "

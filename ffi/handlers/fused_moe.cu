@@ -17,7 +17,6 @@
 // [F/128, FusedScalePitch(n_cap)]; y bf16.
 #include <cuda_bf16.h>
 
-#include <cstdlib>
 #include <string>
 #include <vector>
 

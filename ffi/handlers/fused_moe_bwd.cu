@@ -14,7 +14,6 @@
 // timed out gives NaN in all four outputs.
 #include <cuda_bf16.h>
 
-#include <cstdlib>
 #include <string>
 #include <vector>
 

@@ -37,15 +37,16 @@ inline std::string IntOverride(const char* name, int lo, int hi, const char* wha
   const char* env = std::getenv(name);
   if (env == nullptr || env[0] == '\0') return "";
   long v = 0;
+  bool digits_only = true;
   int digits = 0;
   for (const char* c = env; *c != '\0'; ++c, ++digits) {
     if (*c < '0' || *c > '9' || digits == 9) {  // 9 digits fit an int
-      v = -1;
+      digits_only = false;
       break;
     }
     v = v * 10 + (*c - '0');
   }
-  if (v < lo || v > hi) {
+  if (!digits_only || v < lo || v > hi) {
     return std::string(name) + " must be " + what + " in [" + std::to_string(lo) + ", " +
            std::to_string(hi) + "], got \"" + env + "\"";
   }

@@ -2,7 +2,7 @@
 // call: MEGAMOE_FUSED_DEBUG, an integer of ffi/impls/fused_moe.h's kFusedDebug* bits; unset,
 // empty or 0: the normal kernel. Fault localisation and benchmarks only (fused_phases.py
 // --debug-bits, fused_fp8_debug.py). A value that is not such an integer refuses the call by
-// name: it used to be read with atoi, so "2 " or "0x2" ran the normal kernel unnoticed.
+// name: it used to be read with atoi, so "0x2" ran the normal kernel and "1.5" bit 1 unnoticed.
 #pragma once
 
 #include <string>

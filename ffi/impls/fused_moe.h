@@ -83,7 +83,9 @@ constexpr int kFusedDebugSync = 8;       // synchronise the stream after the lau
 constexpr int kFusedDebugUnalignedScales = 16;  // FP8: A-scale TMA boxes start at the tile's
                                                 // first row itself (the first build's unaligned
                                                 // start) instead of at it rounded down to 16 B
-constexpr int kFusedDebugAllBits = 31;        // every bit above (the override's upper bound)
+constexpr int kFusedDebugAllBits =            // every bit above (the override's upper bound)
+    kFusedDebugNoL2 | kFusedDebugNoGemm | kFusedDebugNoGateUp | kFusedDebugSync |
+    kFusedDebugUnalignedScales;
 
 // Rows of a K-block-major scale matrix [K/128, pitch] over `rows` rows (FP8: the pool's and h's
 // scales; a multiple of 128 rows, which keeps TMA's 16-byte row stride).
