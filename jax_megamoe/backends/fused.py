@@ -625,19 +625,24 @@ def moe(x, topk_ids, topk_weights, w_gate_up, w_down, *, mesh, expert_axis, reci
                                recipe=recipe, shape=shape, weight_blocks=weight_blocks)
   if (recipe is not None and recipe not in FP8_RECIPES) or layer_unavailable_reason(shape):
     return fallback()
+  # The environment overrides are read before a workspace (~1 GB at 30B) is allocated, so that
+  # a mistyped one fails first.
+  kernel_backward = kernel_backward_requested()
   if mesh is None:
+    ctas = max_ctas(False)
     plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(recipe))
-    cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan,
-                      max_ctas(False), recipe=recipe)
+    cfg = FusedConfig(_local_workspace(shape, plan.n_cap), shape.num_experts, plan, ctas,
+                      recipe=recipe, kernel_backward=kernel_backward)
     return fused_layer(*args, cfg, weight_blocks)
   if cuda_ep.unavailable_reason(mesh, expert_axis, shape) is not None:
     return fallback()
+  ctas = max_ctas(shape.ep_size > 1)
   plan = cuda_ep.LayerPlan.of(shape, cuda_mlp(recipe))
   workspace = symmetric.workspace_for(mesh, expert_axis, max_tokens=shape.tokens_per_device,
                                       hidden=shape.hidden, top_k=shape.top_k, dtype=shape.dtype,
                                       fused_rows=plan.n_cap)
-  cfg = FusedConfig(workspace, shape.num_experts, plan, max_ctas(shape.ep_size > 1),
-                    recipe=recipe)
+  cfg = FusedConfig(workspace, shape.num_experts, plan, ctas, recipe=recipe,
+                    kernel_backward=kernel_backward)
   args = (x, topk_ids.astype(jnp.int32), topk_weights.astype(jnp.float32), w_gate_up, w_down)
   if weight_blocks is not None:
     args += (weight_blocks,)
