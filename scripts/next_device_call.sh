@@ -42,8 +42,10 @@
 #     both builds' extensions kept, then the fused kernel (bf16 and fp8, 30B and 235B) in each,
 #     alternately, three rounds; then the bitwise test of L2's two store modes in the async
 #     build.
-#   PART=phases (~4 min): fused_phases.py bf16 and fp8 (30B, 235B: the kernel's phases), then
-#     the FP8 harness's four modes at 30B (where L1's and L2's epilogue time goes).
+#   PART=phases (~5 min): fused_phases.py bf16 and fp8 (30B, 235B: the kernel's phases), 235B
+#     bf16 with the copy before the tiles or beside them (MEGAMOE_FUSED_COPY_HEAD 100 / 12 / 0:
+#     whether the copy is what holds its GEMMs 20% below CUTLASS's on an H100), then the FP8
+#     harness's four modes at 30B (where L1's and L2's epilogue time goes).
 # Each step has its own time limit, so that one hang does not take the others.
 # To compare two commits' engines (an A/B of a kernel change), build the harnesses of each here
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
@@ -202,6 +204,11 @@ phases)
     timeout 120 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe --reps 10 \
       2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
   done | tee "$OUT/fused_phases.log"
+  # Whether the copy beside the tiles is what slows 235B bf16's GEMMs against CUTLASS's
+  # (session 37, H100: the fused GEMM region 9.1-9.4 ms against cuda's 7.51): the whole copy
+  # first (100) against the default head (12) and none (0), interleaved.
+  timeout 150 python3 benchmarks/fused_phases.py --shapes 235b --copy-heads 100,12,0 --reps 10 \
+    2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tee "$OUT/fused_copy_heads_235b.log" | tail -30
   build_harnesses
   timeout 150 build/fused_core/fused_core_fp8_bench --timing --only "E128 x 1024" --modes 0123 \
     --reps 21 2>&1 | tee "$OUT/fp8_modes.log" | grep -E "PASS|FAIL|median" | tail -12
