@@ -18,6 +18,9 @@ buffers).
 combine alone; 1: the first GEMM's tiles only; 4: no gate_up stored, with fwd-residuals: what
 that residual costs), interleaved as --copy-heads.
 
+Each row also gives the GEMM region ("rows copied" + "GEMM tiles done": the tiles with the copy
+beside them) and the two GEMMs' TFLOP/s over it (gemm_region), the rate issue 14's misses are
+explained by.
 The phases are seen from CTA 0 (the other CTAs' work overlaps the boundaries: "head copied" is
 CTA 0's share of the copy plan's head, before the GEMMs; "rows copied" ends when CTA 0's first
 copy warp has copied its share of the rest beside the tiles, and "GEMM tiles done" is measured
@@ -205,6 +208,16 @@ def print_engine_breakdown(b: dict):
         f"{p['job_empty_wait_pct']:.1f}%")
 
 
+def gemm_region(phases_ms: dict, tokens: int, top_k: int, hidden: int, ffn: int) -> dict:
+  """The kernel's GEMM region on CTA 0's clock: from the end of the copy before the GEMMs to
+  the last tile ("rows copied", the rest of the copy beside the tiles, + "GEMM tiles done"),
+  and the rate of the pass's two GEMMs over it (6 T k H F flops: forward L1 2F x H and L2
+  H x F; the backward's dh and dx the same), as issue 14 asks its misses to be explained."""
+  ms = phases_ms["rows copied"] + phases_ms["GEMM tiles done"]
+  flops = 6.0 * tokens * top_k * hidden * ffn
+  return {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12 if ms > 0 else float("nan")}
+
+
 @contextlib.contextmanager
 def _env(name: str, value: str | None):
   """Environment variable `name` set to `value` (None: as it was) for the calls inside; the
@@ -320,6 +333,8 @@ def main(argv=None) -> dict:
              "kernel_ms": float(np.median(clock[:, -1])) * 1e-6,
              "phases_ms": {name: float(np.median(steps[:, i])) * 1e-6
                            for i, name in enumerate(fused.PHASES[1:])}}
+      if not debug or debug == "0":  # debug bits skip tiles: no rate to give
+        row["gemm_region"] = gemm_region(row["phases_ms"], args.tokens, args.top_k, hidden, ffn)
       results.append(row)
       label = "".join(f" [{n}={v}]" for n, v in (("MEGAMOE_FUSED_COPY_HEAD", head),
                                                   ("MEGAMOE_FUSED_DEBUG", debug)) if v)
@@ -327,6 +342,10 @@ def main(argv=None) -> dict:
             f"{row['wall_ms']:.3f} ms host-timed)")
       for name, ms in row["phases_ms"].items():
         print(f"    {name:18s} {ms:7.3f} ms")
+      if "gemm_region" in row:
+        g = row["gemm_region"]
+        print(f"    GEMM region        {g['ms']:7.3f} ms, {g['tflops']:.0f} TFLOP/s (rows copied "
+              f"+ GEMM tiles done)")
       if args.engine_profile:
         with _env("MEGAMOE_FUSED_COPY_HEAD", head), _env("MEGAMOE_FUSED_DEBUG", debug):
           jax.block_until_ready(fn(x, ids, w, wgu, wd))

@@ -263,6 +263,17 @@ def test_fused_phases_grad_pass_is_the_layers_gradients():
     fused_phases.layer_call("reference", None, "bwd")
 
 
+def test_fused_phases_gemm_region():
+  """The GEMM region's rate: session 37's 30B bf16 phases on an H100 (1.231 + 0.814 ms for
+  6 T k H F = 1.237 TFLOP) give 605 TFLOP/s."""
+  from benchmarks import fused_phases
+  phases = {"head copied": 0.047, "rows copied": 1.231, "GEMM tiles done": 0.814,
+            "combine done": 0.206}
+  got = fused_phases.gemm_region(phases, 16384, 8, 2048, 768)
+  assert abs(got["ms"] - 2.045) < 1e-9
+  assert round(got["tflops"]) == 605, got
+
+
 def test_fused_phases_alone_trace_groups_calls_by_gap():
   """alone_trace: kernels closer than 50 us are one call (their gaps are idle inside it);
   farther apart, a new group; per-call figures divide by the calls made."""
