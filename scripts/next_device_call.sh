@@ -180,7 +180,9 @@ harness)
   ;;
 bars)
   JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
-  rm -f "$OUT/gpus.txt" "$OUT/build.log"  # printed above; a call returns at most 8 files
+  # A call returns at most 8 files: the GPU's name is printed above, the build log matters only
+  # when the build fails (device_run.sh prints its tail then).
+  rm -f "$OUT/gpus.txt" "$OUT/build.log"
   bench_fwd_ep1 layer_fwd_bf16_ep1 bf16 megamoe:cuda,megamoe:fused 200
   bench_fwd_ep1 layer_fwd_fp8_ep1 fp8 megamoe:cuda,megamoe:fused,megamoe:fused+blocks 250
   rm -f "$OUT"/*.png  # a call returns at most 8 files
@@ -188,7 +190,7 @@ bars)
     echo "## $recipe"
     timeout 150 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe --reps 10 \
       --overhead 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
-  done | tee "$OUT/fused_overhead.log" | grep -E "fwd: kernel|alone|queued"
+  done | tee "$OUT/fused_overhead.log" | grep -E "fwd: kernel|GEMM region|alone|queued"
   # Session 37's refusals of a mistyped MEGAMOE_FUSED_DEBUG / MEGAMOE_FUSED_COPY_HEAD in the
   # handlers (IntOverride, env_override.h), never run on a GPU.
   logged_tests tests_int_overrides 200 -m gpu tests/test_fused_moe.py \
