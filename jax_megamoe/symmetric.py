@@ -53,6 +53,13 @@ DEFAULT_COMM_BLOCKS = 128
 DEFAULT_TIMEOUT_S = 60.0
 
 
+def _require_positive_int(caller: str, name: str, value) -> int:
+  """value as an int, or a ValueError naming `caller` and `name` (bools and floats refused)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    raise ValueError(f"{caller}: {name} must be a positive int, got {value!r}")
+  return int(value)
+
+
 def send_settings(comm_blocks: int | None, timeout_s: float | None,
                   caller: str) -> tuple[int, float]:
   """A workspace's (comm_blocks, timeout_s), validated: the arguments where given, else
@@ -61,9 +68,8 @@ def send_settings(comm_blocks: int | None, timeout_s: float | None,
   if comm_blocks is None:
     comm_blocks = env_overrides.positive_int("MEGAMOE_EP_COMM_BLOCKS", DEFAULT_COMM_BLOCKS,
                                              "a positive number of thread blocks")
-  elif (isinstance(comm_blocks, bool) or not isinstance(comm_blocks, numbers.Integral)
-        or comm_blocks < 1):
-    raise ValueError(f"{caller}: comm_blocks must be a positive int, got {comm_blocks!r}")
+  else:
+    comm_blocks = _require_positive_int(caller, "comm_blocks", comm_blocks)
   if timeout_s is None:
     timeout_s = env_overrides.positive_seconds("MEGAMOE_EP_TIMEOUT_S", DEFAULT_TIMEOUT_S)
   elif not (isinstance(timeout_s, numbers.Real) and 0 < timeout_s < float("inf")):
@@ -291,10 +297,9 @@ def create_workspace(mesh, expert_axis: str = "expert", *, max_tokens: int, hidd
   """
   # Arguments checked before any native call, so that a bad one is named here instead of
   # surfacing as a ctypes or CUDA driver error.
-  for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("top_k", top_k)):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-      raise ValueError(f"create_workspace: {name} must be a positive int, got {value!r}")
-  max_tokens, hidden, top_k = int(max_tokens), int(hidden), int(top_k)
+  max_tokens, hidden, top_k = (_require_positive_int("create_workspace", name, value)
+                               for name, value in (("max_tokens", max_tokens), ("hidden", hidden),
+                                                   ("top_k", top_k)))
   comm_blocks, timeout_s = send_settings(comm_blocks, timeout_s, "create_workspace")
   _require_gpus(mesh)
   elem_bytes = int(np.dtype(dtype).itemsize)
