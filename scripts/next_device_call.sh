@@ -28,6 +28,9 @@
 #     queued, every kernel's GPU time per call beside backend cuda's), then the GPU tests of
 #     session 37's integer overrides (MEGAMOE_FUSED_DEBUG, MEGAMOE_FUSED_COPY_HEAD). The bars
 #     are H200 figures: say which card ran it.
+#   PART=suite (~6 min): the one-GPU suite of tests/test_fused_moe.py, test_grouped_mlp_ffi.py
+#     and test_weight_blocks.py on the extension's defaults (session 37's override code in the
+#     handlers has not run on a GPU but for PART=bars's two tests).
 #   PART=harness (~4 min): the standalone harnesses built (eleven builds); the bf16 checks of
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
 #     _l2async (L2's TMA staging handed back in the next tile's first stage), and their digests
@@ -51,7 +54,7 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|harness|l2async|phases|ep2|ep2_ep|ep2_train|ep2_bench] \
+#   OUT=... [PART=bars|suite|harness|l2async|phases|ep2|ep2_ep|ep2_train|ep2_bench] \
 #     scripts/next_device_call.sh
 #   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
@@ -196,6 +199,14 @@ bars)
   logged_tests tests_int_overrides 200 -m gpu tests/test_fused_moe.py \
     -k "debug_bits or copy_before_or_beside"
   ;;
+suite)
+  # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks on the code of
+  # session 37's overrides (its handlers, env_override.h, fused_debug.h: built, never run), with
+  # the extension's defaults. Session 37 (H100, before those changes): 124 passed in 350 s.
+  ensure_extension
+  logged_tests tests_gpu_suite 560 -n 4 -m gpu tests/test_fused_moe.py \
+    tests/test_grouped_mlp_ffi.py tests/test_weight_blocks.py
+  ;;
 phases)
   # Where the product's time goes today (bf16 and fp8, 30B and 235B: each phase of the fused
   # kernel, CTA 0's clock), and the FP8 core's L1 / L2 in the harness's four modes (the kernel,
@@ -235,7 +246,7 @@ l2async)
   l2_tma_tests tests_l2_tma_async
   ;;
 *)
-  echo "PART=${PART}: unknown (bars, harness, l2async or phases)"
+  echo "PART=${PART}: unknown (bars, suite, harness, l2async or phases)"
   exit 2
   ;;
 esac
