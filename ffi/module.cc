@@ -146,7 +146,6 @@ NB_MODULE(_megamoe, m) {
     info["engine_profile"] = kKernels && MEGAMOE_ENGINE_PROFILE != 0;
     info["defer_l2_epilogue"] = kKernels && MEGAMOE_DEFER_L2_EPILOGUE != 0;
     info["defer_l1_epilogue"] = kKernels && MEGAMOE_DEFER_L1_EPILOGUE != 0;
-    info["l2_tma_async_release"] = kKernels && MEGAMOE_L2_TMA_ASYNC_RELEASE != 0;
     return info;
   });
 }

@@ -86,13 +86,12 @@ def build_info() -> dict[str, Any]:
   and the fused kernel's tile-engine options (ffi/gemm/engine_build_options.h; all False
   without the CUDA kernels): engine_profile (its cycle accounting, benchmarks), defer_l1_epilogue
   (half of each bf16 L1 tile's h written during the next tile's mainloop: the default),
-  defer_l2_epilogue (the same for L2's rows, benchmarks) and l2_tma_async_release (with L2's
-  rows by TMA at one rank, the staging handed back in the next tile's first stage)."""
+  and defer_l2_epilogue (the same for L2's rows, benchmarks)."""
   ext = extension()
   if ext is None:
     return {"extension": False, "cuda_archs": [], "cuda_version": "", "jaxlib_version": "",
             "cutlass": False, "engine_profile": False, "defer_l2_epilogue": False,
-            "defer_l1_epilogue": False, "l2_tma_async_release": False}
+            "defer_l1_epilogue": False}
   info = dict(ext.build_info())
   info["extension"] = True
   info["cuda_archs"] = list(info["cuda_archs"])

@@ -14,7 +14,7 @@
 # is bound by XLA compilation on the host), each logging to $OUT/tests_jK.log with timestamps.
 # JAX_MEGAMOE_DEFER_L2_EPILOGUE=ON (benchmarks) / JAX_MEGAMOE_DEFER_L1_EPILOGUE=OFF build the tile
 # engine with / without its deferred L2 / L1 epilogue; every build reconfigures them (defaults
-# as CMake's: L2 OFF, L1 ON). JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON likewise (default OFF).
+# as CMake's: L2 OFF, L1 ON).
 # JAX_MEGAMOE_ENGINE_PROFILE=ON builds the fused kernel with its cycle accounting (benchmarks
 # only: fused_phases.py --engine-profile); every build reconfigures it (default OFF).
 # Step "keep" copies the built extension to $OUT/so: carry it back next call
@@ -51,7 +51,6 @@ build() {
       -DJAX_MEGAMOE_ENGINE_PROFILE="${JAX_MEGAMOE_ENGINE_PROFILE:-OFF}" \
       -DJAX_MEGAMOE_DEFER_L2_EPILOGUE="${JAX_MEGAMOE_DEFER_L2_EPILOGUE:-OFF}" \
       -DJAX_MEGAMOE_DEFER_L1_EPILOGUE="${JAX_MEGAMOE_DEFER_L1_EPILOGUE:-ON}" \
-      -DJAX_MEGAMOE_L2_TMA_ASYNC_RELEASE="${JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE:-OFF}" \
       -DJAX_MEGAMOE_CUTLASS_INCLUDE="${JAX_MEGAMOE_CUTLASS_INCLUDE:-}" >"$OUT/build.log" 2>&1 \
     && cmake --build build/device -j "$(nproc)" >>"$OUT/build.log" 2>&1
   local rc=$?

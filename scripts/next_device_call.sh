@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The device calls the last session prepared and could not run. Each session that leaves GPU
 # work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34,
-# updated in sessions 35-37 (37 ran the L2-TMA suite on an H100 and made L2's rows by TMA the
-# default; its PART=l2tma* calls are done and gone). First in session 38: PART=bars on an H200
-# (no H200 figure since session 25), then PART=l2async on the same machine. The combine beside
-# the tiles lives on branch combine-overlap (measured in session 36: it loses; kept for the
-# record only).
+# updated in sessions 35-38. Session 38 ran PART=bars, suite, phases and l2async on an H100
+# (the async staging release measured nothing and is gone from the code, with PART=l2async).
+# First next: PART=bars on an H200 (no H200 figure since session 25), then PART=phases on the
+# same machine. The combine beside the tiles lives on branch combine-overlap (measured in
+# session 36: it loses; kept for the record only).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
 # EP = 2 bars, in four calls on the same warm machine (each builds the extension with its
@@ -25,26 +25,21 @@
 #     rank since session 37), then the layer forward at EP = 1 for issue 14's table
 #     (bench_layer.py: cuda, fused, and fused + blocks for fp8; 30B and 235B), then where a
 #     call's time goes (fused_phases.py --overhead, bf16 and fp8: CTA 0's phases, alone /
-#     queued, every kernel's GPU time per call beside backend cuda's), then the GPU tests of
-#     session 37's integer overrides (MEGAMOE_FUSED_DEBUG, MEGAMOE_FUSED_COPY_HEAD). The bars
-#     are H200 figures: say which card ran it.
+#     queued, every kernel's GPU time per call beside backend cuda's), each step with the GPU's
+#     SM clock, power and clock-event reasons sampled beside it (clocks.log: on an H100 in
+#     session 38 the 235B bf16 kernel ran 8.9-10.0 ms on one card). The bars are H200 figures:
+#     say which card ran it.
 #   PART=suite (~6 min): the one-GPU suite of tests/test_fused_moe.py, test_grouped_mlp_ffi.py
-#     and test_weight_blocks.py on the extension's defaults (session 37's override code in the
-#     handlers has not run on a GPU but for PART=bars's two tests).
-#   PART=harness (~4 min): the standalone harnesses built (eleven builds); the bf16 checks of
-#     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged, _defer12 and
-#     _l2async (L2's TMA staging handed back in the next tile's first stage), and their digests
-#     against _staged's (bit for bit); then, twice: 30B L1 and 30B / 235B one launch in _staged,
-#     the product and _defer12; L2 by TMA alone and one launch with L2 by TMA (30B, 235B) in the
-#     product and _l2async. Worth it on an H200: the deferred L2 epilogue lost at 235B on H100s,
-#     whose L2 GEMM waits for data two thirds of the time; on an H200 that GEMM ran at 592
-#     TFLOP/s (FUSED_CORE_NOTES, run 3), so _defer12 against the product build says whether
-#     L2's deferral pays there.
-#   PART=l2async (~5 min): whether the extension should be built with
-#     JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON (session 37, not interleaved: 30B bf16 kernel ~-1%):
-#     both builds' extensions kept, then the fused kernel (bf16 and fp8, 30B and 235B) in each,
-#     alternately, three rounds; then the bitwise test of L2's two store modes in the async
-#     build.
+#     and test_weight_blocks.py on the extension's defaults (session 38, H100: 125 passed in
+#     370 s).
+#   PART=harness (~4 min): the standalone harnesses built (ten builds); the bf16 checks of
+#     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged and _defer12,
+#     and their digests against _staged's (bit for bit); then, twice: 30B L1 and 30B / 235B
+#     one launch in _staged, the product and _defer12; L2 by TMA alone and one launch with L2
+#     by TMA (30B, 235B) in the product. Worth it on an H200: the deferred L2 epilogue lost at
+#     235B on H100s, whose L2 GEMM waits for data two thirds of the time; on an H200 that GEMM
+#     ran at 592 TFLOP/s (FUSED_CORE_NOTES, run 3), so _defer12 against the product build says
+#     whether L2's deferral pays there.
 #   PART=phases (~5 min): fused_phases.py bf16 and fp8 (30B, 235B: the kernel's phases), 235B
 #     bf16 with the copy before the tiles or beside them (MEGAMOE_FUSED_COPY_HEAD 100 / 12 / 0:
 #     whether the copy is what holds its GEMMs 20% below CUTLASS's on an H100), then the FP8
@@ -54,7 +49,7 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|suite|harness|l2async|phases|ep2|ep2_ep|ep2_train|ep2_bench] \
+#   OUT=... [PART=bars|suite|harness|phases|ep2|ep2_ep|ep2_train|ep2_bench] \
 #     scripts/next_device_call.sh
 #   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
@@ -80,9 +75,10 @@ build_harnesses() {
     sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
     > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
 }
-# build_kept NAME [VAR=VALUE ...]: the extension built with those build variables (device_run.sh),
-# its .so kept under /tmp/so_NAME (use_build NAME puts it back in place, for the processes
-# started after it, and prints its build_info; it fails if NAME was never kept).
+# build_kept NAME [VAR=VALUE ...], for an A/B of the extension's build options (no part uses it
+# now; session 38's PART=l2async did): the extension built with those build variables
+# (device_run.sh), its .so kept under /tmp/so_NAME (use_build NAME puts it back in place, for
+# the processes started after it, and prints its build_info; it fails if NAME was never kept).
 build_kept() {
   local name=$1
   shift
@@ -100,6 +96,26 @@ bench_fwd_ep1() {
     --impls "$3" --ep 1 --reps 10 --isolate off --out "$OUT/$1.json" 2>&1 \
     | tee "$OUT/$1.log" | tail -12
 }
+# clocks_start NAME / clocks_stop: the GPU's SM clock, power, temperature and clock-event
+# reasons sampled every 200 ms while a step runs; clocks_stop appends the samples to
+# $OUT/clocks_samples.csv (after a "# NAME" line) and their summary (benchmarks/gpu_clocks.py)
+# to $OUT/clocks.log, and prints it.
+clocks_start() {
+  local reasons=clocks_event_reasons.active
+  nvidia-smi --query-gpu=$reasons --format=csv >/dev/null 2>&1 \
+    || reasons=clocks_throttle_reasons.active  # the older drivers' name
+  CLOCKS_NAME=$1
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,$reasons \
+    --format=csv,noheader,nounits -lms 200 > /tmp/clocks_$1.csv 2>&1 &
+  CLOCKS_PID=$!
+}
+clocks_stop() {
+  kill "$CLOCKS_PID" 2>/dev/null
+  wait "$CLOCKS_PID" 2>/dev/null
+  { echo "# $CLOCKS_NAME"; cat "/tmp/clocks_$CLOCKS_NAME.csv"; } >> "$OUT/clocks_samples.csv"
+  python3 benchmarks/gpu_clocks.py "/tmp/clocks_$CLOCKS_NAME.csv" --label "$CLOCKS_NAME" \
+    | tee -a "$OUT/clocks.log"
+}
 # logged_tests NAME SECONDS PYTEST_ARGS...: pytest verbose under SIGINT at its limit, its log and
 # JUnit XML in $OUT (NAME.log, NAME.xml), its last lines printed.
 logged_tests() {
@@ -113,10 +129,6 @@ multigpu_tests() {
   local name=$1 limit=$2
   shift 2
   logged_tests "$name" "$limit" --durations=0 -m multigpu "$@"
-}
-# l2_tma_tests NAME: the bitwise tests of L2's rows by TMA (one GPU).
-l2_tma_tests() {
-  logged_tests "$1" 200 -m gpu tests/test_fused_moe.py -k "l2_rows_by_tma"
 }
 
 if [ "$GPUS" -ge 2 ]; then
@@ -146,7 +158,6 @@ harness)
   # bf16: each build's checks (one log, a section per build), then its digests against the
   # staged build's.
   BUILDS="fused_core_bench_staged fused_core_bench fused_core_bench_defer12"
-  BUILDS="$BUILDS fused_core_bench_l2async"
   for b in $BUILDS; do
     echo "#### $b"
     for pr in 0 1 6; do run $B/$b --problem $pr --engine 0; done
@@ -157,7 +168,7 @@ harness)
     echo "$b: $(grep -c PASS "$tmp/$b") PASS, $(grep -c FAIL "$tmp/$b") FAIL"
     grep digest "$tmp/$b" > "$tmp/$b.digests"
   done
-  for b in fused_core_bench fused_core_bench_defer12 fused_core_bench_l2async; do
+  for b in fused_core_bench fused_core_bench_defer12; do
     if [ -s "$tmp/$b.digests" ] && cmp -s "$tmp/fused_core_bench_staged.digests" "$tmp/$b.digests"
     then echo "$b: $(wc -l < "$tmp/$b.digests") digest lines, identical to the staged build's"
     else echo "$b: DIGESTS DIFFER from the staged build's (or none printed)"
@@ -170,13 +181,10 @@ harness)
       run $B/$b --problem 2 --engine 0 --variant 10 --nocheck
       run $B/$b --problem 4 --engine 0 --variant 12 --nocheck
     done
-    # L2's rows by TMA (one rank's layout): the staging released at the epilogue's end against
-    # in the next tile's first stage.
-    for b in fused_core_bench fused_core_bench_l2async; do
-      run $B/$b --problem 2 --engine 0 --variant 19 --nocheck
-      run $B/$b --problem 2 --engine 0 --variant 20 --nocheck
-      run $B/$b --problem 4 --engine 0 --variant 20 --nocheck
-    done
+    # L2's rows by TMA (one rank's layout).
+    run $B/fused_core_bench --problem 2 --engine 0 --variant 19 --nocheck
+    run $B/fused_core_bench --problem 2 --engine 0 --variant 20 --nocheck
+    run $B/fused_core_bench --problem 4 --engine 0 --variant 20 --nocheck
   done > "$OUT/harness_timing.log"
   grep -E "^### |L1 contiguous-A \(TMA box\)|one launch|rows by TMA" "$OUT/harness_timing.log" \
     | uniq | head -100
@@ -186,18 +194,22 @@ bars)
   # A call returns at most 8 files: the GPU's name is printed above, the build log matters only
   # when the build fails (device_run.sh prints its tail then).
   rm -f "$OUT/gpus.txt" "$OUT/build.log"
+  clocks_start layer_fwd_bf16_ep1
   bench_fwd_ep1 layer_fwd_bf16_ep1 bf16 megamoe:cuda,megamoe:fused 200
+  clocks_stop
+  clocks_start layer_fwd_fp8_ep1
   bench_fwd_ep1 layer_fwd_fp8_ep1 fp8 megamoe:cuda,megamoe:fused,megamoe:fused+blocks 250
+  clocks_stop
   rm -f "$OUT"/*.png  # a call returns at most 8 files
   for recipe in bf16 fp8; do
-    echo "## $recipe"
-    timeout 150 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe --reps 10 \
-      --overhead 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
-  done | tee "$OUT/fused_overhead.log" | grep -E "fwd: kernel|GEMM region|alone|queued"
-  # Session 37's refusals of a mistyped MEGAMOE_FUSED_DEBUG / MEGAMOE_FUSED_COPY_HEAD in the
-  # handlers (IntOverride, env_override.h), never run on a GPU.
-  logged_tests tests_int_overrides 200 -m gpu tests/test_fused_moe.py \
-    -k "debug_bits or copy_before_or_beside"
+    for shape in 30b 235b; do
+      clocks_start "fused_overhead_${shape}_$recipe"
+      echo "## $shape $recipe"
+      timeout 100 python3 benchmarks/fused_phases.py --shapes $shape --recipe $recipe --reps 10 \
+        --overhead 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
+      clocks_stop
+    done
+  done | tee "$OUT/fused_overhead.log" | grep -E "fwd: kernel|GEMM region|alone|queued|^clocks"
   ;;
 suite)
   # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks on the code of
@@ -226,27 +238,8 @@ phases)
   timeout 150 build/fused_core/fused_core_fp8_bench --timing --only "E128 x 1024" --modes 0123 \
     --reps 21 2>&1 | tee "$OUT/fp8_modes.log" | grep -E "PASS|FAIL|median" | tail -12
   ;;
-l2async)
-  # L2's TMA staging handed back in the next tile's first stage, or at the epilogue's end (the
-  # default build): the fused kernel with L2's rows by TMA (the default) in each build in turn,
-  # so that clocks and heat are shared; then the bitwise test of the two store modes there.
-  build_kept default
-  build_kept async JAX_MEGAMOE_L2_TMA_ASYNC_RELEASE=ON
-  for round in 1 2 3; do
-    for build in default async; do
-      use_build $build || exit 1  # (ends the rounds: they run in the pipeline's subshell)
-      for recipe in bf16 fp8; do
-        echo "## round $round, $build build, $recipe"
-        timeout 80 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe \
-          --reps 20 2>&1 | grep "kernel"
-      done
-    done
-  done | tee "$OUT/fused_l2_tma_async_ab.log"
-  use_build async || exit 1
-  l2_tma_tests tests_l2_tma_async
-  ;;
 *)
-  echo "PART=${PART}: unknown (bars, suite, harness, l2async or phases)"
+  echo "PART=${PART}: unknown (bars, suite, harness or phases)"
   exit 2
   ;;
 esac

@@ -18,8 +18,7 @@ def test_build_info_fields():
   info = jm.build_info()
   for key in ("cuda_archs", "cuda_version", "jaxlib_version"):
     assert key in info
-  options = ("cutlass", "engine_profile", "defer_l2_epilogue", "defer_l1_epilogue",
-             "l2_tma_async_release")
+  options = ("cutlass", "engine_profile", "defer_l2_epilogue", "defer_l1_epilogue")
   for key in options:
     assert isinstance(info[key], bool), (key, info[key])
   assert isinstance(info["cuda_archs"], list)

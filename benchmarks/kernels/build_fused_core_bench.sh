@@ -6,10 +6,8 @@
 # fused_core_bench_profile and fused_core_fp8_bench_profile. The bf16 ones are built with the
 # product's options (ffi/gemm/engine_build_options.h: the L1 epilogue deferred, L2's staged); the
 # bf16 one again with neither deferred as fused_core_bench_staged (+ _profile), and with both as
-# fused_core_bench_defer12 (+ _profile); the product's with the deferred L1 SwiGLU spread
-# over eight stages instead of four (MEGAMOE_DEFER_L1_PARTS_PER_GROUP=4) as fused_core_bench_l1x4;
-# and the product's with L2's TMA staging handed back in the next tile's first stage
-# (MEGAMOE_L2_TMA_ASYNC_RELEASE=1; variants "rows by TMA") as fused_core_bench_l2async.
+# fused_core_bench_defer12 (+ _profile); and the product's with the deferred L1 SwiGLU spread
+# over eight stages instead of four (MEGAMOE_DEFER_L1_PARTS_PER_GROUP=4) as fused_core_bench_l1x4.
 # Usage: benchmarks/kernels/build_fused_core_bench.sh [out_dir]   (default: build/fused_core)
 set -e
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -33,7 +31,7 @@ build() {
     tee "$OUT/$log" | grep -E "error|warning|C75|registers|spill|stack|$kernel" || true
   test -x "$OUT/$name${SUFFIX:-}"
 }
-# The eleven builds are independent: run at once (each prints its ptxas lines when it ends).
+# The ten builds are independent: run at once (each prints its ptxas lines when it ends).
 build fused_core_bench ptxas.log MoeCore > "$OUT/.b1" 2>&1 &
 build fused_core_fp8_bench ptxas_fp8.log Fp8Core > "$OUT/.b2" 2>&1 &
 build fused_dgrad_bench ptxas_dgrad.log MoeCore ffi/impls/grouped_swiglu.cu > "$OUT/.b3" 2>&1 &
@@ -52,15 +50,12 @@ DEFINES="-DMEGAMOE_DEFER_L2_EPILOGUE=1 -DMEGAMOE_DEFER_L1_EPILOGUE=1 -DMEGAMOE_E
   > "$OUT/.b9" 2>&1 &
 DEFINES=-DMEGAMOE_DEFER_L1_PARTS_PER_GROUP=4 SUFFIX=_l1x4 \
   build fused_core_bench ptxas_l1x4.log MoeCore > "$OUT/.b10" 2>&1 &
-DEFINES=-DMEGAMOE_L2_TMA_ASYNC_RELEASE=1 SUFFIX=_l2async \
-  build fused_core_bench ptxas_l2async.log MoeCore > "$OUT/.b11" 2>&1 &
 wait
 failed=0
-for i in 1 2 3 4 5 6 7 8 9 10 11; do cat "$OUT/.b$i"; rm -f "$OUT/.b$i"; done
+for i in 1 2 3 4 5 6 7 8 9 10; do cat "$OUT/.b$i"; rm -f "$OUT/.b$i"; done
 for b in fused_core_bench fused_core_fp8_bench fused_dgrad_bench fused_core_bench_profile \
          fused_core_fp8_bench_profile fused_core_bench_staged fused_core_bench_staged_profile \
-         fused_core_bench_defer12 fused_core_bench_defer12_profile fused_core_bench_l1x4 \
-         fused_core_bench_l2async; do
+         fused_core_bench_defer12 fused_core_bench_defer12_profile fused_core_bench_l1x4; do
   test -x "$OUT/$b" || { echo "build failed: $b"; failed=1; }
 done
 exit $failed

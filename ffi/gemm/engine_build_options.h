@@ -30,14 +30,3 @@
 #define MEGAMOE_DEFER_L1_PARTS_PER_GROUP 2
 #endif
 
-// With L2's rows by TMA (one rank alone, MEGAMOE_FUSED_L2_TMA, on by default since session 37):
-// a warpgroup hands its staging stage back in the next tile's first stage, after that stage's
-// wgmma issue, instead of waiting at the epilogue's end for TMA to read the staging
-// (Sm90MoeTileEngine::kL2TmaAsyncRelease; bf16 builds with a deferred epilogue; harness build
-// fused_core_bench_l2async). Off: on an H100 30B's L2 alone -1.6% in the harness; in the fused
-// kernel (session 37, one H100, two rounds, bitwise the same) the 30B bf16 kernel with L2's rows
-// by TMA took 2.329 / 2.314 ms against 2.350 / 2.344 in the default build on the same machine
-// (~-1%), 235B within that card's +-4% noise: too little to switch on yet (RESULTS session 37).
-#ifndef MEGAMOE_L2_TMA_ASYNC_RELEASE
-#define MEGAMOE_L2_TMA_ASYNC_RELEASE 0
-#endif

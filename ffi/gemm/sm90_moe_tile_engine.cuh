@@ -547,16 +547,6 @@ struct Sm90MoeTileEngine {
   static constexpr int kMaxDeferParts =
       (kDeferL1Epilogue && kL1DeferParts > kL2DeferParts) ? kL1DeferParts : kL2DeferParts;
   static constexpr int kPendWords = 8 * kL2DeferParts;
-  // MEGAMOE_L2_TMA_ASYNC_RELEASE: an L2 tile whose rows went out by TMA (EngineParams::l2_rows)
-  // keeps its staging stage until the next tile's first stage has issued its wgmma (or, if that
-  // stage's data has not arrived, until just before waiting for it): thread 0 of the
-  // warpgroup, which issued the TMA stores, waits there for TMA's reads of the staging and
-  // releases the stage (its warp's two arrivals), while the other warps release at once. At the
-  // epilogue's end that wait (~1,150 cycles a 30B L2 tile, session 31) held the whole
-  // warpgroup, as the next tile's wgmma needs all four warps. The release needs the peeled
-  // first stages of a deferred build (kDeferEpilogue: the bf16 product's); elsewhere (FP8, the
-  // staged builds) the stage goes back at the epilogue's end as before.
-  static constexpr bool kL2TmaAsyncRelease = MEGAMOE_L2_TMA_ASYNC_RELEASE != 0 && kDeferEpilogue;
   static_assert(!kDeferEpilogue || kJobSlots_ >= 2,
                 "a pending tile holds its job slot while the next tile runs");
   static_assert(kL1PartsPerGroup == 1 || kL1PartsPerGroup == 2 || kL1PartsPerGroup == 4,
@@ -1200,14 +1190,6 @@ struct Sm90MoeTileEngine {
     [[maybe_unused]] uint32_t pend[kDeferEpilogue ? kPendWords : 1];
     int pend_slot = -1;
     [[maybe_unused]] bool pend_l1 = false;
-    // kL2TmaAsyncRelease: the staging stage this thread (0 of the warpgroup) still has to hand
-    // back once TMA has read it, or -1; and the hand-back (this warp's two arrivals).
-    [[maybe_unused]] int tma_staging_stage = -1;
-    [[maybe_unused]] auto release_tma_staging = [&]() {
-      cute::tma_store_wait<0>();  // TMA has read the staging
-      release_stage(ss, tma_staging_stage, 2);
-      tma_staging_stage = -1;
-    };
     // Part P of the pending tile: L2 (P < kL2DeferParts) its group kFirstDeferredGroup + P; L1
     // (P < kL1DeferParts) the SwiGLU of blocks j0 .. j0 + 4 / kL1PartsPerGroup - 1 of h group
     // kFirstDeferredL1Group + P / kL1PartsPerGroup, and in the group's last part its stores.
@@ -1327,13 +1309,6 @@ struct Sm90MoeTileEngine {
       // goes after the stage's wgmma issue and the previous stage's release (kDeferEpilogue).
       auto stage = [&](int kb, auto parts) {
         const int s = it % kStages;
-        if constexpr (kL2TmaAsyncRelease && decltype(parts)::value) {
-          // The first stage's data not there yet: the staging goes back now rather than after
-          // that wait (test_wait does not block).
-          if (kb == 0 && tma_staging_stage >= 0 &&
-              !Barrier::test_wait(&ss.full[s], (it / kStages) & 1, 1u))
-            release_tma_staging();
-        }
         const uint32_t full_clk = profile::clock32();
         Barrier::wait(&ss.full[s], (it / kStages) & 1);
         prof.since(profile::kWgFullWait, full_clk);
@@ -1375,10 +1350,6 @@ struct Sm90MoeTileEngine {
         // stage's refill by its own length, and the L1 + L2 deferred harness waited for data in
         // 32% of its cycles (1,232 cycles a stage; session 33).
         if constexpr (decltype(parts)::value) {
-          if constexpr (kL2TmaAsyncRelease) {
-            // (thread 0 of the warpgroup only) the previous tile's staging
-            if (kb == 0 && tma_staging_stage >= 0) release_tma_staging();
-          }
           if (pend_slot >= 0) {
             const uint32_t parts_clk = profile::clock32();
             detail::static_for(
@@ -1627,18 +1598,9 @@ struct Sm90MoeTileEngine {
       }
       prof.since(profile::kWgEpiStore, part_clk);
       cutlass::arch::fence_view_async_shared();
-      // kL2TmaAsyncRelease: thread 0's stage goes back in the next tile's first stage.
-      bool release_now = true;
-      if constexpr (kL2TmaAsyncRelease) {
-        if (l2_rows_tma) {
-          tma_staging_stage = s_w;
-          release_now = false;
-        }
-      }
-      if (release_now && (gate_up_tma || l2_rows_tma))
-        cute::tma_store_wait<0>();  // TMA has read the slots
+      if (gate_up_tma || l2_rows_tma) cute::tma_store_wait<0>();  // TMA has read the slots
       __syncwarp();
-      if (lane == 0 && release_now) release_stage(ss, s_w, 2);  // 4 warps x 2 = 8
+      if (lane == 0) release_stage(ss, s_w, 2);  // 4 warps x 2 = 8
       prof.since(profile::kWgEpilogue, epilogue_clk);
       Barrier::arrive(&ss.stored[slot]);
     }
@@ -1648,11 +1610,6 @@ struct Sm90MoeTileEngine {
     if ((p.gate_up != nullptr || p.l2_rows != nullptr) && t == 0) {
       detail::bulk_store_wait_all();
       if (p.l2_rows != nullptr) detail::fence_proxy_async_global();
-    }
-    if constexpr (kL2TmaAsyncRelease) {
-      // The last tile's staging (no next tile took it back): its phase completed, so that the
-      // ring's barriers end every role in a whole phase, as without the option.
-      if (tma_staging_stage >= 0) release_tma_staging();
     }
     prof.set(profile::kWgEndClk, profile::clock32());
     if (t == 0) prof.flush(wg == 0 ? profile::kWg0 : profile::kWg1,
