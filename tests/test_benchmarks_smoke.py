@@ -274,6 +274,33 @@ def test_fused_phases_gemm_region():
   assert round(got["tflops"]) == 605, got
 
 
+def test_gpu_clocks_summary_leaves_idle_samples_out_and_names_reasons(tmp_path):
+  """gpu_clocks: idle samples (reason bit 0x1 alone) are not counted in the clock and power
+  figures; a sample's reason bits are each counted; rows that are not samples (an error line, a
+  cut last line, "[N/A]" clocks) are skipped; a file without a busy sample says so."""
+  from benchmarks import gpu_clocks
+  rows = ["2026/12/06 22:14:15.123, 345, 70.12, 31, 0x0000000000000001",
+          "2026/12/06 22:14:15.323, 1980, 650.50, 55, 0x0000000000000000",
+          "2026/12/06 22:14:15.523, 1755, 699.90, 60, 0x0000000000000004",
+          "2026/12/06 22:14:15.723, 1650, 700.00, 62, 0x0000000000000024",
+          "2026/12/06 22:14:15.923, 1700, [N/A], 61, 0x0000000000000004",
+          "2026/12/06 22:14:16.123, [N/A], 500, 61, 0x0000000000000000",
+          "Failed to query", "2026/12/06 22:14:16.3"]
+  samples = gpu_clocks.parse(rows)
+  assert len(samples) == 5
+  text = gpu_clocks.summarize(samples, "235b")
+  assert text.startswith("clocks 235b: 5 samples, 4 busy;"), text
+  assert "SM MHz min/median/max 1650 / 1728 / 1980" in text, text
+  assert "power W 650 / 700 / 700" in text, text
+  assert "max temp 62 C" in text, text
+  assert "sw_power_cap 3, sw_thermal_slowdown 1" in text, text
+  assert "gpu_idle" not in text, text
+  assert "no busy sample" in gpu_clocks.summarize(samples[:1])
+  path = tmp_path / "clocks.csv"
+  path.write_text("\n".join(rows) + "\n")
+  assert gpu_clocks.main([str(path), "--label", "235b"]) == 0
+
+
 def test_fused_phases_alone_trace_groups_calls_by_gap():
   """alone_trace: kernels closer than 50 us are one call (their gaps are idle inside it);
   farther apart, a new group; per-call figures divide by the calls made."""
