@@ -42,8 +42,9 @@
 #     whether L2's deferral pays there.
 #   PART=phases (~5 min): fused_phases.py bf16 and fp8 (30B, 235B: the kernel's phases), 235B
 #     bf16 with the copy before the tiles or beside them (MEGAMOE_FUSED_COPY_HEAD 100 / 12 / 0:
-#     whether the copy is what holds its GEMMs 20% below CUTLASS's on an H100), then the FP8
-#     harness's four modes at 30B (where L1's and L2's epilogue time goes).
+#     on an H100 in session 38 the copy was not what holds its GEMMs below CUTLASS's; to
+#     repeat on an H200), then the FP8 harness's four modes at 30B (where L1's and L2's
+#     epilogue time goes).
 # Each step has its own time limit, so that one hang does not take the others.
 # To compare two commits' engines (an A/B of a kernel change), build the harnesses of each here
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
@@ -212,9 +213,9 @@ bars)
   done | tee "$OUT/fused_overhead.log" | grep -E "fwd: kernel|GEMM region|alone|queued|^clocks"
   ;;
 suite)
-  # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks on the code of
-  # session 37's overrides (its handlers, env_override.h, fused_debug.h: built, never run), with
-  # the extension's defaults. Session 37 (H100, before those changes): 124 passed in 350 s.
+  # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks, with the
+  # extension's defaults: after a change to the kernels or their handlers. Session 38 (H100):
+  # 125 passed in 370 s.
   ensure_extension
   logged_tests tests_gpu_suite 560 -n 4 -m gpu tests/test_fused_moe.py \
     tests/test_grouped_mlp_ffi.py tests/test_weight_blocks.py
@@ -229,9 +230,9 @@ phases)
     timeout 120 python3 benchmarks/fused_phases.py --shapes 30b,235b --recipe $recipe --reps 10 \
       2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
   done | tee "$OUT/fused_phases.log"
-  # Whether the copy beside the tiles is what slows 235B bf16's GEMMs against CUTLASS's
-  # (session 37, H100: the fused GEMM region 9.1-9.4 ms against cuda's 7.51): the whole copy
-  # first (100) against the default head (12) and none (0), interleaved.
+  # Whether the copy beside the tiles slows 235B bf16's GEMMs against CUTLASS's: the whole
+  # copy first (100) against the default head (12) and none (0), interleaved (session 38, H100:
+  # kernel 10.42 / 9.78 / 9.35 ms, GEMM region 9.23 / 9.23 / 8.89: it does not).
   timeout 150 python3 benchmarks/fused_phases.py --shapes 235b --copy-heads 100,12,0 --reps 10 \
     2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tee "$OUT/fused_copy_heads_235b.log" | tail -30
   build_harnesses
