@@ -36,7 +36,8 @@
 #     problems 0, 1 and 6 in the product build (L1 epilogue deferred), _staged and _defer12,
 #     and their digests against _staged's (bit for bit); then, twice: 30B L1 and 30B / 235B
 #     one launch in _staged, the product and _defer12; L2 by TMA alone and one launch with L2
-#     by TMA (30B, 235B) in the product. Worth it on an H200: the deferred L2 epilogue lost at
+#     by TMA (30B, 235B), and 235B's L1 (N-major) alone, in the product; the clocks sampled
+#     beside the timing. Worth it on an H200: the deferred L2 epilogue lost at
 #     235B on H100s, whose L2 GEMM waits for data two thirds of the time; on an H200 that GEMM
 #     ran at 592 TFLOP/s (FUSED_CORE_NOTES, run 3), so _defer12 against the product build says
 #     whether L2's deferral pays there.
@@ -176,18 +177,23 @@ harness)
     fi
   done
   rm -rf "$tmp"
+  clocks_start harness_timing
   for round in 1 2; do
     for b in fused_core_bench_staged fused_core_bench fused_core_bench_defer12; do
       run $B/$b --problem 2 --engine 0 --variant 0 --nocheck
       run $B/$b --problem 2 --engine 0 --variant 10 --nocheck
       run $B/$b --problem 4 --engine 0 --variant 12 --nocheck
     done
-    # L2's rows by TMA (one rank's layout).
+    # L2's rows by TMA (one rank's layout); at 235B also L1 (N-major) and L2 alone, whose sum
+    # against the one launch says whether mixing them costs (session 32, H100: it did not).
     run $B/fused_core_bench --problem 2 --engine 0 --variant 19 --nocheck
     run $B/fused_core_bench --problem 2 --engine 0 --variant 20 --nocheck
     run $B/fused_core_bench --problem 4 --engine 0 --variant 20 --nocheck
+    run $B/fused_core_bench --problem 4 --engine 0 --variant 2 --nocheck
+    run $B/fused_core_bench --problem 4 --engine 0 --variant 19 --nocheck
   done > "$OUT/harness_timing.log"
-  grep -E "^### |L1 contiguous-A \(TMA box\)|one launch|rows by TMA" "$OUT/harness_timing.log" \
+  clocks_stop
+  grep -E "^### |L1 contiguous-A|one launch|rows by TMA" "$OUT/harness_timing.log" \
     | uniq | head -100
   ;;
 bars)
