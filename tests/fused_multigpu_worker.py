@@ -63,7 +63,7 @@ def fused_layer(mesh, recipe=None):
 
 
 def oracle(x, ids, w, wgu, wd, probe, recipe=None):
-  """(y, loss, grads of sum(y * probe) in x, w, wgu, wd) in float32 on one device; with a
+  """(y, grads of sum(y * probe) in x, w, wgu, wd) in float32 on one device; with a
   recipe, its emulation (backend reference) on the CPU, dW_gate_up from x quantised as the
   sender quantises it."""
   import jax
@@ -81,18 +81,17 @@ def oracle(x, ids, w, wgu, wd, probe, recipe=None):
       loss = lambda *a: jnp.sum(ref(*a).astype(jnp.float32) * probe)  # noqa: E731
       args = [jnp.asarray(a) for a in (x, w, wgu, wd)]
       y = ref(*args)
-      value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*args)
+      grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
       x_q = fp8.quantize_activation(args[0], spec).astype(args[0].dtype)
-      _, grads_q = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x_q, *args[1:])
-      return y, value, (grads[0], grads[1], grads_q[2], grads[3])
+      grads_q = jax.grad(loss, argnums=(0, 1, 2, 3))(x_q, *args[1:])
+      return y, (grads[0], grads[1], grads_q[2], grads[3])
 
   def loss(x, w, wgu, wd):
     return jnp.sum(ep_helpers.dense_moe(x, ids, w, wgu, wd) * probe)
 
   y = ep_helpers.dense_moe(f32(x), ids, f32(w), f32(wgu), f32(wd))
-  value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(f32(x), f32(w), f32(wgu),
-                                                                 f32(wd))
-  return y, value, grads
+  grads = jax.grad(loss, argnums=(0, 1, 2, 3))(f32(x), f32(w), f32(wgu), f32(wd))
+  return y, grads
 
 
 def check_backward_lowering(text: str, recipe) -> None:
@@ -121,13 +120,14 @@ def check_layer(layer, mesh, arrays, process_id: int, recipe=None) -> None:
       lambda i, a=a: a[i]) for a in arrays)
 
   def loss(x, w, wgu, wd, ids, probe):  # ids as an argument: a global array is not concrete
-    return jnp.sum(layer(x, ids, w, wgu, wd).astype(jnp.float32) * probe)
+    y = layer(x, ids, w, wgu, wd)
+    return jnp.sum(y.astype(jnp.float32) * probe), y  # y: the gradient program's own forward
 
   # Both programs compiled before either runs, and the processes meet after compiling: a fused
   # call waits for its peers at most MEGAMOE_EP_TIMEOUT_S, which one process's slower
   # compilation must not use up.
   forward = jax.jit(layer).lower(gx, gids, gw, gwgu, gwd).compile()
-  grad_lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(
+  grad_lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)).lower(
       gx, gw, gwgu, gwd, gids, gprobe)
   check_backward_lowering(grad_lowered.as_text(), recipe)
   grad_fn = grad_lowered.compile()
@@ -135,22 +135,26 @@ def check_layer(layer, mesh, arrays, process_id: int, recipe=None) -> None:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("fused worker: programs compiled")
   y = forward(gx, gids, gw, gwgu, gwd)
-  value, grads = grad_fn(gx, gw, gwgu, gwd, gids, gprobe)
+  (_, grad_y), grads = grad_fn(gx, gw, gwgu, gwd, gids, gprobe)
   for call in range(20):  # consecutive calls: no stale signal, bitwise the same
     again = forward(gx, gids, gw, gwgu, gwd)
     for a, b in zip(again.addressable_shards, y.addressable_shards):
       if not np.array_equal(np.asarray(a.data), np.asarray(b.data)):
         raise SystemExit(f"FUSED-WORKER-FAIL {process_id}: forward call {call} differs")
   with jax.default_device(jax.local_devices()[0]):
-    ref_y, ref_value, ref_grads = oracle(*arrays, recipe=recipe)
+    ref_y, ref_grads = oracle(*arrays, recipe=recipe)
 
   def worst(a, ref):  # the largest error over this process's shards
     ref = np.asarray(ref, np.float32)
     return max(ep_helpers.rel_err(np.asarray(s.data, np.float32), ref[s.index])
                for s in a.addressable_shards)
 
-  errors = {"y": worst(y, ref_y),
-            "loss": ep_helpers.rel_err(np.asarray(value.addressable_shards[0].data), ref_value)}
+  # The gradient program's forward is checked by its y, not by the loss sum(y * probe): that
+  # scalar cancels (|loss| ~ 0.15-0.25 ||y|| ||probe|| here), so its relative error amplifies
+  # rounding several times over y's (a review measured bf16's reference backend at 5.7e-3
+  # against y's 3.9e-3, and FP8 emulation noise past 2e-2 in some draws), while random errors
+  # in y mostly cancel in it.
+  errors = {"y": worst(y, ref_y), "y_in_gradient_program": worst(grad_y, ref_y)}
   for name, g, r in zip(("dx", "dtopk_weights", "dw_gate_up", "dw_down"), grads, ref_grads):
     errors[name] = worst(g, r)
   print(f"process {process_id}: rel errors {errors}", flush=True)

@@ -116,6 +116,11 @@ GPU_ARGS = ["--steps", "8", "--log-every", "4", "--no-progress", "--checkpoint-e
 # bf16 compute: where the layouts round differently, 8 steps amplify it to ~1e-3; a wrong
 # exchange or resume is far off (the loss falls by ~1.0 over these steps).
 BF16_RTOL = 2e-2
+# Each GPU run of the example (compile + 8 steps) gives up after this, so that a hung run is
+# reported with its processes' output (subprocesses.WorkersTimedOut) well inside the limit the
+# device call gives the whole file (scripts/next_device_call.sh PART=ep2_train: 480 s for six
+# runs), not cut off by that limit's SIGINT, which loses the workers' output.
+GPU_RUN_TIMEOUT_S = 150
 
 
 def _per_process(layout: str) -> list[dict]:
@@ -134,7 +139,8 @@ def one_process_runs(tmp_path_factory):
   def get(mesh):
     if mesh not in runs:
       out = tmp_path_factory.mktemp("one_process")
-      runs[mesh] = train(out, GPU_ARGS + ["--mesh", mesh], [_base_env(**GPU_ENV)])[0]
+      runs[mesh] = train(out, GPU_ARGS + ["--mesh", mesh], [_base_env(**GPU_ENV)],
+                         timeout=GPU_RUN_TIMEOUT_S)[0]
     return runs[mesh]
   return get
 
@@ -145,14 +151,15 @@ def test_gpu_ep_across_processes(tmp_path, one_process_runs, layout):
   """--mesh data=1,expert=2: the EP group spans the two processes (CUDA IPC handles exchanged
   while the train step is traced); checkpoints saved and resumed by both processes."""
   args = GPU_ARGS + ["--mesh", "data=1,expert=2"]
-  two, outputs = train(tmp_path / "two", args, _per_process(layout))
+  two, outputs = train(tmp_path / "two", args, _per_process(layout), timeout=GPU_RUN_TIMEOUT_S)
   assert "process 1 of 2: local devices" in outputs[1]
   _parity(f"gpu data=1,expert=2 [{layout}], 2 processes vs 1", two,
           one_process_runs("data=1,expert=2"), BF16_RTOL)
   if layout != "local_rank":
     return
   _resume_copy(tmp_path / "two", tmp_path / "resumed", keep_step=4)
-  resumed, outputs = train(tmp_path / "resumed", args + ["--resume"], _per_process(layout))
+  resumed, outputs = train(tmp_path / "resumed", args + ["--resume"], _per_process(layout),
+                           timeout=GPU_RUN_TIMEOUT_S)
   assert "resumed from step 4" in outputs[0]
   _parity("gpu data=1,expert=2 resumed at step 4 vs straight", resumed, two, BF16_RTOL)
   assert resumed["loss"][:4] == two["loss"][:4]  # the first four come from metrics.jsonl
@@ -163,6 +170,6 @@ def test_gpu_data_parallel_across_processes(tmp_path, one_process_runs):
   """--mesh data=2,expert=1: each EP group is inside one process (no exchange at all), only
   FSDP/data parallelism crosses processes -- the multi-host layout, one GPU per host."""
   args = GPU_ARGS + ["--mesh", "data=2,expert=1"]
-  two, _ = train(tmp_path / "two", args, _per_process("local_rank"))
+  two, _ = train(tmp_path / "two", args, _per_process("local_rank"), timeout=GPU_RUN_TIMEOUT_S)
   _parity("gpu data=2,expert=1, 2 processes vs 1", two, one_process_runs("data=2,expert=1"),
           BF16_RTOL)
