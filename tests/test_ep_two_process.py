@@ -16,7 +16,13 @@ pytestmark = pytest.mark.multigpu
 EP_TIMEOUT_S = 10
 
 
-def _run_workers(mode: str, visibility: str, extra_env=None, timeout=240, peer_grace=60.0):
+# Each pair of workers gives up after WORKERS_TIMEOUT_S: two hangs must still leave the call's
+# limit for the other tests (scripts/next_device_call.sh PART=ep2_ep: 420 s for five).
+WORKERS_TIMEOUT_S = 150
+
+
+def _run_workers(mode: str, visibility: str, extra_env=None, timeout=WORKERS_TIMEOUT_S,
+                 peer_grace=60.0):
   port = free_port()
   env = gpu_worker_env(**(extra_env or {}))
   envs = [dict(env, CUDA_VISIBLE_DEVICES=str(i)) if visibility == "cuda_visible_devices" else env
