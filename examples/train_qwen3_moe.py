@@ -469,15 +469,31 @@ def peak_flops(args) -> float | None:
   return next((v for k, v in PEAK_BF16_FLOPS.items() if k in kind), None)
 
 
+def ep_workspaces() -> list:
+  """The symmetric workspaces of this process's expert-parallel kernels (NVLink exchange)."""
+  symmetric = sys.modules.get("jax_megamoe.symmetric")
+  if symmetric is None:  # never imported: no EP kernel ran in this process
+    return []
+  return [*symmetric._cache.values(), *symmetric._retired]
+
+
+def ep_workspaces_note() -> str:
+  """For the run's last line: how many NVLink EP workspaces it used and how many of them span
+  processes (CUDA IPC), so that a multi-process run shows it took the NVLink path, not XLA's
+  collectives; "" when none."""
+  workspaces = [w for w in ep_workspaces() if w.num_ranks > 1 and not w.virtual]
+  if not workspaces:
+    return ""
+  across = sum(bool(w.multiprocess) for w in workspaces)
+  return f"; NVLink EP workspaces {len(workspaces)} ({across} across processes)"
+
+
 def ep_workspace_errors() -> list[str]:
   """Errors that expert-parallel kernels recorded in their symmetric workspaces (a wait on a
   peer GPU that timed out). Such a kernel returns normally after its timeout, so the step that
   ran it looks fine; the run must neither go on from it nor save it."""
-  symmetric = sys.modules.get("jax_megamoe.symmetric")
-  if symmetric is None:  # never imported: no EP kernel ran in this process
-    return []
   errors = []
-  for workspace in [*symmetric._cache.values(), *symmetric._retired]:
+  for workspace in ep_workspaces():
     try:
       workspace.check()
     except RuntimeError as e:
@@ -751,7 +767,7 @@ def _report(args, config, history, wall_s, compile_s, is_main, log) -> dict:
   speed = f", {summary['median_tokens_per_s']:,.0f} tok/s median" if speeds else ""
   log(f"done: {summary['steps']} steps in {wall_s:.1f}s (first step incl. compile "
       f"{compile_s:.1f}s{speed}); loss (mean of {window} steps) {summary['first_loss']:.4f} -> "
-      f"{summary['last_loss']:.4f}; outputs in {args.out}")
+      f"{summary['last_loss']:.4f}; outputs in {args.out}{ep_workspaces_note()}")
   return summary
 
 

@@ -230,6 +230,23 @@ def test_ep_kernel_error_stops_before_the_checkpoint(tmp_path, monkeypatch):
   assert checkpoints_lib.Checkpoints(str(out / "checkpoints"), every=2).steps() == []
 
 
+def test_ep_workspaces_note_counts_nvlink_workspaces_across_processes(monkeypatch):
+  """The run's last line names the NVLink EP workspaces it used, and how many span processes
+  (what the two-process GPU test asserts); one-rank and virtual workspaces are not NVLink
+  exchanges; none: nothing is added."""
+  import types
+
+  from jax_megamoe import symmetric
+  ws = lambda ranks, multi, virtual=False: types.SimpleNamespace(  # noqa: E731
+      num_ranks=ranks, multiprocess=multi, virtual=virtual)
+  monkeypatch.setattr(symmetric, "_cache", {})
+  monkeypatch.setattr(symmetric, "_retired", [])
+  assert example.ep_workspaces_note() == ""
+  symmetric._cache.update({("a",): ws(2, True), ("b",): ws(1, False), ("c",): ws(4, False, True)})
+  symmetric._retired.append(ws(2, False))
+  assert example.ep_workspaces_note() == "; NVLink EP workspaces 2 (1 across processes)"
+
+
 # --- resume edge cases and metrics -----------------------------------------------------------
 
 def test_the_compute_copy_is_remade_not_saved(straight, tmp_path):

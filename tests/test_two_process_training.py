@@ -11,6 +11,7 @@ process), and data=2, expert=1 (only data parallelism crosses processes).
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -153,6 +154,10 @@ def test_gpu_ep_across_processes(tmp_path, one_process_runs, layout):
   args = GPU_ARGS + ["--mesh", "data=1,expert=2"]
   two, outputs = train(tmp_path / "two", args, _per_process(layout), timeout=GPU_RUN_TIMEOUT_S)
   assert "process 1 of 2: local devices" in outputs[1]
+  # The layer took the NVLink kernels over CUDA IPC, not XLA's collectives (backend cuda's
+  # fallback when they cannot serve the mesh): the run's last line, from process 0, says so.
+  assert re.search(r"NVLink EP workspaces \d+ \([1-9]\d* across processes\)", outputs[0]), (
+      f"no EP workspace across processes reported:\n{outputs[0][-2000:]}")
   _parity(f"gpu data=1,expert=2 [{layout}], 2 processes vs 1", two,
           one_process_runs("data=1,expert=2"), BF16_RTOL)
   if layout != "local_rank":
