@@ -47,6 +47,9 @@
 #     repeat on an H200), then the FP8 harness's four modes at 30B (where L1's and L2's
 #     epilogue time goes).
 # Each step has its own time limit, so that one hang does not take the others.
+# To compare two builds of the extension (an A/B of a build option), session 38's PART=l2async
+# kept each build's .so and swapped them between rounds (build_kept, use_build):
+#   git show fd51552^:scripts/next_device_call.sh
 # To compare two commits' engines (an A/B of a kernel change), build the harnesses of each here
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
@@ -76,20 +79,6 @@ build_harnesses() {
   CUTLASS_INCLUDE=/tmp/cutlass/cutlass_library/source/include timeout 240 \
     sh benchmarks/kernels/build_fused_core_bench.sh build/fused_core \
     > "$OUT/harness_build.log" 2>&1 || { tail -30 "$OUT/harness_build.log"; exit 1; }
-}
-# build_kept NAME [VAR=VALUE ...], for an A/B of the extension's build options (no part uses it
-# now; session 38's PART=l2async did): the extension built with those build variables
-# (device_run.sh), its .so kept under /tmp/so_NAME (use_build NAME puts it back in place, for
-# the processes started after it, and prints its build_info; it fails if NAME was never kept).
-build_kept() {
-  local name=$1
-  shift
-  env "$@" JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
-  mkdir -p "/tmp/so_$name" && cp jax_megamoe/_megamoe*.so "/tmp/so_$name/"
-}
-use_build() {
-  cp "/tmp/so_$1"/_megamoe*.so jax_megamoe/ || { echo "use_build $1: no kept extension"; return 1; }
-  python3 -c "import jax_megamoe as m; print('build $1:', m.build_info())"
 }
 # bench_fwd_ep1 NAME RECIPE IMPLS SECONDS: bench_layer.py's EP = 1 forward (30B, 235B) into
 # $OUT/NAME.{json,log}.
