@@ -21,8 +21,9 @@
 # pytest runs verbose and unbuffered, under SIGINT at its limit (so that it still prints its
 # failures), with a JUnit XML in $OUT.
 # One GPU:
-#   PART=bars (the default; ~5 min): the extension with its defaults (L2's rows by TMA at one
-#     rank since session 37), then the layer forward at EP = 1 for issue 14's table
+#   PART=bars (the default; ~6 min): the extension with its defaults (L2's rows by TMA at one
+#     rank since session 37), the fused layer's tests against the reference and bitwise (~1
+#     min), then the layer forward at EP = 1 for issue 14's table
 #     (bench_layer.py: cuda, fused, and fused + blocks for fp8; 30B and 235B), then where a
 #     call's time goes (fused_phases.py --overhead, bf16 and fp8: CTA 0's phases, alone /
 #     queued, every kernel's GPU time per call beside backend cuda's), each step with the GPU's
@@ -190,6 +191,11 @@ bars)
   # A call returns at most 8 files: the GPU's name is printed above, the build log matters only
   # when the build fails (device_run.sh prints its tail then).
   rm -f "$OUT/gpus.txt" "$OUT/build.log"
+  # The build's fused kernel against the reference and bitwise run to run (bf16, fp8, the kernel
+  # backward, L2's rows by TMA) before it is timed: ~1 min with -n 4.
+  logged_tests tests_fused_quick 200 -n 4 -m gpu tests/test_fused_moe.py \
+    -k "one_gpu_matches_reference or bitwise or l2_rows"
+  rm -f "$OUT/tests_fused_quick.xml"  # the log says the same; a call returns at most 8 files
   clocks_start layer_fwd_bf16_ep1
   bench_fwd_ep1 layer_fwd_bf16_ep1 bf16 megamoe:cuda,megamoe:fused 200
   clocks_stop
