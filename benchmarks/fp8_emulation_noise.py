@@ -5,10 +5,15 @@ The kernels accumulate in a different order (and, for e4m3 wgmma, at a lower in-
 than the emulation, so a few intermediates round to the neighbouring bf16 / e4m3 value. This
 script perturbs the emulation's stored intermediates (gate_up and h, jax_megamoe/backends/
 reference._stored) by a relative uniform noise of the given amplitude and reports the relative
-errors of y and dtopk_weights against the unperturbed emulation, on the cases of
+errors of y and the gradients against the unperturbed emulation, on the cases of
 tests/test_fused_moe.py::test_fp8_one_gpu_matches_emulation. CPU only.
 
   python benchmarks/fp8_emulation_noise.py [--recipe fp8] [--amplitudes 1e-4,1e-3] [--draws 6]
+
+Session 39: at 1e-4, "fp8_pow2" moves dx and dw_gate_up by 1.6-1.7e-2 on every case here (fp8
+by ~6e-3), close to FP8_TOLERANCE (2e-2), and the two-GPU worker's case
+(tests/fused_multigpu_worker.py) by 1.75e-2, no more. The one-GPU cases have passed at 2e-2 on
+every GPU run, so the worker carries the same margin.
 """
 
 from __future__ import annotations
@@ -32,9 +37,13 @@ CASES = ((1, 16, 4, "uniform", 256, 128), (1000, 8, 2, "uniform", 256, 128),
          (200, 16, 2, "sparse", 256, 256))
 
 
-def noise(case, recipe: str = "fp8", amplitude: float = 1e-4, draws: int = 6) -> np.ndarray:
-  """[draws, 2]: the relative errors of y and dtopk_weights against the unperturbed emulation,
-  one row per draw of the noise, on one of CASES."""
+ERRORS = ("y", "dx", "dtopk_weights", "dw_gate_up", "dw_down")  # test_fused_moe._errors's
+
+
+def noise(case, recipe: str = "fp8", amplitude: float = 1e-4, draws: int = 6,
+          names=("y", "dtopk_weights")) -> np.ndarray:
+  """[draws, len(names)]: the relative errors `names` (of ERRORS) against the unperturbed
+  emulation, one row per draw of the noise, on one of CASES."""
   stored = reference._stored
   args = cases._inputs(case[0] + case[1] + case[4], *case)
   want = cases._fp8_emulation(recipe, *args)
@@ -53,7 +62,7 @@ def noise(case, recipe: str = "fp8", amplitude: float = 1e-4, draws: int = 6) ->
     finally:
       reference._stored = stored
     e = cases._errors(got, want)
-    errs.append((e["y"], e["dtopk_weights"]))
+    errs.append([e[n] for n in names])
   return np.asarray(errs)
 
 
@@ -65,10 +74,10 @@ def main():
   flags = parser.parse_args()
   for case in CASES:
     for amplitude in map(float, flags.amplitudes.split(",")):
-      errs = noise(case, flags.recipe, amplitude, flags.draws)
+      worst = noise(case, flags.recipe, amplitude, flags.draws, ERRORS).max(axis=0)
       print(f"tokens {case[0]:5d} experts {case[1]:3d} k {case[2]} {case[3]:8s} amplitude "
-            f"{amplitude:.0e}: y max {errs[:, 0].max():.2e}  dtopk_weights max "
-            f"{errs[:, 1].max():.2e} mean {errs[:, 1].mean():.2e}")
+            f"{amplitude:.0e}, max over draws: "
+            + "  ".join(f"{n} {v:.2e}" for n, v in zip(ERRORS, worst)))
 
 
 if __name__ == "__main__":
