@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The device calls the last session prepared and could not run. Each session that leaves GPU
 # work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34,
-# updated in sessions 35-38. Session 38 ran PART=bars, suite, phases and l2async on an H100
-# (the async staging release measured nothing and is gone from the code, with PART=l2async).
-# First next: PART=bars on an H200 (no H200 figure since session 25), then PART=phases on the
-# same machine. The combine beside the tiles lives on branch combine-overlap (measured in
+# updated in sessions 35-39. Session 38 ran PART=bars, suite, phases and l2async on an H100
+# (the async staging release measured nothing and is gone from the code, with PART=l2async);
+# session 39 got no machine. First next: PART=bars on an H200 (no H200 figure since session
+# 25; it also runs the first GPU tests of fd51552's build), then PART=phases on the same
+# machine. The combine beside the tiles lives on branch combine-overlap (measured in
 # session 36: it loses; kept for the record only).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
