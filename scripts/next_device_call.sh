@@ -3,10 +3,11 @@
 # work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34,
 # updated in sessions 35-39. Session 38 ran PART=bars, suite, phases and l2async on an H100
 # (the async staging release measured nothing and is gone from the code, with PART=l2async);
-# session 39 got no machine. First next: PART=bars on an H200 (no H200 figure since session
-# 25; it also runs the first GPU tests of fd51552's build), then PART=phases on the same
-# machine. The combine beside the tiles lives on branch combine-overlap (measured in
-# session 36: it loses; kept for the record only).
+# session 39 ran PART=bars on an H100 late, and the clocks beside the 235B forward (the
+# kernels power-capped, fused's ~10% below cuda's clock). First next: PART=bars on an H200 (no
+# H200 figure since session 25), then PART=energy and PART=phases on the same machine. The
+# combine beside the tiles lives on branch combine-overlap (measured in session 36: it loses;
+# kept for the record only).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
 # EP = 2 bars, in four calls on the same warm machine (each builds the extension with its
@@ -31,6 +32,10 @@
 #     SM clock, power and clock-event reasons sampled beside it (clocks.log: on an H100 in
 #     session 38 the 235B bf16 kernel ran 8.9-10.0 ms on one card). The bars are H200 figures:
 #     say which card ran it.
+#   PART=energy (~3 min): energy, mean power and SM clock per call, fused against cuda (bf16;
+#     fp8 with weight blocks; 30B, 235B), calls queued 3 s per run, two interleaved rounds
+#     (benchmarks/energy_per_call.py): whether the card's power limit sets the times (session
+#     39, H100: at 235B bf16 fused's kernels ran ~10% below cuda's clock under the cap).
 #   PART=suite (~6 min): the one-GPU suite of tests/test_fused_moe.py, test_grouped_mlp_ffi.py
 #     and test_weight_blocks.py on the extension's defaults (session 38, H100: 125 passed in
 #     370 s).
@@ -56,7 +61,7 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|suite|harness|phases|ep2|ep2_ep|ep2_train|ep2_bench] \
+#   OUT=... [PART=bars|energy|suite|harness|phases|ep2|ep2_ep|ep2_train|ep2_bench] \
 #     scripts/next_device_call.sh
 #   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
@@ -214,6 +219,17 @@ bars)
     done
   done | tee "$OUT/fused_overhead.log" | grep -E "fwd: kernel|GEMM region|alone|queued|^clocks"
   ;;
+energy)
+  # Whether the card's power limit sets the backends' times: energy, mean power and the SM
+  # clock per call, fused against cuda, calls queued for 3 s per run, two interleaved rounds
+  # (session 39, H100: under the power cap the 235B bf16 forward's kernels ran at ~1.5 GHz with
+  # fused and ~1.7 with cuda).
+  ensure_extension
+  for recipe in bf16 fp8; do
+    timeout 200 python3 benchmarks/energy_per_call.py --shapes 30b,235b --recipe $recipe \
+      --out "$OUT/energy_$recipe.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
+  done | tee "$OUT/energy.log"
+  ;;
 suite)
   # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks, with the
   # extension's defaults: after a change to the kernels or their handlers. Session 38 (H100):
@@ -242,7 +258,7 @@ phases)
     --reps 21 2>&1 | tee "$OUT/fp8_modes.log" | grep -E "PASS|FAIL|median" | tail -12
   ;;
 *)
-  echo "PART=${PART}: unknown (bars, suite, harness or phases)"
+  echo "PART=${PART}: unknown (bars, energy, suite, harness or phases)"
   exit 2
   ;;
 esac

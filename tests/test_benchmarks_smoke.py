@@ -276,8 +276,9 @@ def test_fused_phases_gemm_region():
 
 def test_gpu_clocks_summary_leaves_idle_samples_out_and_names_reasons(tmp_path):
   """gpu_clocks: idle samples (reason bit 0x1 alone) are not counted in the clock and power
-  figures; a sample's reason bits are each counted; rows that are not samples (an error line, a
-  cut last line, "[N/A]" clocks) are skipped; a file without a busy sample says so."""
+  figures; a sample's reason bits are each counted; the samples under the power cap are
+  summarised apart; rows that are not samples (an error line, a cut last line, "[N/A]" clocks)
+  are skipped; a file without a busy sample says so."""
   from benchmarks import gpu_clocks
   rows = ["2026/12/06 22:14:15.123, 345, 70.12, 31, 0x0000000000000001",
           "2026/12/06 22:14:15.323, 1980, 650.50, 55, 0x0000000000000000",
@@ -295,10 +296,31 @@ def test_gpu_clocks_summary_leaves_idle_samples_out_and_names_reasons(tmp_path):
   assert "max temp 62 C" in text, text
   assert "sw_power_cap 3, sw_thermal_slowdown 1" in text, text
   assert "gpu_idle" not in text, text
+  # the clock under the power cap: the three samples with bit 0x4, one without a power figure
+  assert text.endswith("under the power cap (3 samples): SM MHz min/median/max 1650 / 1700 / "
+                       "1755, power W 700 / 700 / 700"), text
   assert "no busy sample" in gpu_clocks.summarize(samples[:1])
+  assert "power cap" not in gpu_clocks.summarize(samples[:2])
   path = tmp_path / "clocks.csv"
   path.write_text("\n".join(rows) + "\n")
   assert gpu_clocks.main([str(path), "--label", "235b"]) == 0
+
+
+def test_energy_per_call_summarizes_a_run():
+  """energy_per_call.summarize_run: per-call ms and J, mean W from the energy and the time, the
+  SM clock's median over every sample and over those under the power cap."""
+  from benchmarks import energy_per_call, gpu_clocks
+  rows = ["t, 1980, 300, 50, 0x0000000000000000", "t, 1500, 690, 60, 0x0000000000000004",
+          "t, 1400, 700, 61, 0x0000000000000004", "t, 1600, 680, 61, 0x0000000000000004"]
+  r = energy_per_call.summarize_run(200, 2.0, 1300.0, gpu_clocks.parse(rows))
+  assert r["ms_per_call"] == pytest.approx(10.0) and r["j_per_call"] == pytest.approx(6.5)
+  assert r["mean_w"] == pytest.approx(650.0)
+  assert r["sm_mhz_median"] == 1550 and r["sm_mhz_capped_median"] == 1500
+  assert (r["samples"], r["capped_samples"]) == (4, 3)
+  none = energy_per_call.summarize_run(10, 1.0, 100.0, gpu_clocks.parse(rows[:1]))
+  assert none["capped_samples"] == 0 and none["sm_mhz_capped_median"] is None
+  with pytest.raises(SystemExit, match="--seconds must be > 0"):
+    energy_per_call.main(["--seconds", "0"])
 
 
 def test_fused_phases_alone_trace_groups_calls_by_gap():

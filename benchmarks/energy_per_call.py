@@ -1,0 +1,140 @@
+"""Energy, power and SM clock per layer call, fused against cuda: whether a backend's time is set
+by the card's power limit and how much energy each call takes.
+
+Session 39 (H100, `nvidia-smi` samples beside bench_layer.py): under the software power cap the
+235B bf16 forward's kernels ran at ~1.5 GHz with backend fused and ~1.7 GHz with cuda, so on a
+power-bound card a call's time follows its energy, not only its cycles. This times a run of
+calls queued back to back (long enough for the card to reach its limit) and reads, around it,
+NVML's energy counter (`nvidia-smi --query-gpu=total_energy_consumption`, mJ since the driver
+loaded) and the SM clock, power and clock-event reasons sampled every 50 ms:
+
+  python3 benchmarks/energy_per_call.py [--shapes 30b,235b] [--recipe bf16|fp8] [--seconds 3]
+      [--rounds 2] [--impls fused,cuda] [--out F]
+
+Per shape and backend (interleaved round by round): ms per call, J per call, mean W, and the SM
+clock's median over the samples (all of them, and those under the power cap). FP8 runs with
+`weight_blocks=` (the weights quantised once, as bench_layer's "fused+blocks"). The problem is
+bench_layer's at EP = 1 (16,384 tokens, 128 experts, top-8, uniform), on its one-device mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax_megamoe  # noqa: E402
+from benchmarks import gpu_clocks, problem  # noqa: E402
+from benchmarks.fused_phases import one_gpu_mesh  # noqa: E402
+
+SAMPLE_QUERY = ("timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active")
+
+
+def energy_mj() -> float:
+  """NVML's energy counter of GPU 0 (mJ since the driver loaded)."""
+  out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=total_energy_consumption",
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                       check=True).stdout
+  return float(out.strip().splitlines()[0])
+
+
+def summarize_run(calls: int, seconds: float, joules: float, samples: list[dict]) -> dict:
+  """Per-call figures of one timed run from its totals and its clock samples."""
+  capped = [s["sm_mhz"] for s in samples if s["reasons"] & gpu_clocks.SW_POWER_CAP]
+  return {"calls": calls, "ms_per_call": seconds * 1e3 / calls, "j_per_call": joules / calls,
+          "mean_w": joules / seconds,
+          "sm_mhz_median": statistics.median(s["sm_mhz"] for s in samples) if samples else None,
+          "capped_samples": len(capped), "samples": len(samples),
+          "sm_mhz_capped_median": statistics.median(capped) if capped else None}
+
+
+def timed_run(call, seconds: float) -> dict:
+  """Calls queued back to back for about `seconds` (a wait every 10 calls), with the energy
+  counter read around them and the clocks sampled beside them."""
+  jax.block_until_ready(call())
+  t = time.perf_counter()
+  jax.block_until_ready([call() for _ in range(5)])
+  per_call = (time.perf_counter() - t) / 5
+  batches = max(1, round(seconds / (10 * per_call)))
+  with tempfile.NamedTemporaryFile("w+", suffix=".csv") as f:
+    sampler = subprocess.Popen(["nvidia-smi", "-i", "0", f"--query-gpu={SAMPLE_QUERY}",
+                                "--format=csv,noheader,nounits", "-lms", "50"], stdout=f,
+                               stderr=subprocess.STDOUT)
+    try:
+      e0, t0 = energy_mj(), time.perf_counter()
+      for _ in range(batches):
+        jax.block_until_ready([call() for _ in range(10)])
+      t1, e1 = time.perf_counter(), energy_mj()
+    finally:
+      sampler.terminate()
+      sampler.wait()
+    f.seek(0)
+    samples = gpu_clocks.parse(f)
+  return summarize_run(10 * batches, t1 - t0, (e1 - e0) * 1e-3, samples)
+
+
+def layer(impl: str, recipe: str, x, ids, w, wgu, wd, mesh):
+  """A no-argument call of the layer on backend `impl` (fp8: with weight blocks)."""
+  fp8 = recipe != "bf16"
+  blocks = (jax_megamoe.quantize_expert_weights(wgu, wd, recipe, mesh=mesh) if fp8 else None)
+  fn = jax.jit(lambda x, ids, w, wgu, wd, blocks: jax_megamoe.moe(
+      x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert", backend=impl,
+      recipe=recipe if fp8 else None, weight_blocks=blocks))
+  return lambda: fn(x, ids, w, wgu, wd, blocks)
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--shapes", default="30b,235b")
+  ap.add_argument("--recipe", default="bf16", choices=("bf16", "fp8", "fp8_pow2"))
+  ap.add_argument("--impls", default="fused,cuda")
+  ap.add_argument("--seconds", type=float, default=3.0, help="each timed run's length")
+  ap.add_argument("--rounds", type=int, default=2, help="timed runs per backend, interleaved")
+  ap.add_argument("--tokens", type=int, default=16384)
+  ap.add_argument("--out", default="")
+  args = ap.parse_args(argv)
+  if args.seconds <= 0 or args.rounds < 1:
+    raise SystemExit(f"--seconds must be > 0 and --rounds >= 1, got {args.seconds}, "
+                     f"{args.rounds}")
+  mesh = one_gpu_mesh()
+  rows = []
+  for shape in args.shapes.split(","):
+    hidden, ffn = problem.SHAPES[shape]
+    ids_np, w_np = problem.make_routing(args.tokens, 128, 8)
+    ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(ks[0], (args.tokens, hidden), jnp.bfloat16)
+    wgu = (jax.random.normal(ks[1], (128, hidden, 2 * ffn)) * 0.02).astype(jnp.bfloat16)
+    wd = (jax.random.normal(ks[2], (128, ffn, hidden)) * 0.02).astype(jnp.bfloat16)
+    ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
+    calls = {impl: layer(impl, args.recipe, x, ids, w, wgu, wd, mesh)
+             for impl in args.impls.split(",")}
+    for rnd in range(args.rounds):
+      for impl, call in calls.items():
+        r = {"shape": shape, "recipe": args.recipe, "impl": impl, "round": rnd + 1,
+             **timed_run(call, args.seconds)}
+        rows.append(r)
+        capped = (f"{r['sm_mhz_capped_median']:.0f} MHz under the power cap "
+                  f"({r['capped_samples']} of {r['samples']} samples)"
+                  if r["capped_samples"] else f"never power-capped ({r['samples']} samples)")
+        print(f"{shape} {args.recipe} {impl:5s} round {rnd + 1}: {r['ms_per_call']:.3f} ms, "
+              f"{r['j_per_call']:.2f} J per call, {r['mean_w']:.0f} W, SM clock median "
+              f"{r['sm_mhz_median']} MHz, {capped}", flush=True)
+    del calls
+  out = {"device": str(jax.devices()[0].device_kind), "rows": rows}
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(out, f, indent=1)
+  return out
+
+
+if __name__ == "__main__":
+  main()
