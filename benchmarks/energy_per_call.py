@@ -44,7 +44,11 @@ def energy_mj() -> float:
   out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=total_energy_consumption",
                         "--format=csv,noheader,nounits"], capture_output=True, text=True,
                        check=True).stdout
-  return float(out.strip().splitlines()[0])
+  text = out.strip().splitlines()[0] if out.strip() else "(nothing)"
+  try:
+    return float(text)
+  except ValueError:  # "[N/A]" on GPUs or drivers without the counter
+    raise SystemExit(f"energy_per_call: nvidia-smi gives no energy counter: {text!r}") from None
 
 
 def summarize_run(calls: int, seconds: float, joules: float, samples: list[dict]) -> dict:
