@@ -29,12 +29,11 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax_megamoe  # noqa: E402
 from benchmarks import gpu_clocks, problem  # noqa: E402
-from benchmarks.fused_phases import one_gpu_mesh  # noqa: E402
+from benchmarks.fused_phases import layer_arrays, one_gpu_mesh  # noqa: E402
 
 SAMPLE_QUERY = ("timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active")
 
@@ -112,13 +111,7 @@ def main(argv=None) -> dict:
   mesh = one_gpu_mesh()
   rows = []
   for shape in args.shapes.split(","):
-    hidden, ffn = problem.SHAPES[shape]
-    ids_np, w_np = problem.make_routing(args.tokens, 128, 8)
-    ks = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(ks[0], (args.tokens, hidden), jnp.bfloat16)
-    wgu = (jax.random.normal(ks[1], (128, hidden, 2 * ffn)) * 0.02).astype(jnp.bfloat16)
-    wd = (jax.random.normal(ks[2], (128, ffn, hidden)) * 0.02).astype(jnp.bfloat16)
-    ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
+    x, ids, w, wgu, wd = layer_arrays(shape, args.tokens, problem.NUM_EXPERTS, problem.TOP_K)
     calls = {impl: layer(impl, args.recipe, x, ids, w, wgu, wd, mesh)
              for impl in args.impls.split(",")}
     for rnd in range(args.rounds):

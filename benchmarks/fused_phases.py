@@ -241,6 +241,18 @@ def one_gpu_mesh():
   return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "expert"))
 
 
+def layer_arrays(shape: str, tokens: int, experts: int, top_k: int):
+  """(x, topk_ids, topk_weights, w_gate_up, w_down) of the layer benchmark's problem at `shape`,
+  bf16, the routing from problem.make_routing: the same arrays in every script that uses it."""
+  hidden, ffn = problem.SHAPES[shape]
+  ids_np, w_np = problem.make_routing(tokens, experts, top_k)
+  ks = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(ks[0], (tokens, hidden), jnp.bfloat16)
+  wgu = (jax.random.normal(ks[1], (experts, hidden, 2 * ffn)) * 0.02).astype(jnp.bfloat16)
+  wd = (jax.random.normal(ks[2], (experts, ffn, hidden)) * 0.02).astype(jnp.bfloat16)
+  return x, jnp.asarray(ids_np), jnp.asarray(w_np), wgu, wd
+
+
 def layer_call(backend: str, recipe: str | None, overhead_pass: str, dy=None, mesh=None):
   """The jitted call that --overhead times: the layer's forward, or (overhead_pass "grad") the
   gradients of <y, dy> w.r.t. x, the routing weights and both expert weights; under `mesh`
@@ -296,12 +308,7 @@ def main(argv=None) -> dict:
   results, overhead = [], []
   for shape in args.shapes.split(","):
     hidden, ffn = problem.SHAPES[shape]
-    ids_np, w_np = problem.make_routing(args.tokens, args.experts, args.top_k)
-    ks = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(ks[0], (args.tokens, hidden), jnp.bfloat16)
-    wgu = (jax.random.normal(ks[1], (args.experts, hidden, 2 * ffn)) * 0.02).astype(jnp.bfloat16)
-    wd = (jax.random.normal(ks[2], (args.experts, ffn, hidden)) * 0.02).astype(jnp.bfloat16)
-    ids, w = jnp.asarray(ids_np), jnp.asarray(w_np)
+    x, ids, w, wgu, wd = layer_arrays(shape, args.tokens, args.experts, args.top_k)
     dy = jax.random.normal(jax.random.key(1), x.shape, jnp.bfloat16)
     if args.kernel_pass == "bwd":
       if args.recipe != "bf16":
