@@ -194,9 +194,10 @@ harness)
   ;;
 bars)
   JAX_MEGAMOE_CUDA_ARCHS=90a scripts/device_run.sh build || exit 1
-  # A call returns at most 8 files: the GPU's name is printed above, the build log matters only
-  # when the build fails (device_run.sh prints its tail then).
-  rm -f "$OUT/gpus.txt" "$OUT/build.log"
+  # A call returns at most 8 files: the GPU's name and device_run.sh's summary (the build's
+  # info) are printed above, the build log matters only when the build fails (device_run.sh
+  # prints its tail then). Session 39 kept summary.txt, and the tests' log did not come back.
+  rm -f "$OUT/gpus.txt" "$OUT/build.log" "$OUT/summary.txt"
   # The build's fused kernel against the reference and bitwise run to run (bf16, fp8, the kernel
   # backward, L2's rows by TMA) before it is timed: 18 tests, 120 s with -n 4 on an H100.
   logged_tests tests_fused_quick 200 -n 4 -m gpu tests/test_fused_moe.py \
