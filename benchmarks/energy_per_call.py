@@ -9,17 +9,24 @@ NVML's energy counter (`nvidia-smi --query-gpu=total_energy_consumption`, mJ sin
 loaded) and the SM clock, power and clock-event reasons sampled every 50 ms:
 
   python3 benchmarks/energy_per_call.py [--shapes 30b,235b] [--recipe bf16|fp8] [--seconds 3]
-      [--rounds 2] [--impls fused,cuda] [--out F]
+      [--rounds 2] [--impls fused,cuda] [--fused-env "NAME=V[,NAME=V];..."] [--out F]
 
 Per shape and backend (interleaved round by round): ms per call, J per call, mean W, and the SM
 clock's median over the samples (all of them, and those under the power cap). FP8 runs with
 `weight_blocks=` (the weights quantised once, as bench_layer's "fused+blocks"). The problem is
 bench_layer's at EP = 1 (16,384 tokens, 128 experts, top-8, uniform), on its one-device mesh.
+
+--fused-env adds backend fused under other settings of its overrides (ffi/heuristics/: the
+handlers read them at every call), each a further row of every round: what in the kernel draws
+the power. E.g. "MEGAMOE_FUSED_COPY_HEAD=100;MEGAMOE_FUSED_COPY_HEAD=0;MEGAMOE_FUSED_L1_ORDER=m;
+MEGAMOE_FUSED_L2_TMA=0": the whole row copy before the GEMMs (none beside the tiles), all of it
+beside them, L1's tiles M-block-major, L2's rows by generic stores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -33,7 +40,7 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax_megamoe  # noqa: E402
 from benchmarks import gpu_clocks, problem  # noqa: E402
-from benchmarks.fused_phases import layer_arrays, one_gpu_mesh  # noqa: E402
+from benchmarks.fused_phases import env_var, layer_arrays, one_gpu_mesh  # noqa: E402
 
 SAMPLE_QUERY = ("timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active")
 
@@ -60,9 +67,35 @@ def summarize_run(calls: int, seconds: float, joules: float, samples: list[dict]
           "sm_mhz_capped_median": statistics.median(capped) if capped else None}
 
 
-def timed_run(call, seconds: float) -> dict:
+def parse_fused_env(text: str) -> list[dict[str, str]]:
+  """--fused-env's variants: ";" between variants, "," between one variant's NAME=VALUE pairs;
+  only MEGAMOE_FUSED_* names (the fused handlers' overrides)."""
+  variants = []
+  for part in filter(None, (p.strip() for p in text.split(";"))):
+    env = {}
+    for pair in filter(None, (p.strip() for p in part.split(","))):
+      name, eq, value = pair.partition("=")
+      if not eq or not name.startswith("MEGAMOE_FUSED_"):
+        raise SystemExit(f"--fused-env: {pair!r} is not MEGAMOE_FUSED_<NAME>=<VALUE>")
+      env[name] = value
+    variants.append(env)
+  return variants
+
+
+def variant_label(impl: str, env: dict[str, str]) -> str:
+  return impl + "".join(f"[{k.removeprefix('MEGAMOE_FUSED_')}={v}]" for k, v in env.items())
+
+
+def timed_run(call, seconds: float, env: dict[str, str] | None = None) -> dict:
   """Calls queued back to back for about `seconds` (a wait every 10 calls), with the energy
-  counter read around them and the clocks sampled beside them."""
+  counter read around them and the clocks sampled beside them; `env` set around the calls."""
+  with contextlib.ExitStack() as stack:
+    for name, value in (env or {}).items():
+      stack.enter_context(env_var(name, value))
+    return _timed_run(call, seconds)
+
+
+def _timed_run(call, seconds: float) -> dict:
   jax.block_until_ready(call())
   t = time.perf_counter()
   jax.block_until_ready([call() for _ in range(5)])
@@ -102,30 +135,39 @@ def main(argv=None) -> dict:
   ap.add_argument("--impls", default="fused,cuda")
   ap.add_argument("--seconds", type=float, default=3.0, help="each timed run's length")
   ap.add_argument("--rounds", type=int, default=2, help="timed runs per backend, interleaved")
+  ap.add_argument("--fused-env", default="",
+                  help="further backend fused variants: NAME=VALUE settings of its overrides, "
+                       "';' between variants, ',' inside one")
   ap.add_argument("--tokens", type=int, default=16384)
   ap.add_argument("--out", default="")
   args = ap.parse_args(argv)
   if args.seconds <= 0 or args.rounds < 1:
     raise SystemExit(f"--seconds must be > 0 and --rounds >= 1, got {args.seconds}, "
                      f"{args.rounds}")
+  fused_envs = parse_fused_env(args.fused_env)
   mesh = one_gpu_mesh()
   rows = []
   for shape in args.shapes.split(","):
     x, ids, w, wgu, wd = layer_arrays(shape, args.tokens, problem.NUM_EXPERTS, problem.TOP_K)
     calls = {impl: layer(impl, args.recipe, x, ids, w, wgu, wd, mesh)
              for impl in args.impls.split(",")}
+    if fused_envs and "fused" not in calls:
+      calls["fused"] = layer("fused", args.recipe, x, ids, w, wgu, wd, mesh)
+    runs = [(impl, call, {}) for impl, call in calls.items() if impl in args.impls.split(",")]
+    runs += [("fused", calls["fused"], env) for env in fused_envs]
     for rnd in range(args.rounds):
-      for impl, call in calls.items():
-        r = {"shape": shape, "recipe": args.recipe, "impl": impl, "round": rnd + 1,
-             **timed_run(call, args.seconds)}
+      for impl, call, env in runs:
+        label = variant_label(impl, env)
+        r = {"shape": shape, "recipe": args.recipe, "impl": label, "env": env,
+             "round": rnd + 1, **timed_run(call, args.seconds, env)}
         rows.append(r)
         capped = (f"{r['sm_mhz_capped_median']:.0f} MHz under the power cap "
                   f"({r['capped_samples']} of {r['samples']} samples)"
                   if r["capped_samples"] else f"never power-capped ({r['samples']} samples)")
-        print(f"{shape} {args.recipe} {impl:5s} round {rnd + 1}: {r['ms_per_call']:.3f} ms, "
+        print(f"{shape} {args.recipe} {label:5s} round {rnd + 1}: {r['ms_per_call']:.3f} ms, "
               f"{r['j_per_call']:.2f} J per call, {r['mean_w']:.0f} W, SM clock median "
               f"{r['sm_mhz_median']} MHz, {capped}", flush=True)
-    del calls
+    del calls, runs
   out = {"device": str(jax.devices()[0].device_kind), "rows": rows}
   if args.out:
     with open(args.out, "w") as f:

@@ -219,9 +219,10 @@ def gemm_region(phases_ms: dict, tokens: int, top_k: int, hidden: int, ffn: int)
 
 
 @contextlib.contextmanager
-def _env(name: str, value: str | None):
+def env_var(name: str, value: str | None):
   """Environment variable `name` set to `value` (None: as it was) for the calls inside; the
-  handlers read MEGAMOE_FUSED_COPY_HEAD and MEGAMOE_FUSED_DEBUG at every call."""
+  fused handlers read their overrides (ffi/heuristics/) at every call, so one compiled program
+  runs each setting."""
   if value is None:
     yield
     return
@@ -325,7 +326,7 @@ def main(argv=None) -> dict:
     phases = {v: [] for v in variants}
     for rep in range(args.reps + 1):  # the first round warms up
       for head, debug in variants:
-        with _env("MEGAMOE_FUSED_COPY_HEAD", head), _env("MEGAMOE_FUSED_DEBUG", debug):
+        with env_var("MEGAMOE_FUSED_COPY_HEAD", head), env_var("MEGAMOE_FUSED_DEBUG", debug):
           t = time.perf_counter()
           _, ph = jax.block_until_ready(fn(x, ids, w, wgu, wd))
           if rep:
@@ -354,7 +355,7 @@ def main(argv=None) -> dict:
         print(f"    GEMM region        {g['ms']:7.3f} ms, {g['tflops']:.0f} TFLOP/s (rows copied "
               f"+ GEMM tiles done)")
       if args.engine_profile:
-        with _env("MEGAMOE_FUSED_COPY_HEAD", head), _env("MEGAMOE_FUSED_DEBUG", debug):
+        with env_var("MEGAMOE_FUSED_COPY_HEAD", head), env_var("MEGAMOE_FUSED_DEBUG", debug):
           jax.block_until_ready(fn(x, ids, w, wgu, wd))
           row["engine"] = engine_breakdown(*fused.engine_profile())
         print_engine_breakdown(row["engine"])

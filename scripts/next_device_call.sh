@@ -32,10 +32,12 @@
 #     SM clock, power and clock-event reasons sampled beside it (clocks.log: on an H100 in
 #     session 38 the 235B bf16 kernel ran 8.9-10.0 ms on one card). The bars are H200 figures:
 #     say which card ran it.
-#   PART=energy (~3 min): energy, mean power and SM clock per call, fused against cuda (bf16;
+#   PART=energy (~4 min): energy, mean power and SM clock per call, fused against cuda (bf16;
 #     fp8 with weight blocks; 30B, 235B), calls queued 3 s per run, two interleaved rounds
 #     (benchmarks/energy_per_call.py): whether the card's power limit sets the times (session
-#     39, H100: at 235B bf16 fused's kernels ran ~10% below cuda's clock under the cap).
+#     39, H100: at 235B bf16 fused's kernels ran ~10% below cuda's clock under the cap); then
+#     fused alone at 235B bf16 under three settings of its overrides (energy_per_call.py
+#     --fused-env): the row copy all before the tiles, L2's generic stores, L1 M-block-major.
 #   PART=suite (~6 min): the one-GPU suite of tests/test_fused_moe.py, test_grouped_mlp_ffi.py
 #     and test_weight_blocks.py on the extension's defaults (session 38, H100: 125 passed in
 #     370 s).
@@ -230,6 +232,13 @@ energy)
     timeout 200 python3 benchmarks/energy_per_call.py --shapes 30b,235b --recipe $recipe \
       --out "$OUT/energy_$recipe.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
   done | tee "$OUT/energy.log"
+  # What in the fused kernel draws the power at 235B bf16: the whole row copy before the tiles
+  # (none beside them), L2's rows by generic stores, L1's tiles M-block-major; each against the
+  # default, interleaved.
+  timeout 200 python3 benchmarks/energy_per_call.py --shapes 235b --recipe bf16 --impls fused \
+    --fused-env "MEGAMOE_FUSED_COPY_HEAD=100;MEGAMOE_FUSED_L2_TMA=0;MEGAMOE_FUSED_L1_ORDER=m" \
+    --out "$OUT/energy_variants.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" \
+    | tee "$OUT/energy_variants.log"
   ;;
 suite)
   # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks, with the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import sys
@@ -321,6 +322,29 @@ def test_energy_per_call_summarizes_a_run():
   assert none["capped_samples"] == 0 and none["sm_mhz_capped_median"] is None
   with pytest.raises(SystemExit, match="--seconds must be > 0"):
     energy_per_call.main(["--seconds", "0"])
+
+
+def test_energy_per_call_parses_fused_env_variants():
+  """--fused-env: ';' between variants, ',' inside one, only the fused handlers' overrides; the
+  labels name each setting; the environment is set around a timed run only."""
+  from benchmarks import energy_per_call
+  got = energy_per_call.parse_fused_env(
+      "MEGAMOE_FUSED_COPY_HEAD=100; MEGAMOE_FUSED_L1_ORDER=m,MEGAMOE_FUSED_L2_TMA=0;")
+  assert got == [{"MEGAMOE_FUSED_COPY_HEAD": "100"},
+                 {"MEGAMOE_FUSED_L1_ORDER": "m", "MEGAMOE_FUSED_L2_TMA": "0"}]
+  assert energy_per_call.variant_label("fused", got[1]) == "fused[L1_ORDER=m][L2_TMA=0]"
+  assert energy_per_call.parse_fused_env("") == []
+  for bad in ("COPY_HEAD=100", "MEGAMOE_FUSED_COPY_HEAD", "XLA_FLAGS=--x"):
+    with pytest.raises(SystemExit, match="is not MEGAMOE_FUSED_"):
+      energy_per_call.parse_fused_env(bad)
+  seen = []
+  def call():  # records the setting, then stops the run before it reaches nvidia-smi
+    seen.append(os.environ.get("MEGAMOE_FUSED_COPY_HEAD"))
+    raise RuntimeError("stop")
+  assert "MEGAMOE_FUSED_COPY_HEAD" not in os.environ
+  with pytest.raises(RuntimeError, match="stop"):
+    energy_per_call.timed_run(call, 1.0, {"MEGAMOE_FUSED_COPY_HEAD": "100"})
+  assert seen == ["100"] and "MEGAMOE_FUSED_COPY_HEAD" not in os.environ
 
 
 def test_fused_phases_alone_trace_groups_calls_by_gap():
