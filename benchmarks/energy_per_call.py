@@ -6,7 +6,9 @@ Session 39 (H100, `nvidia-smi` samples beside bench_layer.py): under the softwar
 power-bound card a call's time follows its energy, not only its cycles. This times a run of
 calls queued back to back (long enough for the card to reach its limit) and reads, around it,
 NVML's energy counter (`nvidia-smi --query-gpu=total_energy_consumption`, mJ since the driver
-loaded) and the SM clock, power and clock-event reasons sampled every 50 ms:
+loaded; where nvidia-smi has no such field, as driver 580.159's on an H200 in session 40, the
+power samples' mean times the run's length) and the SM clock, power and clock-event reasons
+sampled every 50 ms:
 
   python3 benchmarks/energy_per_call.py [--shapes 30b,235b] [--recipe bf16|fp8] [--seconds 3]
       [--rounds 2] [--impls fused,cuda] [--fused-env "NAME=V[,NAME=V];..."] [--out F]
@@ -45,16 +47,15 @@ from benchmarks.fused_phases import env_var, layer_arrays, one_gpu_mesh  # noqa:
 SAMPLE_QUERY = ("timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active")
 
 
-def energy_mj() -> float:
-  """NVML's energy counter of GPU 0 (mJ since the driver loaded)."""
+def energy_mj() -> float | None:
+  """NVML's energy counter of GPU 0 (mJ since the driver loaded); None where nvidia-smi has no
+  such field (nvidia-smi of driver 580.159 refused it, exit 2, on an H200 in session 40)."""
   out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=total_energy_consumption",
-                        "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                       check=True).stdout
-  text = out.strip().splitlines()[0] if out.strip() else "(nothing)"
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True)
   try:
-    return float(text)
-  except ValueError:  # "[N/A]" on GPUs or drivers without the counter
-    raise SystemExit(f"energy_per_call: nvidia-smi gives no energy counter: {text!r}") from None
+    return float(out.stdout.strip().splitlines()[0]) if out.returncode == 0 else None
+  except (ValueError, IndexError):  # "[N/A]" on GPUs without the counter
+    return None
 
 
 def summarize_run(calls: int, seconds: float, joules: float, samples: list[dict]) -> dict:
@@ -115,7 +116,20 @@ def _timed_run(call, seconds: float) -> dict:
       sampler.wait()
     f.seek(0)
     samples = gpu_clocks.parse(f)
-  return summarize_run(10 * batches, t1 - t0, (e1 - e0) * 1e-3, samples)
+  joules, source = run_joules(e0, e1, t1 - t0, samples)
+  return {**summarize_run(10 * batches, t1 - t0, joules, samples), "energy_from": source}
+
+
+def run_joules(e0_mj: float | None, e1_mj: float | None, seconds: float,
+               samples: list[dict]) -> tuple[float, str]:
+  """A run's energy (J) and where it came from: the energy counter read around it, else the
+  mean of the power samples (every 50 ms) times its length."""
+  if e0_mj is not None and e1_mj is not None:
+    return (e1_mj - e0_mj) * 1e-3, "energy counter"
+  watts = [s["power_w"] for s in samples if s["power_w"] is not None]
+  if not watts:
+    raise SystemExit("energy_per_call: neither an energy counter nor power samples")
+  return statistics.fmean(watts) * seconds, "mean of power samples"
 
 
 def layer(impl: str, recipe: str, x, ids, w, wgu, wd, mesh):

@@ -322,6 +322,13 @@ def test_energy_per_call_summarizes_a_run():
   assert none["capped_samples"] == 0 and none["sm_mhz_capped_median"] is None
   with pytest.raises(SystemExit, match="--seconds must be > 0"):
     energy_per_call.main(["--seconds", "0"])
+  # The energy: from the counter where nvidia-smi has one, else mean power x time.
+  assert energy_per_call.run_joules(1000.0, 7500.0, 2.0, []) == (6.5, "energy counter")
+  joules, source = energy_per_call.run_joules(None, None, 2.0, gpu_clocks.parse(rows))
+  assert joules == pytest.approx(2.0 * (300 + 690 + 700 + 680) / 4)
+  assert source == "mean of power samples"
+  with pytest.raises(SystemExit, match="neither an energy counter nor power samples"):
+    energy_per_call.run_joules(1.0, None, 2.0, [])
 
 
 def test_energy_per_call_parses_fused_env_variants():
