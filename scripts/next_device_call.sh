@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The device calls the last session prepared and could not run. Each session that leaves GPU
 # work behind rewrites it; its results go to benchmarks/RESULTS.md. Written in session 34,
-# updated in sessions 35-39. Session 38 ran PART=bars, suite, phases and l2async on an H100
+# updated in sessions 35-40. Session 38 ran PART=bars, suite, phases and l2async on an H100
 # (the async staging release measured nothing and is gone from the code, with PART=l2async);
 # session 39 ran PART=bars on an H100 late, and the clocks beside the 235B forward (the
-# kernels power-capped, fused's ~10% below cuda's clock). First next: PART=bars on an H200 (no
-# H200 figure since session 25), then PART=energy and PART=phases on the same machine. The
-# combine beside the tiles lives on branch combine-overlap (measured in session 36: it loses;
-# kept for the record only).
+# kernels power-capped, fused's ~10% below cuda's clock); session 40 ran PART=bars, phases,
+# suite and the energy runs on an H200 (RESULTS "Session 40"). First next: the two-GPU parts.
+# The combine beside the tiles lives on branch combine-overlap (measured in session 36: it
+# loses; kept for the record only).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
 # EP = 2 bars, in four calls on the same warm machine (each builds the extension with its
