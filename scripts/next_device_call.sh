@@ -38,6 +38,10 @@
 #     39, H100: at 235B bf16 fused's kernels ran ~10% below cuda's clock under the cap); then
 #     fused alone at 235B bf16 under three settings of its overrides (energy_per_call.py
 #     --fused-env): the row copy all before the tiles, L2's generic stores, L1 M-block-major.
+#   PART=harness_energy (~3 min): the harness's engines at 235B under sustained load (the card
+#     at its power limit): the product's, B K-major, and B K-major shared by 2-CTA clusters
+#     (multicast), L1 and L2, time per launch and the clock under the cap: whether fewer bytes
+#     moved per tile is what would close the 235B bf16 bar at the power limit (session 40).
 #   PART=suite (~6 min): the one-GPU suite of tests/test_fused_moe.py, test_grouped_mlp_ffi.py
 #     and test_weight_blocks.py on the extension's defaults (session 38, H100: 125 passed in
 #     370 s).
@@ -63,7 +67,8 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|energy|suite|harness|phases|ep2|ep2_ep|ep2_train|ep2_bench] \
+#   OUT=... [PART=bars|energy|harness_energy|suite|harness|phases|ep2|ep2_ep|ep2_train|\
+#     ep2_bench] \
 #     scripts/next_device_call.sh
 #   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
@@ -240,6 +245,28 @@ energy)
     --out "$OUT/energy_variants.json" 2>&1 | grep -v "^WARNING\|^I0000\|^W0000" \
     | tee "$OUT/energy_variants.log"
   ;;
+harness_energy)
+  # Whether fewer bytes moved per tile buys time on a power-capped card (session 40, H200:
+  # sustained, both backends hold the 700 W limit, and no override of the fused kernel moved its
+  # energy per call). The harness's engines at 235B uniform, each run ~3 s of launches queued
+  # back to back (the median launch is under the cap): S4 (the product's engine), S4-BK (B read
+  # K-major) and S4-BK-C2 (S4-BK with 2-CTA clusters sharing B by multicast: half of B's
+  # L2-to-SMEM traffic; session 17 measured it at parity at boost clocks); L1 N-major (variant
+  # 2) and L2 (variant 7); two rounds, interleaved; the clock and power sampled beside each.
+  build_harnesses
+  for round in 1 2; do
+    for engine in 0 2 3; do
+      for variant in 2 7; do
+        iters=600
+        [ $variant = 7 ] && iters=1000
+        clocks_start "r${round}_engine${engine}_variant$variant"
+        timeout 60 build/fused_core/fused_core_bench --problem 4 --engine $engine \
+          --variant $variant --nocheck --iters $iters 2>&1 | grep -E "TFLOP/s" | head -1
+        clocks_stop
+      done
+    done
+  done | tee "$OUT/harness_energy.log"
+  ;;
 suite)
   # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks, with the
   # extension's defaults: after a change to the kernels or their handlers. Session 38 (H100):
@@ -268,7 +295,7 @@ phases)
     --reps 21 2>&1 | tee "$OUT/fp8_modes.log" | grep -E "PASS|FAIL|median" | tail -12
   ;;
 *)
-  echo "PART=${PART}: unknown (bars, energy, suite, harness or phases)"
+  echo "PART=${PART}: unknown (bars, energy, harness_energy, suite, harness or phases)"
   exit 2
   ;;
 esac
