@@ -7,8 +7,9 @@ power-bound card a call's time follows its energy, not only its cycles. This tim
 calls queued back to back (long enough for the card to reach its limit) and reads, around it,
 NVML's energy counter (`nvidia-smi --query-gpu=total_energy_consumption`, mJ since the driver
 loaded; where nvidia-smi has no such field, as driver 580.159's on an H200 in session 40, the
-power samples' mean times the run's length) and the SM clock, power and clock-event reasons
-sampled every 50 ms:
+power samples' mean times the run's length) and the SM clock, power (instantaneous where the
+driver has it) and clock-event reasons sampled every 50 ms, after a second of calls that brings
+the card to its steady state:
 
   python3 benchmarks/energy_per_call.py [--shapes 30b,235b] [--recipe bf16|fp8] [--seconds 3]
       [--rounds 2] [--impls fused,cuda] [--fused-env "NAME=V[,NAME=V];..."] [--out F]
@@ -44,7 +45,23 @@ import jax_megamoe  # noqa: E402
 from benchmarks import gpu_clocks, problem  # noqa: E402
 from benchmarks.fused_phases import env_var, layer_arrays, one_gpu_mesh  # noqa: E402
 
-SAMPLE_QUERY = ("timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active")
+# Seconds of calls queued before each timed run: the card reaches its steady (power-capped)
+# state, and power.draw, a running average over about a second, catches up. Without it the
+# first run of a shape read ~10% low (session 40, H200: 5.82 J against 6.65 in round 2).
+WARMUP_S = 1.0
+
+
+def sample_query() -> str:
+  """nvidia-smi's fields for the samples; the instantaneous power where the driver has it (the
+  energy then follows the run, not a one-second average of it)."""
+  out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=power.draw.instant",
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True)
+  try:
+    float(out.stdout.strip().splitlines()[0])
+    power = "power.draw.instant" if out.returncode == 0 else "power.draw"
+  except (ValueError, IndexError):
+    power = "power.draw"
+  return f"timestamp,clocks.sm,{power},temperature.gpu,clocks_event_reasons.active"
 
 
 def energy_mj() -> float | None:
@@ -102,8 +119,11 @@ def _timed_run(call, seconds: float) -> dict:
   jax.block_until_ready([call() for _ in range(5)])
   per_call = (time.perf_counter() - t) / 5
   batches = max(1, round(seconds / (10 * per_call)))
+  for _ in range(max(1, round(WARMUP_S / (10 * per_call)))):  # batches of 10 (outputs in memory)
+    jax.block_until_ready([call() for _ in range(10)])
+  query = sample_query()
   with tempfile.NamedTemporaryFile("w+", suffix=".csv") as f:
-    sampler = subprocess.Popen(["nvidia-smi", "-i", "0", f"--query-gpu={SAMPLE_QUERY}",
+    sampler = subprocess.Popen(["nvidia-smi", "-i", "0", f"--query-gpu={query}",
                                 "--format=csv,noheader,nounits", "-lms", "50"], stdout=f,
                                stderr=subprocess.STDOUT)
     try:
@@ -117,7 +137,8 @@ def _timed_run(call, seconds: float) -> dict:
     f.seek(0)
     samples = gpu_clocks.parse(f)
   joules, source = run_joules(e0, e1, t1 - t0, samples)
-  return {**summarize_run(10 * batches, t1 - t0, joules, samples), "energy_from": source}
+  return {**summarize_run(10 * batches, t1 - t0, joules, samples), "energy_from": source,
+          "sampled": query}
 
 
 def run_joules(e0_mj: float | None, e1_mj: float | None, seconds: float,
