@@ -51,28 +51,28 @@ from benchmarks.fused_phases import env_var, layer_arrays, one_gpu_mesh  # noqa:
 WARMUP_S = 1.0
 
 
+def query_gpu0(field: str) -> float | None:
+  """One numeric field of GPU 0 from nvidia-smi; None where the driver has no such field
+  (nvidia-smi exits 2: driver 580.159's total_energy_consumption on an H200 in session 40) or
+  gives none ("[N/A]")."""
+  out = subprocess.run(["nvidia-smi", "-i", "0", f"--query-gpu={field}",
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True)
+  try:
+    return float(out.stdout.strip().splitlines()[0]) if out.returncode == 0 else None
+  except (ValueError, IndexError):
+    return None
+
+
 def sample_query() -> str:
   """nvidia-smi's fields for the samples; the instantaneous power where the driver has it (the
   energy then follows the run, not a one-second average of it)."""
-  out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=power.draw.instant",
-                        "--format=csv,noheader,nounits"], capture_output=True, text=True)
-  try:
-    float(out.stdout.strip().splitlines()[0])
-    power = "power.draw.instant" if out.returncode == 0 else "power.draw"
-  except (ValueError, IndexError):
-    power = "power.draw"
+  power = "power.draw.instant" if query_gpu0("power.draw.instant") is not None else "power.draw"
   return f"timestamp,clocks.sm,{power},temperature.gpu,clocks_event_reasons.active"
 
 
 def energy_mj() -> float | None:
-  """NVML's energy counter of GPU 0 (mJ since the driver loaded); None where nvidia-smi has no
-  such field (nvidia-smi of driver 580.159 refused it, exit 2, on an H200 in session 40)."""
-  out = subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=total_energy_consumption",
-                        "--format=csv,noheader,nounits"], capture_output=True, text=True)
-  try:
-    return float(out.stdout.strip().splitlines()[0]) if out.returncode == 0 else None
-  except (ValueError, IndexError):  # "[N/A]" on GPUs without the counter
-    return None
+  """NVML's energy counter of GPU 0 (mJ since the driver loaded), None without one."""
+  return query_gpu0("total_energy_consumption")
 
 
 def summarize_run(calls: int, seconds: float, joules: float, samples: list[dict]) -> dict:

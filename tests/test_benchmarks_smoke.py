@@ -331,6 +331,26 @@ def test_energy_per_call_summarizes_a_run():
     energy_per_call.run_joules(1.0, None, 2.0, [])
 
 
+def test_energy_per_call_queries_nvidia_smi_fields(tmp_path, monkeypatch):
+  """query_gpu0: a field's number; None where nvidia-smi refuses the field (exit 2, as driver
+  580.159 did for the energy counter) or prints "[N/A]"; the samples use the instantaneous
+  power only where it reads."""
+  from benchmarks import energy_per_call
+  fake = tmp_path / "nvidia-smi"
+  fake.write_text("#!/bin/sh\n"
+                  "case \"$*\" in\n"
+                  "  *total_energy_consumption*) echo 'Field is not a valid field' >&2; exit 2;;\n"
+                  "  *power.draw.instant*) echo '[N/A]';;\n"
+                  "  *) echo '612.34';;\n"
+                  "esac\n")
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+  assert energy_per_call.query_gpu0("power.draw") == pytest.approx(612.34)
+  assert energy_per_call.energy_mj() is None
+  assert energy_per_call.query_gpu0("power.draw.instant") is None
+  assert energy_per_call.sample_query().split(",")[2] == "power.draw"
+
+
 def test_energy_per_call_parses_fused_env_variants():
   """--fused-env: ';' between variants, ',' inside one, only the fused handlers' overrides; the
   labels name each setting; the environment is set around a timed run only."""
