@@ -42,6 +42,9 @@
 #     at its power limit): the product's, B K-major, and B K-major shared by 2-CTA clusters
 #     (multicast), L1 and L2, time per launch and the clock under the cap: whether fewer bytes
 #     moved per tile is what would close the 235B bf16 bar at the power limit (session 40).
+#   PART=step (~8 min; RECIPE=bf16|fp8): the example's training step, cuda against fused
+#     (bench_step.py): whether backend "auto" should pick fused at one GPU (AUTO_PICKS_FUSED in
+#     jax_megamoe/backends/fused.py; parity when last measured, sessions 16-17).
 #   PART=suite (~6 min): the one-GPU suite of tests/test_fused_moe.py, test_grouped_mlp_ffi.py
 #     and test_weight_blocks.py on the extension's defaults (session 38, H100: 125 passed in
 #     370 s).
@@ -67,8 +70,8 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|energy|harness_energy|suite|harness|phases|ep2|ep2_ep|ep2_train|\
-#     ep2_bench] \
+#   OUT=... [PART=bars|energy|harness_energy|step|suite|harness|phases|ep2|ep2_ep|\
+#     ep2_train|ep2_bench] [RECIPE=bf16|fp8] \
 #     scripts/next_device_call.sh
 #   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
@@ -267,6 +270,17 @@ harness_energy)
     done
   done | tee "$OUT/harness_energy.log"
   ;;
+step)
+  # Whether backend "auto" should pick fused at one GPU: the example's training step (8 layers
+  # of the 30B config, 16,384 tokens, remat full), cuda against fused, RECIPE=bf16 (default) or
+  # fp8. Last measured in sessions 16-17 (H200: bf16 276.6 / 279.0 ms, fp8 285.5 / 286.9: parity),
+  # before the fused forward's later gains (session 40, H200: its forward 4-18% faster than
+  # cuda's, both quantising the weights in the call).
+  ensure_extension
+  timeout 560 python3 benchmarks/bench_step.py --backends cuda,fused --recipe "${RECIPE:-bf16}" \
+    --reps 10 --time-budget 500 --out "$OUT/step_${RECIPE:-bf16}.json" --md "$OUT/step.md" \
+    2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tee "$OUT/step_${RECIPE:-bf16}.log" | tail -20
+  ;;
 suite)
   # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks, with the
   # extension's defaults: after a change to the kernels or their handlers. Session 38 (H100):
@@ -295,7 +309,7 @@ phases)
     --reps 21 2>&1 | tee "$OUT/fp8_modes.log" | grep -E "PASS|FAIL|median" | tail -12
   ;;
 *)
-  echo "PART=${PART}: unknown (bars, energy, harness_energy, suite, harness or phases)"
+  echo "PART=${PART}: unknown (bars, energy, harness_energy, step, suite, harness or phases)"
   exit 2
   ;;
 esac
