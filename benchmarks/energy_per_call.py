@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -63,9 +64,10 @@ def query_gpu0(field: str) -> float | None:
     return None
 
 
+@functools.cache
 def sample_query() -> str:
   """nvidia-smi's fields for the samples; the instantaneous power where the driver has it (the
-  energy then follows the run, not a one-second average of it)."""
+  energy then follows the run, not a one-second average of it). Asked once per process."""
   power = "power.draw.instant" if query_gpu0("power.draw.instant") is not None else "power.draw"
   return f"timestamp,clocks.sm,{power},temperature.gpu,clocks_event_reasons.active"
 
@@ -184,12 +186,11 @@ def main(argv=None) -> dict:
   rows = []
   for shape in args.shapes.split(","):
     x, ids, w, wgu, wd = layer_arrays(shape, args.tokens, problem.NUM_EXPERTS, problem.TOP_K)
+    impls = args.impls.split(",")
     calls = {impl: layer(impl, args.recipe, x, ids, w, wgu, wd, mesh)
-             for impl in args.impls.split(",")}
-    if fused_envs and "fused" not in calls:
-      calls["fused"] = layer("fused", args.recipe, x, ids, w, wgu, wd, mesh)
-    runs = [(impl, call, {}) for impl, call in calls.items() if impl in args.impls.split(",")]
-    runs += [("fused", calls["fused"], env) for env in fused_envs]
+             for impl in dict.fromkeys(impls + (["fused"] if fused_envs else []))}
+    runs = ([(impl, calls[impl], {}) for impl in impls]
+            + [("fused", calls["fused"], env) for env in fused_envs])
     for rnd in range(args.rounds):
       for impl, call, env in runs:
         label = variant_label(impl, env)

@@ -29,10 +29,11 @@ import statistics
 import sys
 
 # NVML's clock-event reasons (nvmlClocksEventReasons), by bit.
+SW_POWER_CAP = 0x4  # set while the card holds its power limit
 REASONS = {
     0x1: "gpu_idle",
     0x2: "applications_clocks_setting",
-    0x4: "sw_power_cap",
+    SW_POWER_CAP: "sw_power_cap",
     0x8: "hw_slowdown",
     0x10: "sync_boost",
     0x20: "sw_thermal_slowdown",
@@ -40,7 +41,6 @@ REASONS = {
     0x80: "hw_power_brake_slowdown",
     0x100: "display_clock_setting",
 }
-SW_POWER_CAP = 0x4
 
 
 def _number(text: str) -> float | None:
