@@ -42,9 +42,10 @@
 #     at its power limit): the product's, B K-major, and B K-major shared by 2-CTA clusters
 #     (multicast), L1 and L2, time per launch and the clock under the cap: whether fewer bytes
 #     moved per tile is what would close the 235B bf16 bar at the power limit (session 40).
-#   PART=step (~8 min; RECIPE=bf16|fp8): the example's training step, cuda against fused
-#     (bench_step.py): whether backend "auto" should pick fused at one GPU (AUTO_PICKS_FUSED in
-#     jax_megamoe/backends/fused.py; parity when last measured, sessions 16-17).
+#   PART=step (~3 min; RECIPE=bf16|fp8, CONFIG=, LAYERS=): the example's training step, cuda
+#     against fused in both orders (bench_step.py): backend "auto"'s pick at one GPU
+#     (AUTO_PICKS_FUSED in jax_megamoe/backends/fused.py; session 41, H100: fused 0.5-0.9%
+#     faster at 30B, bf16 and fp8). Not run yet: CONFIG=qwen3-235b-a22b LAYERS=1.
 #   PART=suite (~6 min): the one-GPU suite of tests/test_fused_moe.py, test_grouped_mlp_ffi.py
 #     and test_weight_blocks.py on the extension's defaults (session 38, H100: 125 passed in
 #     370 s).
@@ -271,15 +272,23 @@ harness_energy)
   done | tee "$OUT/harness_energy.log"
   ;;
 step)
-  # Whether backend "auto" should pick fused at one GPU: the example's training step (8 layers
-  # of the 30B config, 16,384 tokens, remat full), cuda against fused, RECIPE=bf16 (default) or
-  # fp8. Last measured in sessions 16-17 (H200: bf16 276.6 / 279.0 ms, fp8 285.5 / 286.9: parity),
-  # before the fused forward's later gains (session 40, H200: its forward 4-18% faster than
-  # cuda's, both quantising the weights in the call).
+  # Backend "auto"'s pick at one GPU: the example's training step (the 30B config by default,
+  # 16,384 tokens, remat full), cuda against fused, RECIPE=bf16 (default) or fp8, in both run
+  # orders. Eight layers do not fit an H100's 80 GB (both backends run out of memory in XLA's
+  # autotuning), so an H100 runs four (LAYERS= overrides); CONFIG=qwen3-235b-a22b with LAYERS=1
+  # times the 235B shape, whose bf16 forward is slower with fused than cuda on H100s (README).
+  # Session 41 (H100, 30B x 4): bf16 fused 180.12 / 180.33 ms against cuda 181.03 / 181.75, fp8
+  # 186.05 against 187.70: "auto" picks fused at one GPU since.
   ensure_extension
-  timeout 560 python3 benchmarks/bench_step.py --backends cuda,fused --recipe "${RECIPE:-bf16}" \
-    --reps 10 --time-budget 500 --out "$OUT/step_${RECIPE:-bf16}.json" --md "$OUT/step.md" \
-    2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tee "$OUT/step_${RECIPE:-bf16}.log" | tail -20
+  layers=${LAYERS:-$(grep -q H200 "$OUT/gpus.txt" && echo 8 || echo 4)}
+  for order in cuda,fused fused,cuda; do
+    timeout 270 python3 benchmarks/bench_step.py --config "${CONFIG:-qwen3-30b-a3b}" \
+      --layers "$layers" --backends $order --recipe "${RECIPE:-bf16}" --reps 10 \
+      --time-budget 200 --out "$OUT/step_${RECIPE:-bf16}_${order/,/_}.json" --md "$OUT/step.md" \
+      2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tee "$OUT/step_${RECIPE:-bf16}_${order/,/_}.log" \
+      | tail -4
+  done
+  rm -f "$OUT"/*.png  # a call returns at most 8 files
   ;;
 suite)
   # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks, with the

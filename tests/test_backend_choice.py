@@ -19,22 +19,26 @@ def _shape(dtype=jnp.bfloat16, hidden=256, ffn=128, experts=8, top_k=2):
                           jnp.ones((experts, ffn, hidden), dtype))
 
 
-def test_fused_is_auto_only_for_layers_it_takes_on_one_gpu(monkeypatch):
-  """The rules once AUTO_PICKS_FUSED is on (with the fused backward)."""
-  monkeypatch.setattr(fused, "AUTO_PICKS_FUSED", True)
+def test_fused_is_auto_only_for_layers_it_takes_on_one_gpu():
+  """Fused where it has run: one GPU, one process, a layer the kernel takes; cuda elsewhere."""
+  assert fused.AUTO_PICKS_FUSED
   assert fused.auto_reason(_shape(), None, "expert") is None
   assert "bfloat16" in fused.auto_reason(_shape(dtype=jnp.float32), None, "expert")
   assert "multiple of 256" in fused.auto_reason(_shape(hidden=128), None, "expert")
   mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
   across = dataclasses.replace(_shape(), ep_size=2, num_devices=2)
   assert "across GPUs" in fused.auto_reason(across, mesh, "expert")
-  one_rank = dataclasses.replace(_shape(), ep_size=1, num_devices=2)
-  assert fused.auto_reason(one_rank, mesh, "expert") is None
+  data_parallel = dataclasses.replace(_shape(), ep_size=1, num_devices=2)
+  assert "a mesh of 2 devices" in fused.auto_reason(data_parallel, mesh, "expert")
+  one_device = Mesh(np.array(jax.devices()[:1]), ("expert",))
+  assert fused.auto_reason(_shape(), one_device, "expert") is None
 
 
-def test_auto_leaves_fused_to_explicit_requests_until_its_backward_exists():
-  """Measured: the example's step is slower with fused than with cuda (its backward recomputes
-  the forward), so "auto" serves every layer with cuda for now."""
-  assert not fused.AUTO_PICKS_FUSED
+def test_auto_leaves_fused_to_cuda_in_multi_process_jobs(monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert "multi-process" in fused.auto_reason(_shape(), None, "expert")
+
+
+def test_auto_leaves_fused_to_explicit_requests_while_switched_off(monkeypatch):
+  monkeypatch.setattr(fused, "AUTO_PICKS_FUSED", False)
   assert "training step" in fused.auto_reason(_shape(), None, "expert")
-  assert "bfloat16" in fused.auto_reason(_shape(dtype=jnp.float32), None, "expert")

@@ -92,11 +92,10 @@ def _check(layer, args, forward_only=False):
 
 def test_available_and_picked_by_auto(monkeypatch):
   assert fused.unavailable_reason() is None, fused.unavailable_reason()
-  # For now (no training step measured faster with fused) "auto" serves layers with cuda; the
-  # rules once it picks fused:
+  assert jm.backends.resolve("auto").NAME == "fused"
+  monkeypatch.setattr(fused, "AUTO_PICKS_FUSED", False)
   assert jm.backends.resolve("auto").NAME == "cuda"
   monkeypatch.setattr(fused, "AUTO_PICKS_FUSED", True)
-  assert jm.backends.resolve("auto").NAME == "fused"
   # A layer the kernel does not take: "auto" picks backend cuda for it.
   x, ids, w, wgu, wd, _ = _inputs(1, 8, 8, 2)
   f32 = lambda a: a.astype(jnp.float32)

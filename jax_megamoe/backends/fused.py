@@ -134,28 +134,31 @@ def layer_unavailable_reason(shape: LayerShape) -> str | None:
   return None
 
 
-# What "auto" gains from fused is measured per training step, not per forward: with its backward
-# recomputing the forward (session 5) the example's step ran 88.9k tok/s with fused vs 94.8k with
-# cuda; with the one-rank residuals (session 6) 102.8k vs 104.8k, within run-to-run spread (its
-# forward saves ~0.15 ms of GPU time per layer). So "auto" leaves it to explicit requests until a
-# step measures faster (benchmarks/RESULTS.md).
-AUTO_PICKS_FUSED = False
+# What "auto" gains from fused is measured per training step, not per forward. Sessions 5-6 and
+# 16-17 measured the example's step at parity or slower with fused (its backward then recomputed
+# the forward; later, within run-to-run spread). Session 41 (one H100, the example's step, 30B
+# config x 4 layers, 16,384 tokens, benchmarks/RESULTS.md): fused 180.12 / 180.33 ms against
+# cuda 181.03 / 181.75 in bf16 (both run orders), 186.05 against 187.70 in fp8, and its forward
+# 4-18% faster (session 40, H200). So "auto" picks it where it has run: one GPU, one process.
+AUTO_PICKS_FUSED = True
 
 
 def auto_reason(shape: LayerShape | None, mesh, expert_axis: str) -> str | None:
   """Why backend "auto" should not pick "fused" for this layer (None: pick it; shape None: any
-  layer): layers the kernel does not take, EP across GPUs (not run on two GPUs yet), and for
-  now every layer (AUTO_PICKS_FUSED). backend="fused" still runs what the kernel takes."""
+  layer): layers the kernel does not take, and meshes over several GPUs or processes (the fused
+  kernel has not run on two GPUs yet). backend="fused" still runs what the kernel takes."""
+  if not AUTO_PICKS_FUSED:
+    return ("a training step with 'fused' has not measured faster than with 'cuda'; backend "
+            "'cuda' serves it")
+  if jax.process_count() > 1:
+    return ("the fused kernel has not run in a multi-process job yet; backend 'cuda' serves it")
   if shape is not None:
     reason = layer_unavailable_reason(shape)
     if reason is not None:
       return reason
-    if mesh is not None and shape.ep_size > 1:
-      return ("the fused kernel has not been run across GPUs yet (EP > 1); backend 'cuda' "
-              "serves it")
-  if not AUTO_PICKS_FUSED:
-    return ("a training step with 'fused' has not measured faster than with 'cuda' (at one "
-            "rank its backward runs cuda's kernels); backend 'cuda' serves it")
+    if mesh is not None and shape.num_devices > 1:
+      return (f"the fused kernel has not run across GPUs yet (a mesh of {shape.num_devices} "
+              "devices); backend 'cuda' serves it")
   return None
 
 
