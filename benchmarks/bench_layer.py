@@ -235,9 +235,15 @@ def run_jax(args, mesh, ids, weights, deadline, records: list[dict], save=lambda
                                       "error": f"inputs: {message}"}) for p in args.passes]
             continue
         layer = jax_impls.make_layer(impl, recipe, mesh)
+        impl_inputs = jax_impls.layer_inputs(impl, recipe, mesh, inputs)
+        reason = jax_impls.fallback_reason(impl, layer, impl_inputs)
+        if reason is not None:
+          log(f"[{impl}] {shape} {recipe}: not timed: {reason}")
+          records += [dict(base, **{"pass": p, "status": "not available", "error": reason})
+                      for p in args.passes]
+          continue
         before = _ffi.launch_counts()
-        per_pass = jax_impls.time_passes(layer, jax_impls.layer_inputs(impl, recipe, mesh, inputs),
-                                         dy, args.passes, reps=args.reps,
+        per_pass = jax_impls.time_passes(layer, impl_inputs, dy, args.passes, reps=args.reps,
                                          case_cap_s=args.case_cap, deadline=deadline, log=log)
         # Kernels a heuristic or an override picked, launched by this case's handlers (a
         # replayed CUDA graph does not count): which path the case took, e.g. whether

@@ -60,6 +60,18 @@ def make_layer(impl: str, recipe: str, mesh, expert_axis: str = "expert"):
                                                  weight_blocks=wgu_blocks[1])
 
 
+def fallback_reason(impl: str, layer, inputs) -> str | None:
+  """Why megamoe:fused* did not lower to the fused kernel for these inputs (backend fused runs
+  the layers and meshes its kernel does not take on backend cuda), so that its numbers are not
+  recorded as the fused kernel's; None when it did, or for any other implementation."""
+  if not impl.startswith("megamoe:") or _backend(impl) != "fused":
+    return None
+  from jax_megamoe.backends import fused  # noqa: PLC0415
+  if fused.TARGET in jax.jit(layer).lower(*inputs).as_text():
+    return None
+  return f"backend fused ran this case on backend cuda (no {fused.TARGET} in its program)"
+
+
 def layer_inputs(impl: str, recipe: str, mesh, inputs, expert_axis: str = "expert"):
   """The inputs (x, topk_ids, topk_weights, w_gate_up, w_down) as make_layer(impl)'s layer takes
   them: for "+blocks", w_gate_up becomes (w_gate_up, its and w_down's blocks), quantised here,

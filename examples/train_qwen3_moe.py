@@ -479,13 +479,16 @@ def ep_workspaces() -> list:
 
 def ep_workspaces_note() -> str:
   """For the run's last line: how many NVLink EP workspaces it used and how many of them span
-  processes (CUDA IPC), so that a multi-process run shows it took the NVLink path, not XLA's
-  collectives; "" when none."""
+  processes (CUDA IPC) and how many carry the fused kernel's pool, so that a multi-process run
+  shows it took the NVLink path, not XLA's collectives, and a --backend fused run that its
+  kernel did not take (backend fused runs those layers on cuda) shows it; "" when none."""
   workspaces = [w for w in ep_workspaces() if w.num_ranks > 1 and not w.virtual]
   if not workspaces:
     return ""
   across = sum(bool(w.multiprocess) for w in workspaces)
-  return f"; NVLink EP workspaces {len(workspaces)} ({across} across processes)"
+  fused = sum(w.fused_rows > 0 for w in workspaces)
+  return (f"; NVLink EP workspaces {len(workspaces)} ({across} across processes, {fused} for "
+          "the fused kernel)")
 
 
 def ep_workspace_errors() -> list[str]:

@@ -2,7 +2,7 @@
 
 python -m ep_two_process_worker <process_id> <port> <mode>   (tests/ on PYTHONPATH; see
 tests/test_ep_two_process.py). The process's GPU: the one CUDA_VISIBLE_DEVICES leaves it, else
-local_device_ids=[process_id] with every GPU visible. Modes:
+local_device_ids=[process_id] of the GPUs the test sees. Modes:
   eager  the workspace from symmetric.create_workspace, before anything is traced
   lazy   none given: expert_parallel_moe creates it while jax.jit traces (symmetric.workspace_for)
   die    lazy; process 1 exits inside the expert MLP of its 4th forward (after dispatch, before
@@ -21,7 +21,10 @@ DIE_AT_CALL = 4
 
 def main(process_id: int, port: int, mode: str) -> None:
   import jax
-  own_gpu = None if "CUDA_VISIBLE_DEVICES" in os.environ else [process_id]
+  # One GPU visible: the test gave each process its own; otherwise this process's of the GPUs
+  # the test sees (its CUDA_VISIBLE_DEVICES, kept: tests/subprocesses.py gpu_worker_env).
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  own_gpu = None if visible is not None and "," not in visible else [process_id]
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                              process_id=process_id, local_device_ids=own_gpu)
   import jax.numpy as jnp

@@ -87,14 +87,32 @@ def run_all(commands: list[list[str]], envs: list[dict], *, timeout: float, cwd=
   return procs, outs
 
 
+def visible_gpu(i: int, env=None) -> str:
+  """The CUDA_VISIBLE_DEVICES value that gives a worker the i-th GPU this test process sees:
+  the i-th entry of the test process's own CUDA_VISIBLE_DEVICES where it has one (a slice of a
+  larger host: "0" would name the host's first GPU, not the slice's), else str(i)."""
+  visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+  if visible is None:
+    return str(i)
+  entries = []
+  for entry in visible.split(","):  # as CUDA reads it: up to the first invalid entry
+    if not entry.strip() or entry.strip().startswith("-"):
+      break
+    entries.append(entry.strip())
+  if i >= len(entries):
+    raise ValueError(f"GPU {i} asked of CUDA_VISIBLE_DEVICES={visible!r}, which names "
+                     f"{len(entries)}")
+  return entries[i]
+
+
 def gpu_worker_env(**extra) -> dict:
   """The environment of a GPU test worker: tests/ and the repo on PYTHONPATH (workers are run as
-  `python -m <module>` from the repo root), every GPU visible, no virtual CPU devices, never
-  NVLink multicast, no preallocation (workers share the GPUs)."""
+  `python -m <module>` from the repo root), the GPUs this test process sees (its
+  CUDA_VISIBLE_DEVICES kept, so that a worker's local_device_ids=[i] is the same i-th GPU), no
+  virtual CPU devices, never NVLink multicast, no preallocation (workers share the GPUs)."""
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")])
   env.pop("XLA_FLAGS", None)
-  env.pop("CUDA_VISIBLE_DEVICES", None)
   env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
              XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1", **extra)
   return env

@@ -146,6 +146,17 @@ def test_backward_pass_is_timed_from_saved_residuals():
   np.testing.assert_allclose(grads[0], want, rtol=1e-6)
 
 
+def test_fused_rows_are_not_timed_when_the_layer_fell_back_to_cuda(monkeypatch):
+  """megamoe:fused* rows are timed only when the program has the fused kernel's custom call."""
+  from jax_megamoe.backends import fused
+  layer, inputs = (lambda x: x * 2), (jnp.ones(4),)
+  assert "backend cuda" in jax_impls.fallback_reason("megamoe:fused", layer, inputs)
+  assert jax_impls.fallback_reason("megamoe:cuda", layer, inputs) is None
+  assert jax_impls.fallback_reason("jax_native", layer, inputs) is None
+  monkeypatch.setattr(fused, "TARGET", "stablehlo.multiply")  # a stand-in for the custom call
+  assert jax_impls.fallback_reason("megamoe:fused+blocks", layer, inputs) is None
+
+
 def test_routing_is_reproducible_distinct_and_skewable():
   ids, weights = problem.make_routing(4096, 128, 8, seed=3)
   again, _ = problem.make_routing(4096, 128, 8, seed=3)

@@ -1,15 +1,15 @@
 """Expert-parallel kernels with one process per GPU (jax.distributed on localhost): CUDA IPC
 handles exchanged through jax.distributed's key-value store, forward and gradients against the
 oracle, with the workspace created up front or while jax.jit traces, each process's GPU chosen by
-local_device_ids (every GPU visible) or by CUDA_VISIBLE_DEVICES; and a process that dies mid-step
-makes the other fail within the EP timeout instead of hanging."""
+local_device_ids (the test's GPUs visible) or by CUDA_VISIBLE_DEVICES; and a process that dies
+mid-step makes the other fail within the EP timeout instead of hanging."""
 
 import re
 import sys
 
 import pytest
 
-from subprocesses import TESTS, free_port, gpu_worker_env, run_all
+from subprocesses import TESTS, free_port, gpu_worker_env, run_all, visible_gpu
 
 pytestmark = pytest.mark.multigpu
 
@@ -25,7 +25,8 @@ def _run_workers(mode: str, visibility: str, extra_env=None, timeout=WORKERS_TIM
                  peer_grace=60.0):
   port = free_port()
   env = gpu_worker_env(**(extra_env or {}))
-  envs = [dict(env, CUDA_VISIBLE_DEVICES=str(i)) if visibility == "cuda_visible_devices" else env
+  envs = [dict(env, CUDA_VISIBLE_DEVICES=visible_gpu(i)) if visibility == "cuda_visible_devices"
+          else env
           for i in range(2)]
   commands = [[sys.executable, "-m", "ep_two_process_worker", str(i), str(port), mode]
               for i in range(2)]

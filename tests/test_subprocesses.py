@@ -1,6 +1,7 @@
 """tests/subprocesses.run_all, which the multi-process tests run their workers with: every
 worker's output comes back (more than a pipe holds, too), a worker that fails gets its blocked
-peers killed after a grace period, and a hang raises with each worker's last output."""
+peers killed after a grace period, and a hang raises with each worker's last output; and which
+GPU a worker is given."""
 
 import os
 import sys
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from subprocesses import WorkersTimedOut, run_all
+from subprocesses import WorkersTimedOut, gpu_worker_env, run_all, visible_gpu
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
@@ -56,3 +57,15 @@ def test_a_hang_raises_with_every_workers_output():
   assert "after 2 s" in text
   assert "process 0 (killed at the time limit)" in text and "stuck in step 7" in text
   assert "process 1 (exit 0)" in text and "finished" in text
+
+
+def test_workers_get_the_gpus_the_test_sees(monkeypatch):
+  """On a slice of a larger host (CUDA_VISIBLE_DEVICES set), worker i gets the slice's i-th GPU,
+  not the host's; without it, GPU i."""
+  assert visible_gpu(1, {}) == "1"
+  assert visible_gpu(1, {"CUDA_VISIBLE_DEVICES": "4, 5"}) == "5"
+  assert visible_gpu(0, {"CUDA_VISIBLE_DEVICES": "GPU-8f1e,GPU-77aa"}) == "GPU-8f1e"
+  with pytest.raises(ValueError, match="names 1"):
+    visible_gpu(1, {"CUDA_VISIBLE_DEVICES": "6,-1,7"})
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+  assert gpu_worker_env()["CUDA_VISIBLE_DEVICES"] == "4,5"

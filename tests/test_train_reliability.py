@@ -237,14 +237,16 @@ def test_ep_workspaces_note_counts_nvlink_workspaces_across_processes(monkeypatc
   import types
 
   from jax_megamoe import symmetric
-  ws = lambda ranks, multi, virtual=False: types.SimpleNamespace(  # noqa: E731
-      num_ranks=ranks, multiprocess=multi, virtual=virtual)
+  ws = lambda ranks, multi, virtual=False, fused_rows=0: types.SimpleNamespace(  # noqa: E731
+      num_ranks=ranks, multiprocess=multi, virtual=virtual, fused_rows=fused_rows)
   monkeypatch.setattr(symmetric, "_cache", {})
   monkeypatch.setattr(symmetric, "_retired", [])
   assert example.ep_workspaces_note() == ""
-  symmetric._cache.update({("a",): ws(2, True), ("b",): ws(1, False), ("c",): ws(4, False, True)})
+  symmetric._cache.update({("a",): ws(2, True, fused_rows=64), ("b",): ws(1, False),
+                           ("c",): ws(4, False, True)})
   symmetric._retired.append(ws(2, False))
-  assert example.ep_workspaces_note() == "; NVLink EP workspaces 2 (1 across processes)"
+  assert example.ep_workspaces_note() == (
+      "; NVLink EP workspaces 2 (1 across processes, 1 for the fused kernel)")
 
 
 # --- resume edge cases and metrics -----------------------------------------------------------

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from subprocesses import free_port, run_all
+from subprocesses import free_port, run_all, visible_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_qwen3_moe.py")
@@ -30,7 +30,7 @@ def _base_env(**extra) -> dict:
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              PYTHONUNBUFFERED="1", **NO_MULTICAST)
   for name in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-               "CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+               "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                "MEGAMOE_LOCAL_DEVICE_IDS"):
     env.pop(name, None)
   env.update(extra)
@@ -125,10 +125,10 @@ GPU_RUN_TIMEOUT_S = 150
 
 
 def _per_process(layout: str) -> list[dict]:
-  if layout == "local_rank":  # every GPU visible; launch.py picks GPU <LOCAL_RANK>
+  if layout == "local_rank":  # the GPUs the test sees; launch.py picks the <LOCAL_RANK>-th
     return [_base_env(LOCAL_RANK=str(i), LOCAL_WORLD_SIZE="2", **GPU_ENV) for i in range(2)]
   if layout == "cuda_visible_devices":  # each process sees its own GPU only
-    return [_base_env(CUDA_VISIBLE_DEVICES=str(i), **GPU_ENV) for i in range(2)]
+    return [_base_env(CUDA_VISIBLE_DEVICES=visible_gpu(i), **GPU_ENV) for i in range(2)]
   raise ValueError(layout)
 
 
@@ -156,7 +156,7 @@ def test_gpu_ep_across_processes(tmp_path, one_process_runs, layout):
   assert "process 1 of 2: local devices" in outputs[1]
   # The layer took the NVLink kernels over CUDA IPC, not XLA's collectives (backend cuda's
   # fallback when they cannot serve the mesh): the run's last line, from process 0, says so.
-  assert re.search(r"NVLink EP workspaces \d+ \([1-9]\d* across processes\)", outputs[0]), (
+  assert re.search(r"NVLink EP workspaces \d+ \([1-9]\d* across processes,", outputs[0]), (
       f"no EP workspace across processes reported:\n{outputs[0][-2000:]}")
   _parity(f"gpu data=1,expert=2 [{layout}], 2 processes vs 1", two,
           one_process_runs("data=1,expert=2"), BF16_RTOL)
