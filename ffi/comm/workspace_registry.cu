@@ -288,6 +288,16 @@ MEGAMOE_C_API int megamoe_ep_ws_connect(int64_t id, int ordinal, int peer_rank, 
       return Fail(msg, len, "device " + std::to_string(ordinal) + " cannot access device " +
                                 std::to_string(peer_ordinal) + " (no peer access)");
     }
+    // The arrival counters are 64-bit atomics on peer memory (comm/peer_signal.cuh): without
+    // native peer atomics (GPUs joined by PCIe only) they would be lost, and the symptom a
+    // timeout or a wrong result rather than this message.
+    int atomics = 0;
+    cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, ordinal, peer_ordinal);
+    if (!atomics) {
+      return Fail(msg, len, "device " + std::to_string(ordinal) + " has no native atomics on " +
+                                "device " + std::to_string(peer_ordinal) +
+                                "'s memory (NVLink needed; PCIe peers are not supported)");
+    }
     cudaError_t err = cudaDeviceEnablePeerAccess(peer_ordinal, 0);
     if (err != cudaSuccess && err != cudaErrorPeerAccessAlreadyEnabled)
       return FailCuda(msg, len, "cudaDeviceEnablePeerAccess", err);
