@@ -34,9 +34,10 @@ def moe(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate_up: j
       its devices), experts over `expert_axis` (E must divide by that axis' size). Inputs may
       arrive with any sharding.
     expert_axis: the mesh axis that shards experts.
-    backend: "auto" (best available: "fused" for the layers it takes on one GPU in one process,
-      else "cuda", else "reference"), "reference" (pure JAX), "cuda" (FFI kernels), "fused"
-      (the forward as one overlapping kernel, recipes None, "fp8" and "fp8_pow2").
+    backend: "auto" (best available: "cuda", else "reference"), "reference" (pure JAX),
+      "cuda" (FFI kernels), "fused" (the forward as one overlapping kernel, recipes None,
+      "fp8" and "fp8_pow2"; "auto" does not pick it: a training step with it measures no
+      faster on an H200).
     recipe: None (matmuls in x's dtype, fp32 accumulation), "fp8" / "fp8_pow2" (blockwise FP8,
       Hopper) or "mxfp8" (MXFP8, Blackwell).
     weight_blocks: recipes "fp8" / "fp8_pow2": w_gate_up and w_down already quantised,

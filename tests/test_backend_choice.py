@@ -19,9 +19,10 @@ def _shape(dtype=jnp.bfloat16, hidden=256, ffn=128, experts=8, top_k=2):
                           jnp.ones((experts, ffn, hidden), dtype))
 
 
-def test_fused_is_auto_only_for_layers_it_takes_on_one_gpu():
-  """Fused where it has run: one GPU, one process, a layer the kernel takes; cuda elsewhere."""
-  assert fused.AUTO_PICKS_FUSED
+def test_fused_is_auto_only_for_layers_it_takes_on_one_gpu(monkeypatch):
+  """Once switched on: fused where it has run (one GPU, one process, a layer the kernel takes),
+  cuda elsewhere."""
+  monkeypatch.setattr(fused, "AUTO_PICKS_FUSED", True)
   assert fused.auto_reason(_shape(), None, "expert") is None
   assert "bfloat16" in fused.auto_reason(_shape(dtype=jnp.float32), None, "expert")
   assert "multiple of 256" in fused.auto_reason(_shape(hidden=128), None, "expert")
@@ -35,10 +36,13 @@ def test_fused_is_auto_only_for_layers_it_takes_on_one_gpu():
 
 
 def test_auto_leaves_fused_to_cuda_in_multi_process_jobs(monkeypatch):
+  monkeypatch.setattr(fused, "AUTO_PICKS_FUSED", True)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   assert "multi-process" in fused.auto_reason(_shape(), None, "expert")
 
 
-def test_auto_leaves_fused_to_explicit_requests_while_switched_off(monkeypatch):
-  monkeypatch.setattr(fused, "AUTO_PICKS_FUSED", False)
+def test_auto_leaves_fused_to_explicit_requests_while_the_step_measures_no_faster():
+  """Measured (RESULTS session 41): the example's step on an H200 is at parity with fused, so
+  "auto" serves every layer with cuda."""
+  assert not fused.AUTO_PICKS_FUSED
   assert "training step" in fused.auto_reason(_shape(), None, "expert")

@@ -135,12 +135,14 @@ def layer_unavailable_reason(shape: LayerShape) -> str | None:
 
 
 # What "auto" gains from fused is measured per training step, not per forward. Sessions 5-6 and
-# 16-17 measured the example's step at parity or slower with fused (its backward then recomputed
-# the forward; later, within run-to-run spread). Session 41 (one H100, the example's step, 30B
-# config x 4 layers, 16,384 tokens, benchmarks/RESULTS.md): fused 180.12 / 180.33 ms against
-# cuda 181.03 / 181.75 in bf16 (both run orders), 186.05 against 187.70 in fp8, and its forward
-# 4-18% faster (session 40, H200). So "auto" picks it where it has run: one GPU, one process.
-AUTO_PICKS_FUSED = True
+# 16-17 measured the example's step at parity or slower with fused. Session 41
+# (benchmarks/RESULTS.md), both run orders: on an H100 (30B config x 4 layers) fused was
+# 0.5-0.9% faster (bf16 and fp8), on an H200 it was not: 30B x 8 layers 272.23 / 271.54 ms
+# against cuda 271.59 / 270.75, 235B x 1 layer 196.52 / 197.52 against 196.35 / 194.04. The
+# forward's gain (0.37 ms at 30B) does not survive the step: under activation checkpointing the
+# layer's forward + re-forward + backward took 10.45 ms against 10.51. So "auto" keeps cuda;
+# where it is switched on, it picks fused only where the kernel has run (one GPU, one process).
+AUTO_PICKS_FUSED = False
 
 
 def auto_reason(shape: LayerShape | None, mesh, expert_axis: str) -> str | None:
@@ -148,8 +150,8 @@ def auto_reason(shape: LayerShape | None, mesh, expert_axis: str) -> str | None:
   layer): layers the kernel does not take, and meshes over several GPUs or processes (the fused
   kernel has not run on two GPUs yet). backend="fused" still runs what the kernel takes."""
   if not AUTO_PICKS_FUSED:
-    return ("a training step with 'fused' has not measured faster than with 'cuda'; backend "
-            "'cuda' serves it")
+    return ("a training step with 'fused' has not measured faster than with 'cuda' on an H200 "
+            "(parity); backend 'cuda' serves it")
   if jax.process_count() > 1:
     return ("the fused kernel has not run in a multi-process job yet; backend 'cuda' serves it")
   if shape is not None:
