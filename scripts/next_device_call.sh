@@ -11,12 +11,14 @@
 # loses; kept for the record only).
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
-# EP = 2 bars, in four calls on the same warm machine (each builds the extension with its
+# EP = 2 bars, in five calls on the same warm machine (each builds the extension with its
 # defaults if the machine has none, ~85 s). None of the fused two-GPU tests has ever run (a
 # review in session 34 expected the old single call not to fit 600 s):
-#   PART=ep2 (the default with two GPUs; ~5 min): tests/test_fused_multigpu.py: the fused layer
-#     beside an all_gather (it also fails unless XLA scheduled the kernel inside the
-#     collective's window: "FUSED-WORKER-CONCURRENCY"), two processes, FP8 (two recipes).
+#   PART=ep2 (the default with two GPUs; ~3 min): tests/test_fused_multigpu.py: the fused layer
+#     beside an all_gather (reported as not run unless XLA scheduled the kernel inside the
+#     collective's window: "FUSED-WORKER-CONCURRENCY"), and two processes.
+#   PART=ep2_one_process (~3 min): the same file's one-process tests: bf16 with the backward's
+#     kernel pass, FP8 (two recipes).
 #   PART=ep2_ep (~4 min): backend cuda's two-process EP tests (tests/test_ep_two_process.py).
 #   PART=ep2_train (~6 min): the example as two processes (tests/test_two_process_training.py).
 #   PART=ep2_bench (~6 min): the layer at EP = 2, cuda and fused in one run; the example with
@@ -73,8 +75,8 @@
 # (benchmarks/kernels/build_fused_core_bench.sh DIR, ~85 s on two cores; A from a git worktree),
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
-#   OUT=... [PART=bars|energy|harness_energy|step|suite|harness|phases|ep2|ep2_ep|\
-#     ep2_train|ep2_bench] [RECIPE=bf16|fp8] \
+#   OUT=... [PART=bars|energy|harness_energy|step|suite|harness|phases|ep2|ep2_one_process|\
+#     ep2_ep|ep2_train|ep2_bench] [RECIPE=bf16|fp8] [CONFIG=...] [LAYERS=...] \
 #     scripts/next_device_call.sh
 #   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
@@ -145,7 +147,10 @@ multigpu_tests() {
 if [ "$GPUS" -ge 2 ]; then
   ensure_extension
   case "${PART:-ep2}" in
-  ep2) multigpu_tests tests_fused_multigpu 420 tests/test_fused_multigpu.py ;;
+  ep2) multigpu_tests tests_fused_multigpu 420 tests/test_fused_multigpu.py \
+    -k "all_gather or two_processes" ;;
+  ep2_one_process) multigpu_tests tests_fused_one_process 420 tests/test_fused_multigpu.py \
+    -k each_recipe ;;
   ep2_ep) multigpu_tests tests_ep_two_process 420 tests/test_ep_two_process.py ;;
   ep2_train) multigpu_tests tests_two_process_training 480 tests/test_two_process_training.py ;;
   ep2_bench)
@@ -157,7 +162,8 @@ if [ "$GPUS" -ge 2 ]; then
       --mesh data=1,expert=2 --steps 20 --log_every 10 --checkpoint_every 0 --out /tmp/ep2 \
       2>&1 | tr '\r' '\n' | grep -v "step/s\|s/step" | tail -12 | tee "$OUT/example_ep2.log"
     ;;
-  *) echo "PART=${PART}: unknown with two GPUs (ep2, ep2_ep, ep2_train or ep2_bench)"; exit 2 ;;
+  *) echo "PART=${PART}: unknown with two GPUs (ep2, ep2_one_process, ep2_ep, ep2_train or"\
+       "ep2_bench)"; exit 2 ;;
   esac
   exit 0
 fi

@@ -8,10 +8,11 @@
   python -m fused_multigpu_worker two_process <process_id> <port>
       one of two processes (jax.distributed on localhost), one GPU each: forward and gradients
       (the backward's kernel pass) against the oracle, 20 repeated forwards bitwise equal
-  python -m fused_multigpu_worker fp8 <recipe>
-      one process, two GPUs, recipe "fp8" / "fp8_pow2": forward and gradients against the FP8
-      emulation (backend reference on the CPU; dW_gate_up from x as the sender quantises it,
-      since the rows cross GPUs in FP8), 20 repeated forwards bitwise equal
+  python -m fused_multigpu_worker two_gpus <recipe>
+      one process, two GPUs, recipe "bf16" / "fp8" / "fp8_pow2": forward and gradients against
+      the oracle (bf16: the backward's kernel pass, in one process) or the FP8 emulation
+      (backend reference on the CPU; dW_gate_up from x as the sender quantises it, since the
+      rows cross GPUs in FP8), 20 repeated forwards bitwise equal
 Prints "FUSED-WORKER-OK <id>" when every check passed, else exits non-zero saying what failed;
 all_gather also prints "FUSED-WORKER-CONCURRENCY overlapped|not-overlapped: <why>", whether XLA
 scheduled the fused kernel inside the all_gather's asynchronous window (tests/hlo_schedule.py).
@@ -243,7 +244,8 @@ def two_process(process_id: int, port: int) -> None:
   jax.distributed.shutdown()
 
 
-def fp8_two_gpus(recipe: str) -> None:
+def one_process_two_gpus(recipe_name: str) -> None:
+  recipe = None if recipe_name == "bf16" else recipe_name
   import jax
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -265,8 +267,8 @@ def fp8_two_gpus(recipe: str) -> None:
 if __name__ == "__main__":
   if sys.argv[1] == "all_gather":
     all_gather_beside()
-  elif sys.argv[1] == "fp8":
-    fp8_two_gpus(sys.argv[2])
+  elif sys.argv[1] == "two_gpus":
+    one_process_two_gpus(sys.argv[2])
   elif sys.argv[1] == "two_process":
     two_process(int(sys.argv[2]), int(sys.argv[3]))
   else:

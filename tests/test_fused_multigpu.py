@@ -2,9 +2,9 @@
 process driving both GPUs (forward and gradients against the oracle, bitwise run to run; and
 beside an all_gather that XLA may run on another stream at the same time; the backward on
 backend cuda's kernels), and one process per GPU (jax.distributed on localhost; the backward's
-kernel pass); and recipes fp8 / fp8_pow2 from one process. The workers run
-as subprocesses with a time limit, so a hang fails the test instead of stalling the suite. Two
-GPUs; skipped (reported as not run) with fewer."""
+kernel pass); and from one process, bf16 with the backward's kernel pass and recipes fp8 /
+fp8_pow2. The workers run as subprocesses with a time limit, so a hang fails the test instead
+of stalling the suite. Two GPUs; skipped (reported as not run) with fewer."""
 
 import sys
 
@@ -54,12 +54,13 @@ def test_two_processes_one_gpu_each():
     assert p.returncode == 0 and f"FUSED-WORKER-OK {i}" in out, _report(procs, outs)
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
-def test_one_process_two_gpus_fp8(recipe):
-  """Recipes fp8 / fp8_pow2 with the EP group across the two GPUs: e4m3 rows + scales over
-  NVLink into the peer's pool, both GEMMs in FP8; forward and gradients against the FP8
-  emulation, 20 calls bitwise equal."""
+@pytest.mark.parametrize("recipe", ["bf16", "fp8", "fp8_pow2"])
+def test_one_process_each_recipe(recipe):
+  """One process, the EP group across its two GPUs. bf16: the backward's kernel pass (the
+  all_gather test takes backend cuda's kernels, the two-process test the kernel pass across
+  processes). fp8 / fp8_pow2: e4m3 rows + scales over NVLink into the peer's pool, both GEMMs
+  in FP8, against the FP8 emulation. Forward and gradients, 20 calls bitwise equal."""
   env = gpu_worker_env(MEGAMOE_EP_TIMEOUT_S=str(EP_TIMEOUT_S))
-  procs, outs = run_all([[sys.executable, "-m", "fused_multigpu_worker", "fp8", recipe]], [env],
-                        timeout=TIME_LIMIT_S, cwd=str(TESTS.parent))
+  procs, outs = run_all([[sys.executable, "-m", "fused_multigpu_worker", "two_gpus", recipe]],
+                        [env], timeout=TIME_LIMIT_S, cwd=str(TESTS.parent))
   assert procs[0].returncode == 0 and "FUSED-WORKER-OK 0" in outs[0], _report(procs, outs)
