@@ -199,3 +199,20 @@ def test_one_rank_wiring_matches_the_reference(monkeypatch):
   errs = errors_against(lambda *a: fused.fused_layer(*a, cfg),
                         lambda *a: jm.moe(*a, backend="reference"), x, ids, w, wgu, wd, dy)
   assert_errors_below(errs, 2e-2)
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8"])
+def test_rematerialised_forward_without_residuals_runs_the_primal(recipe):
+  """Under jax.checkpoint the forward pass's call keeps no residuals (optimize_remat: nothing
+  reads them; the kernel skips their stores) and the backward's recomputation keeps them."""
+  ffn = 256
+  cfg = traced_config(ffn, recipe=recipe)
+  x, ids, w, wgu, wd = _inputs(ffn)
+
+  def loss(x, w, a, b):
+    layer = jax.checkpoint(lambda x, w, a, b: fused.fused_layer(x, ids, w, a, b, cfg))
+    return jnp.sum(layer(x, w, a, b).astype(jnp.float32) ** 2)
+  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
+  calls = [line for line in text.splitlines() if f"@{fused.TARGET}(" in line]
+  gate_up = [re.findall(r"tensor<[^>]*>", c.rsplit(") -> ", 1)[1])[9] for c in calls]
+  assert sorted(gate_up) == sorted(["tensor<0xbf16>", f"tensor<{cfg.plan.n_cap}x{2 * ffn}xbf16>"])

@@ -301,6 +301,22 @@ def test_one_gpu_mesh_and_bitwise_reproducible():
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("recipe", [None, "fp8"])
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_rematerialised_layer_equals_the_plain_one_bitwise(recipe, num_ranks):
+  """Under jax.checkpoint the forward pass runs the kernel without residuals (optimize_remat)
+  and the backward recomputes them: y and every gradient bit for bit those without
+  checkpointing (one rank, and a virtual group of two)."""
+  args = _inputs(31 + num_ranks, num_ranks * 333, 16, 4, "masked")
+  layer, ws = _fused_layer_of(num_ranks, 333, 4, recipe=recipe)
+  plain = _value_and_grads(layer, *args)
+  _poison()
+  remat = _value_and_grads(jax.checkpoint(layer), *args)
+  _assert_bitwise(plain, remat)
+  if ws is not None:
+    ws.close()
+
+
 def test_consecutive_calls_see_no_stale_signal():
   fwd = jax.jit(lambda *a: jm.moe(*a, backend="fused"))
   for seed in range(20):

@@ -39,6 +39,9 @@ otherwise backend "cuda"'s kernels, from residuals:
   comb rows), then the two wgrads per rank. With several ranks the forward then keeps its comb
   rows (y_comb, [T * k, H] at the source: 512 MiB per layer at the 30B shape and 16,384 tokens,
   what y_sorted took) instead of y_sorted.
+- Under jax.checkpoint (a rematerialised step) the forward pass's call, whose residuals nothing
+  reads, runs the kernel without them (custom_vjp optimize_remat: the primal), and the
+  backward's recomputation keeps them: one residual-mode forward per layer and step, not two.
 
 Recipes "fp8" / "fp8_pow2" (jax_megamoe.fp8 defines them; the same function as backend "cuda"'s
 FP8 path): the token rows are quantised before they travel (1 x 128 blocks, cuda_fp8.quantize_rows)
@@ -427,7 +430,10 @@ def _fused_layer_bwd(cfg, residuals, dy):
   return dx, None, dw, dwgu, dwd
 
 
-_fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
+# optimize_remat: under jax.checkpoint a forward whose residuals nothing reads (the first of a
+# rematerialised step's two) runs the primal, i.e. the kernel without its residual stores
+# (gate_up, the pool rows, y_sorted), instead of the residual mode's fwd rule.
+_fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd, optimize_remat=True)
 
 
 # --- recipes "fp8" / "fp8_pow2" ---------------------------------------------------------------
@@ -514,7 +520,7 @@ def _fused_fp8_layer_bwd(cfg, residuals, dy):
   return dx, None, dw, dwgu, dwd, cuda_fp8.zero_cotangent(blocks)
 
 
-_fused_fp8_layer.defvjp(_fused_fp8_layer_fwd, _fused_fp8_layer_bwd)
+_fused_fp8_layer.defvjp(_fused_fp8_layer_fwd, _fused_fp8_layer_bwd, optimize_remat=True)
 
 
 def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig,
