@@ -6,7 +6,8 @@ bad value is refused; requested, the
 gradient program of a bf16 layer runs one fused backward call and the two wgrad GEMMs per rank,
 no EP combine or dispatch VJP and no MLP backward of backend cuda; the forward keeps y_sorted
 with one rank and y_comb (the comb rows) instead with several; F not a multiple of 256 and FP8
-recipes keep backend cuda's backward.
+recipes keep backend cuda's backward; under jax.checkpoint the forward pass's call keeps no
+residuals (one rank, and an EP = 2 mesh).
 """
 
 from __future__ import annotations
@@ -216,3 +217,34 @@ def test_rematerialised_forward_without_residuals_runs_the_primal(recipe):
   calls = [line for line in text.splitlines() if f"@{fused.TARGET}(" in line]
   gate_up = [re.findall(r"tensor<[^>]*>", c.rsplit(") -> ", 1)[1])[9] for c in calls]
   assert sorted(gate_up) == sorted(["tensor<0xbf16>", f"tensor<{cfg.plan.n_cap}x{2 * ffn}xbf16>"])
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8"])
+def test_rematerialised_forward_without_residuals_under_an_ep_mesh(monkeypatch, recipe):
+  """The same through jax_megamoe.moe on an EP = 2 mesh (shard_map; bf16 with the backward's
+  kernel pass, fp8 with backend cuda's), a stand-in workspace."""
+  import jax_megamoe as jm
+  from jax.sharding import Mesh
+  from jax_megamoe import backends, symmetric
+
+  def workspace_for(mesh, axis, **kw):
+    return symmetric.SymmetricWorkspace(
+        id=7, num_ranks=2, max_tokens=kw["max_tokens"], hidden=kw["hidden"], top_k=kw["top_k"],
+        elem_bytes=2, comm_blocks=8, timeout_s=1.0, device_ids=(0, 1), expert_axis=axis,
+        bytes_per_device=0, multiprocess=False, fused_rows=kw["fused_rows"])
+  monkeypatch.setattr(symmetric, "workspace_for", workspace_for)
+  monkeypatch.setattr(backends, "unavailable_reason", lambda name, recipe=None: None)
+  monkeypatch.setattr(cuda_ep, "unavailable_reason", lambda *a, **k: None)
+  ffn = 256
+  mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+  x, ids, w, wgu, wd = _inputs(ffn)
+
+  def loss(x, w, a, b):
+    layer = jax.checkpoint(lambda x, w, a, b: jm.moe(x, ids, w, a, b, mesh=mesh,
+                                                     backend="fused", recipe=recipe))
+    return jnp.sum(layer(x, w, a, b).astype(jnp.float32) ** 2)
+  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
+  calls = [line for line in text.splitlines() if f"@{fused.TARGET}(" in line]
+  gate_up = sorted(re.findall(r"tensor<[^>]*>", c.rsplit(") -> ", 1)[1])[9] for c in calls)
+  assert len(gate_up) == 2 and gate_up[0] == "tensor<0xbf16>", gate_up
+  assert gate_up[1].endswith(f"x{2 * ffn}xbf16>"), gate_up
