@@ -143,7 +143,8 @@ def layer_unavailable_reason(shape: LayerShape) -> str | None:
 # 0.5-0.9% faster (bf16 and fp8), on an H200 it was not: 30B x 8 layers 272.23 / 271.54 ms
 # against cuda 271.59 / 270.75, 235B x 1 layer 196.52 / 197.52 against 196.35 / 194.04. The
 # forward's gain (0.37 ms at 30B) does not survive the step: under activation checkpointing the
-# layer's forward + re-forward + backward took 10.45 ms against 10.51. So "auto" keeps cuda;
+# layer's forward + re-forward + backward took 10.45 ms against 10.51 (both forwards then kept
+# residuals; optimize_remat below now spares the first, not measured yet). So "auto" keeps cuda;
 # where it is switched on, it picks fused only where the kernel has run (one GPU, one process).
 AUTO_PICKS_FUSED = False
 
