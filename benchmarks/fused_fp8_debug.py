@@ -93,8 +93,8 @@ def run_stage(stage: str, args) -> None:
     cfg = fused.FusedConfig(fused._local_workspace(shape, plan.n_cap), shape.num_experts, plan,
                             fused.max_ctas(False), recipe=args.recipe)
     blocks = fused.quantized_weights(wgu, wd, cfg)
-    got, kept = fused._fp8_call(x, ids.astype(jnp.int32), w.astype(jnp.float32), blocks, cfg,
-                                residuals=True)
+    got, _, kept = fused._fp8_call(x, ids.astype(jnp.int32), w.astype(jnp.float32), blocks,
+                                   cfg, residuals=True)
     jax.block_until_ready((got, kept))
     finite = bool(np.all(np.isfinite(np.asarray(kept.y_sorted, np.float32)[
         :int(np.asarray(kept.group_sizes).sum())])))

@@ -202,12 +202,17 @@ def test_one_rank_wiring_matches_the_reference(monkeypatch):
   assert_errors_below(errs, 2e-2)
 
 
+@pytest.mark.parametrize("check_capacity", [False, True])
 @pytest.mark.parametrize("recipe", [None, "fp8"])
-def test_rematerialised_forward_without_residuals_runs_the_primal(recipe):
+def test_rematerialised_forward_without_residuals_runs_the_primal(recipe, check_capacity):
   """Under jax.checkpoint the forward pass's call keeps no residuals (optimize_remat: nothing
-  reads them; the kernel skips their stores) and the backward's recomputation keeps them."""
+  reads them; the kernel skips their stores) and the backward's recomputation keeps them; also
+  with the capacity check, a debug callback outside the custom_vjp (inside its fwd rule it would
+  make the rule effectful, never recomputed: one call keeping every residual)."""
+  import dataclasses
   ffn = 256
   cfg = traced_config(ffn, recipe=recipe)
+  cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, check_capacity=check_capacity))
   x, ids, w, wgu, wd = _inputs(ffn)
 
   def loss(x, w, a, b):
@@ -217,6 +222,7 @@ def test_rematerialised_forward_without_residuals_runs_the_primal(recipe):
   calls = [line for line in text.splitlines() if f"@{fused.TARGET}(" in line]
   gate_up = [re.findall(r"tensor<[^>]*>", c.rsplit(") -> ", 1)[1])[9] for c in calls]
   assert sorted(gate_up) == sorted(["tensor<0xbf16>", f"tensor<{cfg.plan.n_cap}x{2 * ffn}xbf16>"])
+  assert ("callback" in text) == check_capacity
 
 
 @pytest.mark.parametrize("recipe", [None, "fp8"])

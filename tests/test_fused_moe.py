@@ -301,13 +301,15 @@ def test_one_gpu_mesh_and_bitwise_reproducible():
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("recipe", [None, "fp8"])
-@pytest.mark.parametrize("num_ranks", [1, 2])
-def test_rematerialised_layer_equals_the_plain_one_bitwise(recipe, num_ranks):
+@pytest.mark.parametrize("recipe, num_ranks, ffn", [
+    (None, 1, FFN), (None, 2, FFN),
+    (None, 2, 256),  # several ranks, F % 256 == 0: the backward's kernel pass, y_comb kept
+    ("fp8", 1, FFN), ("fp8", 2, FFN)])
+def test_rematerialised_layer_equals_the_plain_one_bitwise(recipe, num_ranks, ffn):
   """Under jax.checkpoint the forward pass runs the kernel without residuals (optimize_remat)
   and the backward recomputes them: y and every gradient bit for bit those without
   checkpointing (one rank, and a virtual group of two)."""
-  args = _inputs(31 + num_ranks, num_ranks * 333, 16, 4, "masked")
+  args = _inputs(31 + num_ranks, num_ranks * 333, 16, 4, "masked", ffn=ffn)
   layer, ws = _fused_layer_of(num_ranks, 333, 4, recipe=recipe)
   plain = _value_and_grads(layer, *args)
   _poison()

@@ -292,7 +292,10 @@ MEGAMOE_C_API int megamoe_ep_ws_connect(int64_t id, int ordinal, int peer_rank, 
     // native peer atomics (GPUs joined by PCIe only) they would be lost, and the symptom a
     // timeout or a wrong result rather than this message.
     int atomics = 0;
-    cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, ordinal, peer_ordinal);
+    if (cudaError_t e = cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported,
+                                                  ordinal, peer_ordinal);
+        e != cudaSuccess)
+      return FailCuda(msg, len, "cudaDeviceGetP2PAttribute", e);
     if (!atomics) {
       return Fail(msg, len, "device " + std::to_string(ordinal) + " has no native atomics on " +
                                 "device " + std::to_string(peer_ordinal) +

@@ -319,21 +319,18 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
   return y, stats, phases, kept_res
 
 
-def _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals: bool):
-  y, stats, _, kept = _fused_call(x, ids, w, w_gate_up, w_down, cfg, residuals=residuals)
-  if cfg.plan.check_capacity:
-    jax.debug.callback(cuda_ep.raise_on_bad_stats, stats)
-  return y, kept
-
-
+# The layers' custom_vjps return (y, stats) and the capacity check runs outside them
+# (fused_layer): a debug callback inside a fwd rule makes the rule effectful, and jax.checkpoint
+# never recomputes an effectful equation, so the forward pass would keep every residual.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _fused_layer(x, ids, w, w_gate_up, w_down, cfg):
-  return _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals=False)[0]  # not differentiated
+  y, stats, _, _ = _fused_call(x, ids, w, w_gate_up, w_down, cfg)  # not differentiated
+  return y, stats
 
 
 def _fused_layer_fwd(x, ids, w, w_gate_up, w_down, cfg):
-  y, kept = _checked_call(x, ids, w, w_gate_up, w_down, cfg, residuals=True)
-  return y, (x, ids, w, w_gate_up, w_down, kept)
+  y, stats, _, kept = _fused_call(x, ids, w, w_gate_up, w_down, cfg, residuals=True)
+  return (y, stats), (x, ids, w, w_gate_up, w_down, kept)
 
 
 def expert_rank_tables(slot_dest, ids, w, cfg: FusedConfig):
@@ -421,7 +418,8 @@ def _kernel_backward(cfg, residuals, dy):
   return dx, None, d_w, dwgu, dwd
 
 
-def _fused_layer_bwd(cfg, residuals, dy):
+def _fused_layer_bwd(cfg, residuals, cotangents):
+  dy, _ = cotangents  # stats: int32, no cotangent
   if cfg.fused_backward(residuals[4].shape[-2]):
     return _kernel_backward(cfg, residuals, dy)
   x, ids, w, w_gate_up, w_down, kept = residuals
@@ -464,26 +462,24 @@ def quantized_weights(w_gate_up, w_down, cfg: FusedConfig) -> cuda_fp8.ExpertWei
 def _fp8_call(x, ids, w, blocks: cuda_fp8.ExpertWeightBlocks, cfg: FusedConfig,
               residuals: bool = False):
   """The custom call on rows quantised here (1 x 128, before they travel) and `blocks`:
-  (y, FusedResiduals or None)."""
+  (y, stats, FusedResiduals or None)."""
   rows = _over_ranks(lambda a: cuda_fp8.quantize_rows(a, pow2=cfg.pow2), x, cfg)
   y, stats, _, kept = _fused_call(
       rows.q, ids, w, blocks.w_gate_up.q, blocks.w_down.q, cfg, residuals=residuals,
       fp8_scales=(rows.scale, blocks.w_gate_up.scale, blocks.w_down.scale))
-  if cfg.plan.check_capacity:
-    jax.debug.callback(cuda_ep.raise_on_bad_stats, stats)
-  return y, kept
+  return y, stats, kept
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _fused_fp8_layer(x, ids, w, w_gate_up, w_down, blocks, cfg):
-  """w_gate_up / w_down take the weights' gradients; the kernel reads `blocks`."""
+  """(y, stats); w_gate_up / w_down take the weights' gradients, the kernel reads `blocks`."""
   del w_gate_up, w_down
-  return _fp8_call(x, ids, w, blocks, cfg)[0]
+  return _fp8_call(x, ids, w, blocks, cfg)[:2]
 
 
 def _fused_fp8_layer_fwd(x, ids, w, w_gate_up, w_down, blocks, cfg):
-  y, kept = _fp8_call(x, ids, w, blocks, cfg, residuals=True)
-  return y, (x, ids, w, w_gate_up, w_down, blocks, kept)
+  y, stats, kept = _fp8_call(x, ids, w, blocks, cfg, residuals=True)
+  return (y, stats), (x, ids, w, w_gate_up, w_down, blocks, kept)
 
 
 def _pool_rows(x, slot_dest, n_cap: int):
@@ -500,11 +496,12 @@ def _pool_rows(x, slot_dest, n_cap: int):
   return jnp.where((source >= 0)[:, None], rows, jnp.zeros((), x.dtype))
 
 
-def _fused_fp8_layer_bwd(cfg, residuals, dy):
+def _fused_fp8_layer_bwd(cfg, residuals, cotangents):
   """cuda's EP backward with its FP8 MLP backward, from the kernel's residuals; no dispatch and
   no forward GEMM run again. dW_gate_up's rows: x's bf16 rows at one rank (as backend cuda
   without a mesh), the dequantised FP8 rows that reached the expert rank with several (the
   kernel's pool rows, as backend cuda's EP path)."""
+  dy, _ = cotangents  # stats: int32, no cotangent
   x, ids, w, w_gate_up, w_down, blocks, kept = residuals
   if cfg.one_rank:
     x_sorted = _pool_rows(x, kept.slot_dest, cfg.plan.n_cap)
@@ -533,10 +530,14 @@ def fused_layer(x, ids, w, w_gate_up, w_down, cfg: FusedConfig,
   x, w_gate_up, w_down = varying.align_varying(x, w_gate_up, w_down)
   ids, w = ids.astype(jnp.int32), w.astype(jnp.float32)
   if cfg.recipe is None:
-    return _fused_layer(x, ids, w, w_gate_up, w_down, cfg)
-  if blocks is None:
-    blocks = quantized_weights(w_gate_up, w_down, cfg)
-  return _fused_fp8_layer(x, ids, w, w_gate_up, w_down, blocks, cfg)
+    y, stats = _fused_layer(x, ids, w, w_gate_up, w_down, cfg)
+  else:
+    if blocks is None:
+      blocks = quantized_weights(w_gate_up, w_down, cfg)
+    y, stats = _fused_fp8_layer(x, ids, w, w_gate_up, w_down, blocks, cfg)
+  if cfg.plan.check_capacity:
+    jax.debug.callback(cuda_ep.raise_on_bad_stats, stats)
+  return y
 
 
 def forward_with_phases(x, topk_ids, topk_weights, w_gate_up, w_down, recipe=None,
