@@ -29,8 +29,9 @@ from jax_megamoe.validation import check_layer_args  # noqa: E402
 from fused_trace_helpers import TracedWorkspace  # noqa: E402
 
 H, F, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b's MoE layer
+# remat_opt: a custom_vjp's fwd rule under optimize_remat (backend fused's layers).
 CALLS = ("pjit", "custom_vjp_call", "custom_vjp_call_jaxpr", "closed_call", "remat",
-         "checkpoint", "custom_jvp_call")
+         "checkpoint", "custom_jvp_call", "remat_opt")
 
 
 def large_ops(jaxpr, min_bytes: int) -> list[tuple[str, int, list]]:
@@ -39,7 +40,7 @@ def large_ops(jaxpr, min_bytes: int) -> list[tuple[str, int, list]]:
   rows = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in CALLS:
-      for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+      for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "fwd_jaxpr"):
         if key in eqn.params:
           sub = eqn.params[key]
           rows += large_ops(getattr(sub, "jaxpr", sub), min_bytes)
