@@ -154,8 +154,9 @@ if [ "$GPUS" -ge 2 ]; then
   ep2_ep) multigpu_tests tests_ep_two_process 420 tests/test_ep_two_process.py ;;
   ep2_train) multigpu_tests tests_two_process_training 480 tests/test_two_process_training.py ;;
   ep2_bench)
-    timeout 200 python3 benchmarks/bench_layer.py --passes fwd --shapes 30b,235b --time-budget 160 \
+    timeout 200 python3 benchmarks/bench_layer.py --passes fwd --shapes 30b,235b \
       --recipes bf16,fp8 --impls megamoe:cuda,megamoe:fused --ep 2 --reps 10 --isolate off \
+      --time-budget 160 \
       --out "$OUT/layer_fwd_ep2.json" 2>&1 | tee "$OUT/layer_fwd_ep2.log" | tail -20
     timeout 150 python3 examples/train_qwen3_moe.py --config qwen3-30b-a3b --num-layers 4 \
       --seq-len 4096 --batch 8 --ce-chunk 1024 --lr 3e-4 --backend fused --attention cudnn \
