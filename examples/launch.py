@@ -71,17 +71,26 @@ def local_rank_and_size(env: Mapping[str, str]) -> tuple[int | None, int | None]
   return None, None
 
 
+def visible_gpu_entries(env: Mapping[str, str]) -> list[str] | None:
+  """CUDA_VISIBLE_DEVICES's entries up to the first invalid one, as CUDA reads it (indices or
+  UUIDs); None where it is unset (every GPU visible)."""
+  visible = env.get("CUDA_VISIBLE_DEVICES")
+  if visible is None:
+    return None
+  entries = []
+  for entry in visible.split(","):
+    if not entry.strip() or entry.strip().startswith("-"):
+      break
+    entries.append(entry.strip())
+  return entries
+
+
 def visible_gpu_count(env: Mapping[str, str]) -> int:
   """GPUs this process sees, before JAX initialises: CUDA_VISIBLE_DEVICES's entries (up to the
   first invalid one, as CUDA reads it), else the CUDA driver's count (0 without a driver)."""
-  visible = env.get("CUDA_VISIBLE_DEVICES")
-  if visible is not None:
-    count = 0
-    for entry in visible.split(","):
-      if not entry.strip() or entry.strip().startswith("-"):
-        break
-      count += 1
-    return count
+  entries = visible_gpu_entries(env)
+  if entries is not None:
+    return len(entries)
   try:
     cuda = ctypes.CDLL("libcuda.so.1")
   except OSError:

@@ -5,6 +5,7 @@ says where each process was)."""
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -91,18 +92,24 @@ def visible_gpu(i: int, env=None) -> str:
   """The CUDA_VISIBLE_DEVICES value that gives a worker the i-th GPU this test process sees:
   the i-th entry of the test process's own CUDA_VISIBLE_DEVICES where it has one (a slice of a
   larger host: "0" would name the host's first GPU, not the slice's), else str(i)."""
-  visible = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
-  if visible is None:
+  env = os.environ if env is None else env
+  entries = _launch().visible_gpu_entries(env)
+  if entries is None:
     return str(i)
-  entries = []
-  for entry in visible.split(","):  # as CUDA reads it: up to the first invalid entry
-    if not entry.strip() or entry.strip().startswith("-"):
-      break
-    entries.append(entry.strip())
   if i >= len(entries):
-    raise ValueError(f"GPU {i} asked of CUDA_VISIBLE_DEVICES={visible!r}, which names "
-                     f"{len(entries)}")
+    raise ValueError(f"GPU {i} asked of CUDA_VISIBLE_DEVICES="
+                     f"{env['CUDA_VISIBLE_DEVICES']!r}, which names {len(entries)}")
   return entries[i]
+
+
+def _launch():
+  """examples/launch.py, which reads CUDA_VISIBLE_DEVICES as CUDA does."""
+  sys.path.insert(0, str(TESTS.parent / "examples"))
+  try:
+    import launch  # noqa: PLC0415
+  finally:
+    sys.path.pop(0)
+  return launch
 
 
 def gpu_worker_env(**extra) -> dict:
