@@ -248,6 +248,72 @@ def test_quantize_wgrad_operand_blocks_rows_inside_groups(pow2):
   np.testing.assert_array_equal(np.asarray(rows_q.scale[:valid]), np.asarray(alone.scale[:valid]))
 
 
+def _gather_rows(x, source):
+  """x's rows by source (zeros where source < 0), stored: what quantize_wgrad_operand(source=)
+  reads without storing."""
+  return jnp.where((source >= 0)[:, None], jnp.take(x, jnp.maximum(source, 0), axis=0),
+                   jnp.zeros((), x.dtype))
+
+
+def _assert_same_operand(got, want, columns, label):
+  np.testing.assert_array_equal(_bytes(got.q[:, :columns]), _bytes(want.q[:, :columns]),
+                                err_msg=label)
+  np.testing.assert_array_equal(np.asarray(got.scale[:columns // 128]),
+                                np.asarray(want.scale[:columns // 128]), err_msg=label)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_wgrad_operand_of_gathered_rows_is_that_of_the_rows_stored(pow2):
+  """source: row r of the operand is x[source[r]] (zeros where -1), bit for bit the operand of
+  those rows stored, with_rows too; x has fewer rows than the operand, tokens repeat."""
+  gs, rows, cols = _wgrad_groups()
+  n = rows[-1] + WGRAD_PAD
+  x = _rows(21, 150, 256)
+  rng = np.random.default_rng(22)
+  source = rng.integers(0, 150, size=n).astype(np.int32)
+  source[rng.random(n) < 0.2] = -1
+  source[rows[2]] = -1  # a whole one-row group of zeros
+  source = jnp.asarray(source)
+  call = jax.jit(lambda a, src, s: cuda_fp8.quantize_wgrad_operand(
+      a, s, pow2=pow2, with_rows=True, source=src))
+  got_rows, got = call(x, source, gs)
+  want_rows, want = cuda_fp8.quantize_wgrad_operand(_gather_rows(x, source), gs, pow2=pow2,
+                                                    with_rows=True)
+  _assert_same_operand(got, want, cols[-1], "gathered")
+  valid = rows[-1]
+  np.testing.assert_array_equal(_bytes(got_rows.q[:valid]), _bytes(want_rows.q[:valid]))
+  np.testing.assert_array_equal(np.asarray(got_rows.scale[:valid]),
+                                np.asarray(want_rows.scale[:valid]))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_swiglu_wgrad_operand_is_that_of_h(pow2):
+  """swiglu_wgrad_operand(gate_up) is bit for bit quantize_wgrad_operand of swiglu_quantize's
+  h, which it never stores."""
+  gs, rows, cols = _wgrad_groups()
+  n, f = rows[-1] + WGRAD_PAD, 256
+  gate_up = _rows(23, n, 2 * f)
+  got = jax.jit(lambda g, s: cuda_fp8.swiglu_wgrad_operand(g, s, pow2=pow2))(gate_up, gs)
+  h, _ = cuda_fp8.swiglu_quantize(gate_up, gs, pow2=pow2)
+  assert got.q.shape == (f, cuda_fp8.padded_length(n, gs.shape[0]))
+  _assert_same_operand(got, cuda_fp8.quantize_wgrad_operand(h, gs, pow2=pow2), cols[-1], "h")
+
+
+def test_wgrad_operand_sources_name_the_bad_argument():
+  gs, rows, _ = _wgrad_groups()
+  x = _wgrad_rows(24, 128)
+  n = x.shape[0]
+  with pytest.raises(ValueError, match=r"source must be \[N\] int32, got \(\d+,\) float32"):
+    cuda_fp8.quantize_wgrad_operand(x, gs, source=jnp.zeros((n,), jnp.float32))
+  with pytest.raises(ValueError, match=r"source must be \[N\] int32, got \(\d+, 1\) int32"):
+    cuda_fp8.quantize_wgrad_operand(x, gs, source=jnp.zeros((n, 1), jnp.int32))
+  with pytest.raises(Exception, match=rf"source\[3\] = {n} is past x's {n} rows"):
+    jax.block_until_ready(cuda_fp8.quantize_wgrad_operand(
+        x, gs, source=jnp.arange(n, dtype=jnp.int32).at[3].set(n)))
+  with pytest.raises(ValueError, match=r"gate_up must be \[N, 2F\] with F a multiple of 128"):
+    cuda_fp8.swiglu_wgrad_operand(x, gs)
+
+
 @pytest.mark.parametrize("pow2", [False, True])
 def test_swiglu_backward_quantize_gives_dgate_up_both_ways(pow2):
   """dgate_up (never stored) as 1x128 rows and as a wgrad operand: close to the SwiGLU's vjp

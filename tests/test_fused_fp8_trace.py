@@ -48,6 +48,20 @@ def _signature(call: str) -> tuple[list[str], list[str]]:
   return split(ins), split(outs)
 
 
+def _wgrad_operand_kinds(text: str) -> dict[str, int]:
+  """How many quantize_wgrad_operand calls of the lowered StableHLO quantise each kind of rows
+  (ffi/handlers/fp8_ops.h): x's own ("matrix"), gathered by a source ("gathered"), or the
+  SwiGLU of gate_up ("swiglu")."""
+  kinds = {"matrix": 0, "gathered": 0, "swiglu": 0}
+  for line in text.splitlines():
+    if "@megamoe_fp8_quantize_wgrad_operand(" in line:
+      source = _signature(line)[0][1]
+      kind = ("swiglu" if "swiglu = 1" in line else
+              "matrix" if source == "tensor<0xi32>" else "gathered")
+      kinds[kind] += 1
+  return kinds
+
+
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])
 def test_forward_is_one_fused_call_on_e4m3_operands(recipe):
   cfg = _config(recipe)
@@ -82,14 +96,18 @@ def test_one_rank_training_step_reads_the_residuals():
   (call,) = _fused_calls(text)
   _, outs = _signature(call)
   n_cap = cfg.plan.n_cap
-  # Residuals: no x_sorted (the backward scatters x's bf16 rows), gate_up and y_sorted kept.
+  # Residuals: no x_sorted (the backward reads x's bf16 rows by pool row), gate_up and
+  # y_sorted kept.
   assert outs[8:11] == ["tensor<0xf8E4M3FN>", f"tensor<{n_cap}x{2 * F}xbf16>",
                         f"tensor<{n_cap}x{H}xbf16>"], outs
   assert outs[-1] == "tensor<0xf32>", outs
-  # The weights quantised once each; the backward: h again from gate_up (SwiGLU kernel), the
-  # two dgrad and two wgrad GEMMs, cuda's combine and dispatch VJPs, no forward GEMM.
+  # The weights quantised once each; the backward: the two dgrad and two wgrad GEMMs, cuda's
+  # combine and dispatch VJPs, no forward GEMM; the wgrads' operands quantised from x's rows
+  # gathered by pool row and from gate_up's SwiGLU (neither stored in bf16: no h, no gather).
   assert text.count("@megamoe_fp8_quantize_weights(") == 2
-  assert text.count("@megamoe_fp8_swiglu_quantize(") == 1
+  assert "@megamoe_fp8_swiglu_quantize(" not in text
+  assert _wgrad_operand_kinds(text) == {"gathered": 1, "swiglu": 1, "matrix": 1}
+  assert "stablehlo.gather" not in text, "x's rows gathered by XLA"
   assert text.count("@megamoe_grouped_gemm_fp8(") == 2
   assert text.count("@megamoe_grouped_wgrad_fp8(") == 2
   assert "@megamoe_ep_combine_bwd(" in text and "@megamoe_ep_dispatch_bwd(" in text
@@ -112,8 +130,8 @@ def test_virtual_group_keeps_the_rank_axis():
   assert outs[-2] == f"tensor<{num_ranks}x{F // 128}x{fused.scale_pitch(cfg.plan.n_cap)}xf32>"
 
   # Backward: the kernel keeps its pool's e4m3 rows and scales, gate_up and y_sorted per rank;
-  # then per rank h from gate_up and the FP8 dgrad and wgrad GEMMs: no dispatch, no forward
-  # GEMM, no combine forward.
+  # then per rank the FP8 dgrad and wgrad GEMMs, dW_down's operand from gate_up's SwiGLU: no
+  # dispatch, no forward GEMM, no combine forward.
   def loss(x, w, a, b):
     return jnp.sum(fused.fused_layer(x, ids, w, a, b, cfg).astype(jnp.float32) ** 2)
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
@@ -127,7 +145,9 @@ def test_virtual_group_keeps_the_rank_axis():
   assert text.count("@megamoe_fp8_quantize_weights(") == 2
   assert "@megamoe_ep_dispatch_fwd(" not in text and "@megamoe_ep_dispatch_bwd(" in text
   assert "@megamoe_ep_combine_bwd(" in text and "@megamoe_ep_combine_fwd(" not in text
-  assert text.count("@megamoe_fp8_swiglu_quantize(") == num_ranks
+  assert "@megamoe_fp8_swiglu_quantize(" not in text
+  assert _wgrad_operand_kinds(text) == {"gathered": 0, "swiglu": num_ranks,
+                                        "matrix": 2 * num_ranks}
   assert text.count("@megamoe_grouped_gemm_fp8(") == 2 * num_ranks  # dgrad only
   assert text.count("@megamoe_grouped_wgrad_fp8(") == 2 * num_ranks
 
@@ -217,25 +237,23 @@ def _dispatch_backward_stand_in(dx_sorted, d_recv_w, slot_pos, ids, cfg):
   return parts.sum(axis=1).astype(dx_sorted.dtype), d_recv_w
 
 
-def test_pool_rows_put_each_token_row_at_its_slots():
-  """The backward's x_sorted: pool row slot_dest[t, j] holds x[t] bit for bit, every other pool
-  row (those of masked slots, and capacity no slot fills) is zero; checked against a direct
+def test_pool_sources_name_each_pool_rows_token():
+  """The backward's gather of x's rows: pool row slot_dest[t, j] reads token t, every other pool
+  row (those of masked slots, and capacity no slot fills) -1 (zeros); checked against a direct
   per-slot loop, with masked slots and a token routed nowhere."""
   rng = np.random.default_rng(3)
-  tokens, top_k, hidden, n_cap = 37, 3, 128, 130
-  x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
+  tokens, top_k, n_cap = 37, 3, 130
   dest = rng.permutation(n_cap)[:tokens * top_k].reshape(tokens, top_k).astype(np.int32)
   dest[rng.random(dest.shape) < 0.25] = -1
   dest[5] = -1
-  got = np.asarray(jax.jit(fused._pool_rows, static_argnums=2)(x, jnp.asarray(dest), n_cap))
-  want = np.zeros((n_cap, hidden), np.float32)
-  xs = np.asarray(x, np.float32)
+  got = np.asarray(jax.jit(fused._pool_sources, static_argnums=1)(jnp.asarray(dest), n_cap))
+  want = np.full((n_cap,), -1, np.int32)
   for t in range(tokens):
     for j in range(top_k):
       if dest[t, j] >= 0:
-        want[dest[t, j]] = xs[t]
-  assert got.dtype == np.asarray(x).dtype and got.shape == (n_cap, hidden)
-  np.testing.assert_array_equal(got.astype(np.float32), want)
+        want[dest[t, j]] = t
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "fp8_pow2"])

@@ -396,6 +396,46 @@ def _group_columns(op: cuda_fp8.WgradOperand, sizes) -> np.ndarray:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_wgrad_operands_read_in_place_equal_the_stored_rows(pow2):
+  """The wgrad operands the fused backend's FP8 backward quantises without storing their rows
+  (cuda_fp8.quantize_wgrad_operand(source=): x's rows gathered; swiglu_wgrad_operand: h from
+  gate_up) are bit for bit those of the rows stored (jnp.take, swiglu_quantize's h), with_rows
+  too; source with -1 entries, repeats, and a whole group of them; odd group sizes."""
+  rng = np.random.default_rng(70 + pow2)
+  sizes = np.array([0, 1, 300, 128, 0, 77, 257], np.int32)
+  n, tokens, c, f = int(sizes.sum()) + 13, 200, 384, 256
+  gs = jnp.asarray(sizes)
+  x = jnp.asarray(rng.standard_normal((tokens, c)) * np.exp(rng.standard_normal((tokens, 1))),
+                  jnp.bfloat16)
+  source = rng.integers(0, tokens, size=n).astype(np.int32)
+  source[rng.random(n) < 0.2] = -1
+  source[1] = -1  # group 1's only row
+  source = jnp.asarray(source)
+  gate_up = jnp.asarray(rng.standard_normal((n, 2 * f)) * 2, jnp.bfloat16)
+  poison_device_memory(32 << 20)
+  gathered_rows, gathered = jax.jit(lambda a, src, s: cuda_fp8.quantize_wgrad_operand(
+      a, s, pow2=pow2, with_rows=True, source=src))(x, source, gs)
+  swiglu = jax.jit(lambda g, s: cuda_fp8.swiglu_wgrad_operand(g, s, pow2=pow2))(gate_up, gs)
+  stored = jnp.where((source >= 0)[:, None], jnp.take(x, jnp.maximum(source, 0), axis=0), 0)
+  want_rows, want = cuda_fp8.quantize_wgrad_operand(stored.astype(jnp.bfloat16), gs, pow2=pow2,
+                                                    with_rows=True)
+  h, _ = cuda_fp8.swiglu_quantize(gate_up, gs, pow2=pow2)
+  want_h = cuda_fp8.quantize_wgrad_operand(h, gs, pow2=pow2)
+  used = int((-(-sizes // 128) * 128).sum())  # columns past the groups: unspecified
+  total = int(sizes.sum())
+  bits = lambda t: np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))
+  for label, got, ref in (("gathered", gathered, want), ("swiglu", swiglu, want_h)):
+    np.testing.assert_array_equal(bits(got.q[:, :used]), bits(ref.q[:, :used]), err_msg=label)
+    np.testing.assert_array_equal(np.asarray(got.scale[:used // 128]),
+                                  np.asarray(ref.scale[:used // 128]), err_msg=label)
+  np.testing.assert_array_equal(bits(gathered_rows.q[:total]), bits(want_rows.q[:total]))
+  np.testing.assert_array_equal(np.asarray(gathered_rows.scale[:total]),
+                                np.asarray(want_rows.scale[:total]))
+  assert np.any(bits(swiglu.q[:, :used])) and np.any(bits(gathered.q[:, :used]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
 def test_fp8_backward_operands_and_wgrad_match_emulation(pow2):
   """The backward's FP8 operands bit for bit against the emulation (weights for dy @ w^T; rows
   in 128x1 blocks inside each group, transposed and group-padded), and the K-grouped FP8 wgrad

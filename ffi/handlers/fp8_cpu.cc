@@ -112,24 +112,52 @@ void QuantizeWgradOperandLoop(const uint16_t* xv, int64_t c, const std::vector<i
   }
 }
 
-// The wgrad operand and, with rows, the 1x128 rows of the rows in use (as quantize_rows).
-ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer group_sizes,
-                                    ffi::Result<ffi::AnyBuffer> q,
+// h = bf16(silu(gate) * up) of gate_up row r's column j (F columns per half).
+uint16_t SwigluBf16(const uint16_t* gate_up, int64_t r, int64_t j, int64_t f) {
+  const float g = Bf16ToFloat(gate_up[r * 2 * f + j]), u = Bf16ToFloat(gate_up[r * 2 * f + f + j]);
+  return FloatToBf16(g * Sigmoid(g) * u);
+}
+
+// The wgrad operand and, with rows, the 1x128 rows of the rows in use (as quantize_rows), of
+// x's rows, x's rows gathered by source, or the SwiGLU of x = gate_up (WgradRows).
+ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer source,
+                                    ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> q,
                                     ffi::Result<ffi::AnyBuffer> scale,
                                     ffi::Result<ffi::AnyBuffer> q_rows,
                                     ffi::Result<ffi::AnyBuffer> scale_rows,
                                     ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2,
-                                    int64_t rows) {
+                                    int64_t rows, int64_t swiglu) {
+  WgradRows from;
   int64_t n, c, e, length;
-  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, group_sizes, rows != 0, q, scale, q_rows,
-                                                    scale_rows, &n, &c, &e, &length));
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, source, group_sizes, swiglu != 0,
+                                                    rows != 0, q, scale, q_rows, scale_rows,
+                                                    &from, &n, &c, &e, &length));
   (void)workspace;
   const uint16_t* xv = static_cast<const uint16_t*>(x.untyped_data());
+  std::vector<uint16_t> values;  // the operand's rows where they are not x's
+  if (from == WgradRows::kGathered) {
+    const int32_t* src = static_cast<const int32_t*>(source.untyped_data());
+    const int64_t tokens = x.dimensions()[0];
+    values.assign(n * c, 0);
+    for (int64_t r = 0; r < n; ++r) {
+      if (src[r] >= tokens) {
+        return InvalidArgument("source[", r, "] = ", src[r], " is past x's ", tokens, " rows");
+      }
+      if (src[r] >= 0) std::copy(xv + src[r] * c, xv + (src[r] + 1) * c, values.data() + r * c);
+    }
+  } else if (from == WgradRows::kSwiglu) {
+    values.resize(n * c);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t j = 0; j < c; ++j) values[r * c + j] = SwigluBf16(xv, r, j, c);
+    }
+  }
+  const uint16_t* rows_in = values.empty() ? xv : values.data();
   const std::vector<int64_t> off = HostGroupOffsets(group_sizes, e, n);
-  QuantizeWgradOperandLoop(xv, c, off, length, pow2 != 0, static_cast<uint8_t*>(q->untyped_data()),
+  QuantizeWgradOperandLoop(rows_in, c, off, length, pow2 != 0,
+                           static_cast<uint8_t*>(q->untyped_data()),
                            static_cast<float*>(scale->untyped_data()));
   if (rows != 0) {
-    QuantizeRowsLoop(xv, off[e], c, pow2 != 0, static_cast<uint8_t*>(q_rows->untyped_data()),
+    QuantizeRowsLoop(rows_in, off[e], c, pow2 != 0, static_cast<uint8_t*>(q_rows->untyped_data()),
                      static_cast<float*>(scale_rows->untyped_data()));
   }
   return ffi::Error::Success();
@@ -146,10 +174,7 @@ ffi::Error SwigluQuantizeImpl(ffi::AnyBuffer gate_up, ffi::AnyBuffer group_sizes
   const uint16_t* gu = static_cast<const uint16_t*>(gate_up.untyped_data());
   uint16_t* hv = static_cast<uint16_t*>(h->untyped_data());
   for (int64_t r = 0; r < n; ++r) {
-    for (int64_t j = 0; j < f; ++j) {
-      const float g = Bf16ToFloat(gu[r * 2 * f + j]), u = Bf16ToFloat(gu[r * 2 * f + f + j]);
-      hv[r * f + j] = r < total ? FloatToBf16(g * Sigmoid(g) * u) : 0;
-    }
+    for (int64_t j = 0; j < f; ++j) hv[r * f + j] = r < total ? SwigluBf16(gu, r, j, f) : 0;
   }
   QuantizeRowsLoop(hv, total, f, pow2 != 0, static_cast<uint8_t*>(q->untyped_data()),
                    static_cast<float*>(scale->untyped_data()));

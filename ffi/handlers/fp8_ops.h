@@ -7,9 +7,14 @@
 //                     dgrad=1: q [E, K, P] (w's layout), scale [E, P/128, K/128]
 //   swiglu_quantize   gate_up [N, 2F] bf16, group_sizes [E] int32 -> h [N, F] bf16,
 //                     q [N, F] e4m3, scale [N, F/128] f32
-//   quantize_wgrad_operand  x [N, C] bf16, group_sizes [E] int32 -> q [C, L] e4m3,
-//                     scale [L/128, C] f32, L = WgradPaddedLength(N, E); with rows=1 also
-//                     q_rows [N, C] e4m3, scale_rows [N, C/128] f32 (1x128), else [0, C], [0, C/128]
+//   quantize_wgrad_operand  x [N, C] bf16, source [0] int32, group_sizes [E] int32 ->
+//                     q [C, L] e4m3, scale [L/128, C] f32, L = WgradPaddedLength(N, E); with
+//                     rows=1 also q_rows [N, C] e4m3, scale_rows [N, C/128] f32 (1x128), else
+//                     [0, C], [0, C/128]. The operand's N rows may instead be read from
+//                     elsewhere (WgradRows): source [N] int32 (x [T, C]; row r = x[source[r]],
+//                     zeros where source[r] < 0; every entry < T, the caller's contract), or
+//                     swiglu=1 (x = gate_up [N, 2C]; row r = bf16(silu(gate) * up), as
+//                     swiglu_quantize's h), never both
 //   swiglu_backward_quantize  dh [N, F] bf16, gate_up [N, 2F] bf16, group_sizes [E] int32 ->
 //                     dgate_up as q_rows [N, 2F] e4m3, scale_rows [N, 2F/128] f32 and as a wgrad
 //                     operand q [2F, L] e4m3, scale [L/128, 2F] f32
@@ -115,21 +120,36 @@ inline ffi::Error CheckWgradOperandOutputs(int64_t n, int64_t c, int64_t e, bool
   return CheckQuantOutputs(q_rows, scale_rows, {rows, c}, {rows, c / 128});
 }
 
-inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x,
-                                            const ffi::AnyBuffer& group_sizes, bool with_rows,
-                                            ffi::Result<ffi::AnyBuffer>& q,
+// Where quantize_wgrad_operand's rows come from (its contract above).
+enum class WgradRows { kMatrix, kGathered, kSwiglu };
+
+inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x, const ffi::AnyBuffer& source,
+                                            const ffi::AnyBuffer& group_sizes, bool swiglu,
+                                            bool with_rows, ffi::Result<ffi::AnyBuffer>& q,
                                             ffi::Result<ffi::AnyBuffer>& scale,
                                             ffi::Result<ffi::AnyBuffer>& q_rows,
-                                            ffi::Result<ffi::AnyBuffer>& scale_rows, int64_t* n,
-                                            int64_t* c, int64_t* e, int64_t* length) {
+                                            ffi::Result<ffi::AnyBuffer>& scale_rows,
+                                            WgradRows* from, int64_t* n, int64_t* c, int64_t* e,
+                                            int64_t* length) {
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("x", x.element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("source", source.element_type(), ffi::DataType::S32));
   MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, e));
   auto xd = x.dimensions();
-  if (xd.size() != 2 || xd[1] % 128 != 0) {
-    return InvalidArgument("x must be [N, C] with C a multiple of 128, got ", ShapeString(xd));
+  const int64_t per_value = swiglu ? 2 : 1;  // gate_up holds two values per operand column
+  if (xd.size() != 2 || xd[1] % (128 * per_value) != 0) {
+    return InvalidArgument(swiglu ? "gate_up (x with swiglu=1) must be [N, 2C]"
+                                  : "x must be [N, C]",
+                           " with C a multiple of 128, got ", ShapeString(xd));
   }
-  *n = xd[0];
-  *c = xd[1];
+  auto sd = source.dimensions();
+  if (sd.size() != 1) return InvalidArgument("source must be [N] or [0], got ", ShapeString(sd));
+  const bool gathered = sd[0] != 0;
+  if (gathered && swiglu) {
+    return InvalidArgument("source (", sd[0], " rows) and swiglu=1 cannot be combined");
+  }
+  *from = gathered ? WgradRows::kGathered : swiglu ? WgradRows::kSwiglu : WgradRows::kMatrix;
+  *n = gathered ? sd[0] : xd[0];
+  *c = xd[1] / per_value;
   return CheckWgradOperandOutputs(*n, *c, *e, with_rows, q, scale, q_rows, scale_rows, length);
 }
 
@@ -255,6 +275,7 @@ auto BindSwigluQuantize(Binding&& b) {
 template <class Binding>
 auto BindQuantizeWgradOperand(Binding&& b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()    // x
+      .template Arg<ffi::AnyBuffer>()                   // source
       .template Arg<ffi::AnyBuffer>()                   // group_sizes
       .template Ret<ffi::AnyBuffer>()                   // q
       .template Ret<ffi::AnyBuffer>()                   // scale
@@ -262,7 +283,8 @@ auto BindQuantizeWgradOperand(Binding&& b) {
       .template Ret<ffi::AnyBuffer>()                   // scale_rows
       .template Ret<ffi::AnyBuffer>()                   // workspace
       .template Attr<int64_t>("pow2")
-      .template Attr<int64_t>("rows");
+      .template Attr<int64_t>("rows")
+      .template Attr<int64_t>("swiglu");
 }
 
 template <class Binding>

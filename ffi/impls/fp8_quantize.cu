@@ -179,6 +179,36 @@ struct MatrixValues {  // a matrix in memory
   }
 };
 
+struct GatheredRowsValues {  // row r = x[source[r]] of x [T, C]; zeros where source[r] < 0
+  const __nv_bfloat16* x;
+  const int32_t* source;
+  int64_t c;
+  __device__ uint4 Load(int64_t r, int64_t col) const {
+    const int32_t s = source[r];
+    return s < 0 ? make_uint4(0u, 0u, 0u, 0u)
+                 : *reinterpret_cast<const uint4*>(x + int64_t(s) * c + col);
+  }
+};
+
+struct SwigluValues {  // h [rows, F] = bf16(silu(gate) * up) of gate_up [rows, 2F]
+  const __nv_bfloat16* gate_up;
+  int64_t f;
+  __device__ uint4 Load(int64_t r, int64_t col) const {
+    const uint4 gv = *reinterpret_cast<const uint4*>(gate_up + r * 2 * f + col);
+    const uint4 uv = *reinterpret_cast<const uint4*>(gate_up + r * 2 * f + f + col);
+    const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv);
+    const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
+    uint4 out;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 g = __bfloat1622float2(g2[i]), u = __bfloat1622float2(u2[i]);
+      o2[i] = __floats2bfloat162_rn(Swiglu(g.x, u.x), Swiglu(g.y, u.y));  // as SwigluQuantizeKernel
+    }
+    return out;
+  }
+};
+
 struct SwigluGradValues {  // dgate_up [rows, 2F] = the SwiGLU backward of dh [rows, F]
   const __nv_bfloat16* dh;
   const __nv_bfloat16* gate_up;
@@ -446,6 +476,25 @@ std::string QuantizeWgradOperand128x1(const void* x, int64_t c, const int32_t* o
   return LaunchQuantizeTiles(MatrixValues{static_cast<const __nv_bfloat16*>(x), c}, c, offsets,
                              padded, num_groups, length, pow2, q, scale, q_rows, scale_rows,
                              stream);
+}
+
+std::string QuantizeGatheredWgradOperand128x1(const void* x, const int32_t* source, int64_t c,
+                                              const int32_t* offsets, const int32_t* padded,
+                                              int num_groups, int64_t length, bool pow2, void* q,
+                                              float* scale, void* q_rows, float* scale_rows,
+                                              cudaStream_t stream) {
+  return LaunchQuantizeTiles(GatheredRowsValues{static_cast<const __nv_bfloat16*>(x), source, c},
+                             c, offsets, padded, num_groups, length, pow2, q, scale, q_rows,
+                             scale_rows, stream);
+}
+
+std::string SwigluWgradOperand128x1(const void* gate_up, int64_t c, const int32_t* offsets,
+                                    const int32_t* padded, int num_groups, int64_t length,
+                                    bool pow2, void* q, float* scale, void* q_rows,
+                                    float* scale_rows, cudaStream_t stream) {
+  return LaunchQuantizeTiles(SwigluValues{static_cast<const __nv_bfloat16*>(gate_up), c}, c,
+                             offsets, padded, num_groups, length, pow2, q, scale, q_rows,
+                             scale_rows, stream);
 }
 
 std::string SwigluBackwardQuantize(const void* dh, const void* gate_up, int64_t f,

@@ -186,7 +186,8 @@ def zero_cotangent(blocks: ExpertWeightBlocks) -> ExpertWeightBlocks:
 
 class MlpResiduals(NamedTuple):
   """What the FP8 MLP's backward needs from its forward: the bf16 gate_up [N, 2F] and hidden
-  [N, F], and the weights as the forward quantised them (its dgrad GEMMs read them transposed:
+  [N, F] (or hidden's WgradOperand, all the backward reads of it: swiglu_wgrad_operand), and
+  the weights as the forward quantised them (its dgrad GEMMs read them transposed:
   dgrad_operand), so the backward neither holds the bf16 weights nor quantises them again."""
   gate_up: jax.Array
   hidden: jax.Array
@@ -194,14 +195,42 @@ class MlpResiduals(NamedTuple):
 
 
 def quantize_wgrad_operand(x: jax.Array, group_sizes: jax.Array, *, pow2: bool = False,
-                           with_rows: bool = False):
+                           with_rows: bool = False, source: jax.Array | None = None):
   """x [N, C] bf16 (rows grouped as group_sizes) -> WgradOperand (128 x 1 blocks in groups);
   with_rows: (QuantizedRows of x (1x128, as quantize_rows; rows past the sum unspecified),
-  WgradOperand), both from one read of x."""
+  WgradOperand), both from one read of x. source [N] int32: the rows are x's gathered, x [T, C],
+  row r = x[source[r]] (zeros where source[r] < 0; every entry < T), the same bytes as of
+  jnp.take(x, source) with those zeros, which is never stored."""
   _require_bf16("x", x, 2, (1,))
   _require_group_sizes(group_sizes)
-  n, c = x.shape
-  e = group_sizes.shape[0]
+  if source is None:
+    n = x.shape[0]
+    source = jnp.zeros((0,), jnp.int32)
+  elif source.ndim != 1 or source.dtype != jnp.int32:
+    raise ValueError(f"source must be [N] int32, got {source.shape} {source.dtype}")
+  else:
+    n = source.shape[0]
+  return _wgrad_operand_call((x, source, group_sizes), n, x.shape[1], group_sizes.shape[0],
+                             pow2=pow2, with_rows=with_rows, swiglu=False)
+
+
+def swiglu_wgrad_operand(gate_up: jax.Array, group_sizes: jax.Array, *, pow2: bool = False):
+  """gate_up [N, 2F] bf16 -> the WgradOperand of h = bf16(silu(gate) * up) (swiglu_quantize's
+  h, the same bytes as quantize_wgrad_operand(h)), from one read of gate_up: h is never stored
+  (dW_down's operand where the forward kept gate_up but not h)."""
+  _require_bf16("gate_up", gate_up, 2, ())
+  _require_group_sizes(group_sizes)
+  n, f2 = gate_up.shape
+  if f2 % (2 * BLOCK):
+    raise ValueError(f"gate_up must be [N, 2F] with F a multiple of {BLOCK}, got {gate_up.shape}")
+  return _wgrad_operand_call((gate_up, jnp.zeros((0,), jnp.int32), group_sizes), n, f2 // 2,
+                             group_sizes.shape[0], pow2=pow2, with_rows=False, swiglu=True)
+
+
+def _wgrad_operand_call(operands, n: int, c: int, e: int, *, pow2: bool, with_rows: bool,
+                        swiglu: bool):
+  """The quantize_wgrad_operand custom call (ffi/handlers/fp8_ops.h) of an operand of N rows of
+  C columns."""
   length = padded_length(n, e)
   rows = n if with_rows else 0
   out = (jax.ShapeDtypeStruct((c, length), jnp.float8_e4m3fn),
@@ -210,11 +239,11 @@ def quantize_wgrad_operand(x: jax.Array, group_sizes: jax.Array, *, pow2: bool =
          jax.ShapeDtypeStruct((rows, c // BLOCK), jnp.float32),
          jax.ShapeDtypeStruct((8 * (e + 1),), jnp.uint8))
   q, scale, q_rows, scale_rows, _ = jax.ffi.ffi_call(QUANTIZE_WGRAD_OPERAND_TARGET, out)(
-      x, group_sizes, pow2=np.int64(pow2), rows=np.int64(with_rows))
-  operand = varying.match_varying_each(WgradOperand(q, scale), x, group_sizes)
+      *operands, pow2=np.int64(pow2), rows=np.int64(with_rows), swiglu=np.int64(swiglu))
+  operand = varying.match_varying_each(WgradOperand(q, scale), *operands)
   if not with_rows:
     return operand
-  return varying.match_varying_each(QuantizedRows(q_rows, scale_rows), x, group_sizes), operand
+  return varying.match_varying_each(QuantizedRows(q_rows, scale_rows), *operands), operand
 
 
 def grouped_wgrad_quantized(a: WgradOperand, group_sizes: jax.Array, b: WgradOperand
@@ -316,14 +345,16 @@ def mlp_backward(dy, x, group_sizes, res: MlpResiduals, pow2: bool):
   """FP8 backward of the SwiGLU MLP (fp8.ragged_dot's definition) from the forward's residuals:
   (dx [N, H], dw_gate_up [E, H, 2F], dw_down [E, F, H]), all bf16. Each activation operand is
   quantised once, both ways where it feeds a dgrad and a wgrad GEMM (dy, dgate_up); the weights
-  are the forward's blocks, transposed."""
+  are the forward's blocks, transposed. x: the forward's bf16 rows [N, H], or their WgradOperand
+  (all the backward reads of them)."""
   wgrad_operand = functools.partial(quantize_wgrad_operand, group_sizes=group_sizes, pow2=pow2)
+  as_operand = lambda a: a if isinstance(a, WgradOperand) else wgrad_operand(a)
   dy_rows, dy_op = wgrad_operand(dy.astype(jnp.bfloat16), with_rows=True)
   dh = grouped_gemm_quantized(dy_rows, group_sizes, dgrad_operand(res.blocks.w_down))
   dgate_up_rows, dgate_up_op = swiglu_backward_quantize(dh, res.gate_up, group_sizes, pow2=pow2)
   dx = grouped_gemm_quantized(dgate_up_rows, group_sizes, dgrad_operand(res.blocks.w_gate_up))
-  dw_down = grouped_wgrad_quantized(wgrad_operand(res.hidden), group_sizes, dy_op)
-  dw_gate_up = grouped_wgrad_quantized(wgrad_operand(x), group_sizes, dgate_up_op)
+  dw_down = grouped_wgrad_quantized(as_operand(res.hidden), group_sizes, dy_op)
+  dw_gate_up = grouped_wgrad_quantized(as_operand(x), group_sizes, dgate_up_op)
   return dx, dw_gate_up, dw_down
 
 

@@ -51,10 +51,12 @@ policies); both GEMMs run on the e4m3 tile engine (fp32 accumulation promoted ev
 with the blocks' scales), L1's epilogue quantises h (after SwiGLU, from its bf16 rounding, as
 the definition does) into e4m3 + 1 x 128 scales for L2; combine stays bf16. Backward: backend
 "cuda"'s FP8 backward (cuda_fp8.mlp_backward, the dgrad GEMMs on the forward's weight blocks):
-- one rank: from residuals the kernel keeps (gate_up and y_sorted; the bf16 x_sorted is
-  scattered from x by slot_dest and h recomputed from gate_up by cuda_fp8.swiglu_quantize, both
-  in the backward): no forward GEMM recomputed; dW_gate_up from the bf16 rows, as backend cuda
-  without a mesh computes it.
+- one rank: from residuals the kernel keeps (gate_up and y_sorted): no forward GEMM
+  recomputed; dW_gate_up from x's bf16 rows, as backend cuda without a mesh computes it. The
+  wgrads' operands are quantised straight from x's rows, read by pool row (the pool's tokens
+  from slot_dest), and from gate_up (cuda_fp8.swiglu_wgrad_operand: h's SwiGLU on the fly), so
+  neither the bf16 x_sorted nor h is stored (at the 30B shape and 16,384 tokens 512 + 192 MiB
+  per layer that the backward wrote and read again until session 42).
 - several ranks: the kernel keeps gate_up and y_sorted as with bf16, and its pool's e4m3 rows
   with their scales (copied out, as bf16's rows); the tables as with bf16; then the same FP8
   backward. dW_gate_up is computed from those dequantised FP8 rows, the rows that reached the
@@ -281,7 +283,7 @@ def _fused_call(x, ids, w, w_gate_up, w_down, cfg: FusedConfig, *, residuals: bo
   kept = lambda keep, *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
       (*lead, *shape) if keep else (0,), dtype)
   # The pool's rows: bf16 always; FP8 (e4m3 + scales) with several ranks only, since one rank's
-  # backward reads x's bf16 rows (_pool_rows).
+  # backward reads x's bf16 rows (_pool_sources).
   rows = residuals and (not fp8 or not cfg.one_rank)
   # The fused backward with several ranks reads y at the source (y_comb), not at the expert rank.
   comb = residuals and not cfg.one_rank and cfg.fused_backward(ffn)
@@ -482,39 +484,42 @@ def _fused_fp8_layer_fwd(x, ids, w, w_gate_up, w_down, blocks, cfg):
   return (y, stats), (x, ids, w, w_gate_up, w_down, blocks, kept)
 
 
-def _pool_rows(x, slot_dest, n_cap: int):
-  """x's bf16 rows where the kernel put their FP8 copies: row slot_dest[t, j] = x[t], rows no
-  slot fills zero. The source token of each pool row comes from a scatter of T k int32 indices,
-  then the rows from one gather of x, rather than zero-filling the pool and scattering a T k-row
-  repeat of x into it (512 MiB of rows at the 30B shape; fewer bytes moved, not yet timed on a
-  GPU)."""
+def _pool_sources(slot_dest, n_cap: int):
+  """[n_cap] int32: the token whose FP8 row the kernel put in each pool row (slot_dest[t, j] =
+  row -> t), -1 where no slot fills it: one scatter of T k int32 indices."""
   tokens, top_k = slot_dest.shape
   dest = jnp.where(slot_dest >= 0, slot_dest, n_cap).reshape(-1)
   token = jnp.arange(tokens * top_k, dtype=jnp.int32) // top_k
-  source = jnp.full((n_cap,), -1, jnp.int32).at[dest].set(token, mode="drop")
-  rows = jnp.take(x, jnp.maximum(source, 0), axis=0)
-  return jnp.where((source >= 0)[:, None], rows, jnp.zeros((), x.dtype))
+  return jnp.full((n_cap,), -1, jnp.int32).at[dest].set(token, mode="drop")
 
 
 def _fused_fp8_layer_bwd(cfg, residuals, cotangents):
   """cuda's EP backward with its FP8 MLP backward, from the kernel's residuals; no dispatch and
   no forward GEMM run again. dW_gate_up's rows: x's bf16 rows at one rank (as backend cuda
   without a mesh), the dequantised FP8 rows that reached the expert rank with several (the
-  kernel's pool rows, as backend cuda's EP path)."""
+  kernel's pool rows, as backend cuda's EP path). The weight gradients' operands are quantised
+  straight from x's rows (one rank: gathered by pool row) and from gate_up (h's SwiGLU), so
+  neither x's rows in pool order nor h is stored in bf16 (the same bytes as if they were)."""
   dy, _ = cotangents  # stats: int32, no cotangent
   x, ids, w, w_gate_up, w_down, blocks, kept = residuals
+  pow2 = cfg.pow2
   if cfg.one_rank:
-    x_sorted = _pool_rows(x, kept.slot_dest, cfg.plan.n_cap)
+    x_rows = _pool_sources(kept.slot_dest, cfg.plan.n_cap)
+    x_operand = lambda source, group_sizes: cuda_fp8.quantize_wgrad_operand(
+        x, group_sizes, source=source, pow2=pow2)
   else:
-    x_sorted = cfg.ep_config().per_rank(cuda_fp8.dequantize_rows, kept.x_sorted)
+    x_rows = kept.x_sorted
+    x_operand = lambda rows, group_sizes: cuda_fp8.quantize_wgrad_operand(
+        cuda_fp8.dequantize_rows(rows), group_sizes, pow2=pow2)
 
-  def mlp_backward(dy_sorted, x_sorted, group_sizes, gate_up, blocks):
-    hidden, _ = cuda_fp8.swiglu_quantize(gate_up, group_sizes, pow2=cfg.pow2)
+  def mlp_backward(dy_sorted, x_rows, group_sizes, gate_up, blocks):
+    hidden = cuda_fp8.swiglu_wgrad_operand(gate_up, group_sizes, pow2=pow2)
     res = cuda_fp8.MlpResiduals(gate_up, hidden, blocks)
-    return cuda_fp8.mlp_backward(dy_sorted, x_sorted, group_sizes, res, cfg.pow2)
+    return cuda_fp8.mlp_backward(dy_sorted, x_operand(x_rows, group_sizes), group_sizes, res,
+                                 pow2)
 
   dx, dw, dwgu, dwd = _residual_ep_backward(cfg, kept, ids, w, dy.astype(x.dtype), mlp_backward,
-                                            x_sorted, kept.group_sizes, kept.gate_up, blocks)
+                                            x_rows, kept.group_sizes, kept.gate_up, blocks)
   return dx, None, dw, dwgu, dwd, cuda_fp8.zero_cotangent(blocks)
 
 
