@@ -6,7 +6,9 @@
 # session 39 ran PART=bars on an H100 late, and the clocks beside the 235B forward (the
 # kernels power-capped, fused's ~10% below cuda's clock); session 40 ran PART=bars, phases,
 # suite and the energy runs on an H200 (RESULTS "Session 40"); session 41 ran PART=step (H100,
-# H200) and harness_energy (H100). First next: the two-GPU parts.
+# H200) and harness_energy (H100); session 42 ran PART=suite and step on H100s (RESULTS
+# "Session 42"). First next: the two-GPU parts; at one GPU, PART=step on an H200 (RECIPE=bf16,
+# fp8; CONFIG=qwen3-235b-a22b LAYERS=1), which decides AUTO_PICKS_FUSED.
 # The combine beside the tiles lives on branch combine-overlap (measured in session 36: it
 # loses; kept for the record only).
 #
@@ -48,8 +50,9 @@
 #   PART=step (~3 min; RECIPE=bf16|fp8, CONFIG=, LAYERS=): the example's training step, cuda
 #     against fused in both orders (bench_step.py): backend "auto"'s pick at one GPU
 #     (AUTO_PICKS_FUSED in jax_megamoe/backends/fused.py; session 41: parity, H100 fused
-#     0.5-0.9% faster, H200 0.1-1.8% slower, so auto keeps cuda). After a change to the
-#     backward or to what the forward keeps for it.
+#     0.5-0.9% faster, H200 0.1-1.8% slower, so auto keeps cuda; session 42, H100s only, after
+#     optimize_remat and the FP8 wgrad operands read in place: bf16 0.4-2.1%, fp8 1.8-1.9%
+#     faster). After a change to the backward or to what the forward keeps for it.
 #   PART=suite (~6 min): the one-GPU suite of tests/test_fused_moe.py, test_grouped_mlp_ffi.py
 #     and test_weight_blocks.py on the extension's defaults (session 38, H100: 125 passed in
 #     370 s).

@@ -22,9 +22,11 @@ weight once, not twice.
                               second quantisation (square 128x128 blocks, one scale each)
   quantize_wgrad_operand(x, group_sizes) -> WgradOperand: rows in 128 x 1 blocks inside each
                               group, stored transposed and group-padded (the K-grouped wgrad's
-                              K-major operand); with_rows: also x's 1x128 rows, same read
+                              K-major operand); with_rows: also x's 1x128 rows, same read;
+                              source=: x's rows gathered by index, never stored
   swiglu_quantize(gate_up, group_sizes) -> (h bf16, h as QuantizedRows): the SwiGLU fused with
                               the quantisation of its output, over the rows in use only
+  swiglu_wgrad_operand(gate_up, group_sizes) -> h's WgradOperand, h never stored
   swiglu_backward_quantize(dh, gate_up, group_sizes) -> dgate_up as (QuantizedRows,
                               WgradOperand), never stored in bf16
   grouped_gemm_quantized(a, group_sizes, b) -> [N, P] bf16; rows of group g times b[g], fp32

@@ -143,11 +143,13 @@ def layer_unavailable_reason(shape: LayerShape) -> str | None:
 # 16-17 measured the example's step at parity or slower with fused. Session 41
 # (benchmarks/RESULTS.md), both run orders: on an H100 (30B config x 4 layers) fused was
 # 0.5-0.9% faster (bf16 and fp8), on an H200 it was not: 30B x 8 layers 272.23 / 271.54 ms
-# against cuda 271.59 / 270.75, 235B x 1 layer 196.52 / 197.52 against 196.35 / 194.04. The
-# forward's gain (0.37 ms at 30B) does not survive the step: under activation checkpointing the
-# layer's forward + re-forward + backward took 10.45 ms against 10.51 (both forwards then kept
-# residuals; optimize_remat below now spares the first, not measured yet). So "auto" keeps cuda;
-# where it is switched on, it picks fused only where the kernel has run (one GPU, one process).
+# against cuda 271.59 / 270.75, 235B x 1 layer 196.52 / 197.52 against 196.35 / 194.04 (under
+# checkpointing both forwards then kept residuals). Session 42, H100s only, after
+# optimize_remat (the first forward keeps none) and, for fp8, the backward's wgrad operands read
+# in place: bf16 fused 0.4-2.1% faster, fp8 1.8-1.9%; the layer's forward + re-forward +
+# backward faster with fused at both shapes and recipes (30B bf16 10.64 ms against 11.13). The
+# H200, where the step was at parity, has not run since: "auto" keeps cuda until it has; where
+# it is switched on, it picks fused only where the kernel has run (one GPU, one process).
 AUTO_PICKS_FUSED = False
 
 
