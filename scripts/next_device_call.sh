@@ -10,8 +10,10 @@
 # "Session 42"). First next: the two-GPU parts; at one GPU, PART=step on an H200 (RECIPE=bf16,
 # fp8; CONFIG=qwen3-235b-a22b LAYERS=1), which decides AUTO_PICKS_FUSED. Branch
 # fp8-wgrad-from-e4m3 (session 42, not GPU-run): the EP FP8 backward's dW_gate_up operand read
-# from the FP8 rows as they arrived. Before merging it, on its tree: `pytest -m gpu
-# tests/test_grouped_mlp_ffi.py -k read_in_place` and `tests/test_fused_moe.py -k fp8`.
+# from the FP8 rows as they arrived. Before merging it, on its tree (build first: C++ changed):
+# `pytest -m gpu tests/test_grouped_mlp_ffi.py -k read_in_place` and `tests/test_fused_moe.py -k
+# fp8`; its gain: `benchmarks/bench_virtual_ranks.py --ranks 2 --tokens 8192 --recipes fp8
+# --label L` on main's build and on the branch's (the grad rows, fused and cuda).
 # The combine beside the tiles lives on branch combine-overlap (measured in session 36: it
 # loses; kept for the record only).
 #
