@@ -37,10 +37,19 @@ def _grad_text(cfg, ffn, lead=()):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
 
 
+def _results_of_each(text: str, target: str) -> list[list[str]]:
+  """Result types of every custom call to `target` in the lowered StableHLO."""
+  return [re.findall(r"tensor<[^>]*>", line.rsplit(") -> ", 1)[1])
+          for line in text.splitlines() if f"@{target}(" in line]
+
+
 def _results(text: str, target: str) -> list[str]:
   """Result types of the one custom call to `target` in the lowered StableHLO."""
-  (call,) = [line for line in text.splitlines() if f"@{target}(" in line]
-  return re.findall(r"tensor<[^>]*>", call.rsplit(") -> ", 1)[1])
+  (results,) = _results_of_each(text, target)
+  return results
+
+
+GATE_UP = 9  # the forward call's gate_up residual among its results (fused._fused_call)
 
 
 @pytest.mark.parametrize("value, one_rank, several", [
@@ -219,8 +228,7 @@ def test_rematerialised_forward_without_residuals_runs_the_primal(recipe, check_
     layer = jax.checkpoint(lambda x, w, a, b: fused.fused_layer(x, ids, w, a, b, cfg))
     return jnp.sum(layer(x, w, a, b).astype(jnp.float32) ** 2)
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
-  calls = [line for line in text.splitlines() if f"@{fused.TARGET}(" in line]
-  gate_up = [re.findall(r"tensor<[^>]*>", c.rsplit(") -> ", 1)[1])[9] for c in calls]
+  gate_up = [outs[GATE_UP] for outs in _results_of_each(text, fused.TARGET)]
   assert sorted(gate_up) == sorted(["tensor<0xbf16>", f"tensor<{cfg.plan.n_cap}x{2 * ffn}xbf16>"])
   assert ("callback" in text) == check_capacity
 
@@ -250,7 +258,6 @@ def test_rematerialised_forward_without_residuals_under_an_ep_mesh(monkeypatch, 
                                                      backend="fused", recipe=recipe))
     return jnp.sum(layer(x, w, a, b).astype(jnp.float32) ** 2)
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, wgu, wd).as_text()
-  calls = [line for line in text.splitlines() if f"@{fused.TARGET}(" in line]
-  gate_up = sorted(re.findall(r"tensor<[^>]*>", c.rsplit(") -> ", 1)[1])[9] for c in calls)
+  gate_up = sorted(outs[GATE_UP] for outs in _results_of_each(text, fused.TARGET))
   assert len(gate_up) == 2 and gate_up[0] == "tensor<0xbf16>", gate_up
   assert gate_up[1].endswith(f"x{2 * ffn}xbf16>"), gate_up
