@@ -299,6 +299,26 @@ def test_swiglu_wgrad_operand_is_that_of_h(pow2):
   _assert_same_operand(got, cuda_fp8.quantize_wgrad_operand(h, gs, pow2=pow2), cols[-1], "h")
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_wgrad_operand_of_fp8_rows_is_that_of_their_dequantised_rows(pow2):
+  """x a QuantizedRows, read as dispatched (q with a row stride: the packed rows carry their
+  scales after the values): bit for bit the operand of dequantize_rows(x) stored, with_rows too."""
+  gs, rows, cols = _wgrad_groups()
+  n = rows[-1] + WGRAD_PAD
+  packed = cuda_fp8.pack_rows(cuda_fp8.quantize_rows(_rows(25, n, 256), pow2=pow2))
+  fp8_rows = cuda_fp8.unpack_rows(packed, 256)
+  assert fp8_rows.q.shape[1] > 256  # read with a stride
+  call = jax.jit(lambda r, s: cuda_fp8.quantize_wgrad_operand(r, s, pow2=pow2, with_rows=True))
+  got_rows, got = call(fp8_rows, gs)
+  want_rows, want = cuda_fp8.quantize_wgrad_operand(cuda_fp8.dequantize_rows(fp8_rows), gs,
+                                                    pow2=pow2, with_rows=True)
+  _assert_same_operand(got, want, cols[-1], "dequantised")
+  valid = rows[-1]
+  np.testing.assert_array_equal(_bytes(got_rows.q[:valid]), _bytes(want_rows.q[:valid]))
+  np.testing.assert_array_equal(np.asarray(got_rows.scale[:valid]),
+                                np.asarray(want_rows.scale[:valid]))
+
+
 def test_wgrad_operand_sources_name_the_bad_argument():
   gs, rows, _ = _wgrad_groups()
   x = _wgrad_rows(24, 128)
@@ -312,6 +332,12 @@ def test_wgrad_operand_sources_name_the_bad_argument():
         x, gs, source=jnp.arange(n, dtype=jnp.int32).at[3].set(n)))
   with pytest.raises(ValueError, match=r"gate_up must be \[N, 2F\] with F a multiple of 128"):
     cuda_fp8.swiglu_wgrad_operand(x, gs)
+  fp8_rows = cuda_fp8.quantize_rows(x)
+  with pytest.raises(ValueError, match=r"source gathers bf16 rows; x is a QuantizedRows"):
+    cuda_fp8.quantize_wgrad_operand(fp8_rows, gs, source=jnp.zeros((n,), jnp.int32))
+  with pytest.raises(Exception, match=rf"x_scale must be \[N={n}, C/128\] with C <= 128"):
+    jax.block_until_ready(cuda_fp8.quantize_wgrad_operand(
+        cuda_fp8.QuantizedRows(fp8_rows.q, jnp.ones((n, 2), jnp.float32)), gs))
 
 
 @pytest.mark.parametrize("pow2", [False, True])

@@ -50,13 +50,14 @@ def _signature(call: str) -> tuple[list[str], list[str]]:
 
 def _wgrad_operand_kinds(text: str) -> dict[str, int]:
   """How many quantize_wgrad_operand calls of the lowered StableHLO quantise each kind of rows
-  (ffi/handlers/fp8_ops.h): x's own ("matrix"), gathered by a source ("gathered"), or the
-  SwiGLU of gate_up ("swiglu")."""
-  kinds = {"matrix": 0, "gathered": 0, "swiglu": 0}
+  (ffi/handlers/fp8_ops.h): x's own ("matrix"), gathered by a source ("gathered"), the SwiGLU
+  of gate_up ("swiglu"), or e4m3 rows dequantised ("dequantized")."""
+  kinds = {"matrix": 0, "gathered": 0, "swiglu": 0, "dequantized": 0}
   for line in text.splitlines():
     if "@megamoe_fp8_quantize_wgrad_operand(" in line:
-      source = _signature(line)[0][1]
+      x, _, source, _ = _signature(line)[0]
       kind = ("swiglu" if "swiglu = 1" in line else
+              "dequantized" if "f8E4M3FN" in x else
               "matrix" if source == "tensor<0xi32>" else "gathered")
       kinds[kind] += 1
   return kinds
@@ -106,7 +107,8 @@ def test_one_rank_training_step_reads_the_residuals():
   # gathered by pool row and from gate_up's SwiGLU (neither stored in bf16: no h, no gather).
   assert text.count("@megamoe_fp8_quantize_weights(") == 2
   assert "@megamoe_fp8_swiglu_quantize(" not in text
-  assert _wgrad_operand_kinds(text) == {"gathered": 1, "swiglu": 1, "matrix": 1}
+  assert _wgrad_operand_kinds(text) == {"gathered": 1, "swiglu": 1, "matrix": 1,
+                                        "dequantized": 0}
   assert "stablehlo.gather" not in text, "x's rows gathered by XLA"
   assert text.count("@megamoe_grouped_gemm_fp8(") == 2
   assert text.count("@megamoe_grouped_wgrad_fp8(") == 2
@@ -147,7 +149,7 @@ def test_virtual_group_keeps_the_rank_axis():
   assert "@megamoe_ep_combine_bwd(" in text and "@megamoe_ep_combine_fwd(" not in text
   assert "@megamoe_fp8_swiglu_quantize(" not in text
   assert _wgrad_operand_kinds(text) == {"gathered": 0, "swiglu": num_ranks,
-                                        "matrix": 2 * num_ranks}
+                                        "matrix": num_ranks, "dequantized": num_ranks}
   assert text.count("@megamoe_grouped_gemm_fp8(") == 2 * num_ranks  # dgrad only
   assert text.count("@megamoe_grouped_wgrad_fp8(") == 2 * num_ranks
 

@@ -397,10 +397,11 @@ def _group_columns(op: cuda_fp8.WgradOperand, sizes) -> np.ndarray:
 @pytest.mark.gpu
 @pytest.mark.parametrize("pow2", [False, True])
 def test_fp8_wgrad_operands_read_in_place_equal_the_stored_rows(pow2):
-  """The wgrad operands the fused backend's FP8 backward quantises without storing their rows
-  (cuda_fp8.quantize_wgrad_operand(source=): x's rows gathered; swiglu_wgrad_operand: h from
-  gate_up) are bit for bit those of the rows stored (jnp.take, swiglu_quantize's h), with_rows
-  too; source with -1 entries, repeats, and a whole group of them; odd group sizes."""
+  """The wgrad operands the FP8 backwards quantise without storing their rows
+  (cuda_fp8.quantize_wgrad_operand(source=): x's rows gathered; of a QuantizedRows: FP8 rows
+  as dispatched, dequantised; swiglu_wgrad_operand: h from gate_up) are bit for bit those of
+  the rows stored (jnp.take, dequantize_rows, swiglu_quantize's h), with_rows too; source with
+  -1 entries, repeats, and a whole group of them; odd group sizes."""
   rng = np.random.default_rng(70 + pow2)
   sizes = np.array([0, 1, 300, 128, 0, 77, 257], np.int32)
   n, tokens, c, f = int(sizes.sum()) + 13, 200, 384, 256
@@ -416,21 +417,31 @@ def test_fp8_wgrad_operands_read_in_place_equal_the_stored_rows(pow2):
   gathered_rows, gathered = jax.jit(lambda a, src, s: cuda_fp8.quantize_wgrad_operand(
       a, s, pow2=pow2, with_rows=True, source=src))(x, source, gs)
   swiglu = jax.jit(lambda g, s: cuda_fp8.swiglu_wgrad_operand(g, s, pow2=pow2))(gate_up, gs)
+  fp8_rows = cuda_fp8.unpack_rows(cuda_fp8.pack_rows(cuda_fp8.quantize_rows(gate_up, pow2=pow2)),
+                                  2 * f)  # as dispatched: q with a row stride
+  deq_rows, deq = jax.jit(lambda r, s: cuda_fp8.quantize_wgrad_operand(
+      r, s, pow2=pow2, with_rows=True))(fp8_rows, gs)
   stored = jnp.where((source >= 0)[:, None], jnp.take(x, jnp.maximum(source, 0), axis=0), 0)
   want_rows, want = cuda_fp8.quantize_wgrad_operand(stored.astype(jnp.bfloat16), gs, pow2=pow2,
                                                     with_rows=True)
   h, _ = cuda_fp8.swiglu_quantize(gate_up, gs, pow2=pow2)
   want_h = cuda_fp8.quantize_wgrad_operand(h, gs, pow2=pow2)
+  want_deq_rows, want_deq = cuda_fp8.quantize_wgrad_operand(cuda_fp8.dequantize_rows(fp8_rows),
+                                                            gs, pow2=pow2, with_rows=True)
   used = int((-(-sizes // 128) * 128).sum())  # columns past the groups: unspecified
   total = int(sizes.sum())
   bits = lambda t: np.asarray(jax.lax.bitcast_convert_type(t, jnp.uint8))
-  for label, got, ref in (("gathered", gathered, want), ("swiglu", swiglu, want_h)):
+  for label, got, ref in (("gathered", gathered, want), ("swiglu", swiglu, want_h),
+                          ("dequantised", deq, want_deq)):
     np.testing.assert_array_equal(bits(got.q[:, :used]), bits(ref.q[:, :used]), err_msg=label)
     np.testing.assert_array_equal(np.asarray(got.scale[:used // 128]),
                                   np.asarray(ref.scale[:used // 128]), err_msg=label)
   np.testing.assert_array_equal(bits(gathered_rows.q[:total]), bits(want_rows.q[:total]))
   np.testing.assert_array_equal(np.asarray(gathered_rows.scale[:total]),
                                 np.asarray(want_rows.scale[:total]))
+  np.testing.assert_array_equal(bits(deq_rows.q[:total]), bits(want_deq_rows.q[:total]))
+  np.testing.assert_array_equal(np.asarray(deq_rows.scale[:total]),
+                                np.asarray(want_deq_rows.scale[:total]))
   assert np.any(bits(swiglu.q[:, :used])) and np.any(bits(gathered.q[:, :used]))
 
 

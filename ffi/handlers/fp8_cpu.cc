@@ -119,9 +119,11 @@ uint16_t SwigluBf16(const uint16_t* gate_up, int64_t r, int64_t j, int64_t f) {
 }
 
 // The wgrad operand and, with rows, the 1x128 rows of the rows in use (as quantize_rows), of
-// x's rows, x's rows gathered by source, or the SwiGLU of x = gate_up (WgradRows).
-ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer source,
-                                    ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> q,
+// x's rows, x's rows gathered by source, the SwiGLU of x = gate_up, or x's e4m3 rows
+// dequantised (WgradRows).
+ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                                    ffi::AnyBuffer source, ffi::AnyBuffer group_sizes,
+                                    ffi::Result<ffi::AnyBuffer> q,
                                     ffi::Result<ffi::AnyBuffer> scale,
                                     ffi::Result<ffi::AnyBuffer> q_rows,
                                     ffi::Result<ffi::AnyBuffer> scale_rows,
@@ -129,7 +131,7 @@ ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer source,
                                     int64_t rows, int64_t swiglu) {
   WgradRows from;
   int64_t n, c, e, length;
-  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, source, group_sizes, swiglu != 0,
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, x_scale, source, group_sizes, swiglu != 0,
                                                     rows != 0, q, scale, q_rows, scale_rows,
                                                     &from, &n, &c, &e, &length));
   (void)workspace;
@@ -149,6 +151,17 @@ ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer source,
     values.resize(n * c);
     for (int64_t r = 0; r < n; ++r) {
       for (int64_t j = 0; j < c; ++j) values[r * c + j] = SwigluBf16(xv, r, j, c);
+    }
+  } else if (from == WgradRows::kDequantized) {
+    const uint8_t* qv = static_cast<const uint8_t*>(x.untyped_data());
+    const float* sv = static_cast<const float*>(x_scale.untyped_data());
+    const int64_t stride = x.dimensions()[1];
+    values.resize(n * c);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t j = 0; j < c; ++j) {
+        const float block_scale = sv[r * (c / 128) + j / 128];
+        values[r * c + j] = FloatToBf16(E4m3ToFloat(qv[r * stride + j]) * block_scale);
+      }
     }
   }
   const uint16_t* rows_in = values.empty() ? xv : values.data();

@@ -7,14 +7,16 @@
 //                     dgrad=1: q [E, K, P] (w's layout), scale [E, P/128, K/128]
 //   swiglu_quantize   gate_up [N, 2F] bf16, group_sizes [E] int32 -> h [N, F] bf16,
 //                     q [N, F] e4m3, scale [N, F/128] f32
-//   quantize_wgrad_operand  x [N, C] bf16, source [0] int32, group_sizes [E] int32 ->
-//                     q [C, L] e4m3, scale [L/128, C] f32, L = WgradPaddedLength(N, E); with
-//                     rows=1 also q_rows [N, C] e4m3, scale_rows [N, C/128] f32 (1x128), else
-//                     [0, C], [0, C/128]. The operand's N rows may instead be read from
-//                     elsewhere (WgradRows): source [N] int32 (x [T, C]; row r = x[source[r]],
-//                     zeros where source[r] < 0; every entry < T, the caller's contract), or
-//                     swiglu=1 (x = gate_up [N, 2C]; row r = bf16(silu(gate) * up), as
-//                     swiglu_quantize's h), never both
+//   quantize_wgrad_operand  x [N, C] bf16, x_scale [0] f32, source [0] int32, group_sizes
+//                     [E] int32 -> q [C, L] e4m3, scale [L/128, C] f32, L = WgradPaddedLength(N,
+//                     E); with rows=1 also q_rows [N, C] e4m3, scale_rows [N, C/128] f32
+//                     (1x128), else [0, C], [0, C/128]. The operand's N rows may instead be read
+//                     from elsewhere (WgradRows), one way at a time: source [N] int32 (x [T, C];
+//                     row r = x[source[r]], zeros where source[r] < 0; every entry < T, the
+//                     caller's contract); swiglu=1 (x = gate_up [N, 2C]; row r = bf16(silu(gate)
+//                     * up), as swiglu_quantize's h); or x e4m3 [N, S >= C] (S % 16 == 0: rows
+//                     may carry more bytes) with x_scale [N, C/128] f32 (row r = bf16(x[r] *
+//                     x_scale[r, block]), as cuda_fp8.dequantize_rows)
 //   swiglu_backward_quantize  dh [N, F] bf16, gate_up [N, 2F] bf16, group_sizes [E] int32 ->
 //                     dgate_up as q_rows [N, 2F] e4m3, scale_rows [N, 2F/128] f32 and as a wgrad
 //                     operand q [2F, L] e4m3, scale [L/128, 2F] f32
@@ -121,9 +123,10 @@ inline ffi::Error CheckWgradOperandOutputs(int64_t n, int64_t c, int64_t e, bool
 }
 
 // Where quantize_wgrad_operand's rows come from (its contract above).
-enum class WgradRows { kMatrix, kGathered, kSwiglu };
+enum class WgradRows { kMatrix, kGathered, kSwiglu, kDequantized };
 
-inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x, const ffi::AnyBuffer& source,
+inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scale,
+                                            const ffi::AnyBuffer& source,
                                             const ffi::AnyBuffer& group_sizes, bool swiglu,
                                             bool with_rows, ffi::Result<ffi::AnyBuffer>& q,
                                             ffi::Result<ffi::AnyBuffer>& scale,
@@ -131,25 +134,44 @@ inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x, const ffi::
                                             ffi::Result<ffi::AnyBuffer>& scale_rows,
                                             WgradRows* from, int64_t* n, int64_t* c, int64_t* e,
                                             int64_t* length) {
-  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("x", x.element_type(), ffi::DataType::BF16));
+  MEGAMOE_RETURN_IF_ERROR(ExpectDtype("x_scale", x_scale.element_type(), ffi::DataType::F32));
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("source", source.element_type(), ffi::DataType::S32));
   MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, e));
   auto xd = x.dimensions();
-  const int64_t per_value = swiglu ? 2 : 1;  // gate_up holds two values per operand column
-  if (xd.size() != 2 || xd[1] % (128 * per_value) != 0) {
-    return InvalidArgument(swiglu ? "gate_up (x with swiglu=1) must be [N, 2C]"
-                                  : "x must be [N, C]",
-                           " with C a multiple of 128, got ", ShapeString(xd));
-  }
   auto sd = source.dimensions();
+  auto scd = x_scale.dimensions();
   if (sd.size() != 1) return InvalidArgument("source must be [N] or [0], got ", ShapeString(sd));
   const bool gathered = sd[0] != 0;
-  if (gathered && swiglu) {
-    return InvalidArgument("source (", sd[0], " rows) and swiglu=1 cannot be combined");
+  const bool dequantized = x.element_type() == ffi::DataType::F8E4M3FN;
+  if (int(gathered) + int(swiglu) + int(dequantized) > 1) {
+    return InvalidArgument("one of source (", sd[0], " rows), swiglu=", int(swiglu),
+                           " and e4m3 x at a time");
   }
-  *from = gathered ? WgradRows::kGathered : swiglu ? WgradRows::kSwiglu : WgradRows::kMatrix;
-  *n = gathered ? sd[0] : xd[0];
-  *c = xd[1] / per_value;
+  if (dequantized) {
+    if (xd.size() != 2 || xd[1] % 16 != 0) {
+      return InvalidArgument("e4m3 x must be [N, S] with S a multiple of 16, got ",
+                             ShapeString(xd));
+    }
+    if (scd.size() != 2 || scd[0] != xd[0] || scd[1] < 1 || scd[1] * 128 > xd[1]) {
+      return InvalidArgument("x_scale must be [N=", xd[0], ", C/128] with C <= ", xd[1],
+                             " for e4m3 x, got ", ShapeString(scd));
+    }
+    *from = WgradRows::kDequantized;
+    *n = xd[0];
+    *c = scd[1] * 128;
+  } else {
+    MEGAMOE_RETURN_IF_ERROR(ExpectDtype("x", x.element_type(), ffi::DataType::BF16));
+    MEGAMOE_RETURN_IF_ERROR(ExpectShape("x_scale", scd, {0}));
+    const int64_t per_value = swiglu ? 2 : 1;  // gate_up holds two values per operand column
+    if (xd.size() != 2 || xd[1] % (128 * per_value) != 0) {
+      return InvalidArgument(swiglu ? "gate_up (x with swiglu=1) must be [N, 2C]"
+                                    : "x must be [N, C]",
+                             " with C a multiple of 128, got ", ShapeString(xd));
+    }
+    *from = gathered ? WgradRows::kGathered : swiglu ? WgradRows::kSwiglu : WgradRows::kMatrix;
+    *n = gathered ? sd[0] : xd[0];
+    *c = xd[1] / per_value;
+  }
   return CheckWgradOperandOutputs(*n, *c, *e, with_rows, q, scale, q_rows, scale_rows, length);
 }
 
@@ -275,6 +297,7 @@ auto BindSwigluQuantize(Binding&& b) {
 template <class Binding>
 auto BindQuantizeWgradOperand(Binding&& b) {
   return std::move(b).template Arg<ffi::AnyBuffer>()    // x
+      .template Arg<ffi::AnyBuffer>()                   // x_scale
       .template Arg<ffi::AnyBuffer>()                   // source
       .template Arg<ffi::AnyBuffer>()                   // group_sizes
       .template Ret<ffi::AnyBuffer>()                   // q

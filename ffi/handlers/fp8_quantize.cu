@@ -9,13 +9,15 @@
 //                                 (silu(gate) * up; rows past sum(group_sizes) zero), h_q [N, F]
 //                                 e4m3 and h_scale [N, F/128] f32 (1x128; rows past the sum
 //                                 unwritten), workspace u8[W] (the group offsets)
-//   megamoe_fp8_quantize_wgrad_operand  x [N, C] bf16, source [0], group_sizes [E] -> q [C, L]
-//                                 e4m3, scale [L/128, C] f32 (128x1 blocks inside each group,
-//                                 stored transposed and group-padded; cuda_fp8.WgradOperand),
-//                                 q_rows, scale_rows (attribute rows=1: x's 1x128 rows from the
-//                                 same read, else [0, C], [0, C/128]), workspace u8[W] (the
-//                                 group and padded offsets); the rows gathered (source [N] int32
-//                                 into x [T, C]) or the SwiGLU of x = gate_up [N, 2C] (swiglu=1)
+//   megamoe_fp8_quantize_wgrad_operand  x [N, C] bf16, x_scale [0], source [0], group_sizes
+//                                 [E] -> q [C, L] e4m3, scale [L/128, C] f32 (128x1 blocks
+//                                 inside each group, stored transposed and group-padded;
+//                                 cuda_fp8.WgradOperand), q_rows, scale_rows (attribute rows=1:
+//                                 x's 1x128 rows from the same read, else [0, C], [0, C/128]),
+//                                 workspace u8[W] (the group and padded offsets); the rows
+//                                 gathered (source [N] int32 into x [T, C]), the SwiGLU of x =
+//                                 gate_up [N, 2C] (swiglu=1), or dequantised (x e4m3 with its
+//                                 1x128 x_scale)
 //   megamoe_fp8_swiglu_backward_quantize  dh [N, F], gate_up [N, 2F] bf16, group_sizes [E] ->
 //                                 the SwiGLU backward dgate_up [N, 2F] (never stored in bf16)
 //                                 as 1x128 rows q_rows, scale_rows (rows past the sum unwritten)
@@ -93,8 +95,9 @@ ffi::Error PaddedOffsets(cudaStream_t stream, const ffi::AnyBuffer& group_sizes,
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizeWgradOperandImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer source,
-                                    ffi::AnyBuffer group_sizes, ffi::Result<ffi::AnyBuffer> q,
+ffi::Error QuantizeWgradOperandImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                                    ffi::AnyBuffer source, ffi::AnyBuffer group_sizes,
+                                    ffi::Result<ffi::AnyBuffer> q,
                                     ffi::Result<ffi::AnyBuffer> scale,
                                     ffi::Result<ffi::AnyBuffer> q_rows,
                                     ffi::Result<ffi::AnyBuffer> scale_rows,
@@ -102,7 +105,7 @@ ffi::Error QuantizeWgradOperandImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::
                                     int64_t rows, int64_t swiglu) {
   WgradRows from;
   int64_t n, c, e, length;
-  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, source, group_sizes, swiglu != 0,
+  MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, x_scale, source, group_sizes, swiglu != 0,
                                                     rows != 0, q, scale, q_rows, scale_rows,
                                                     &from, &n, &c, &e, &length));
   int32_t *offsets, *padded;
@@ -127,6 +130,12 @@ ffi::Error QuantizeWgradOperandImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::
       err = SwigluWgradOperand128x1(x.untyped_data(), c, offsets, padded, int(e), length,
                                     pow2 != 0, q->untyped_data(), scale_data, q_rows_data,
                                     scale_rows_data, stream);
+      break;
+    case WgradRows::kDequantized:
+      err = DequantizedWgradOperand128x1(
+          x.untyped_data(), x.dimensions()[1], static_cast<const float*>(x_scale.untyped_data()),
+          c, offsets, padded, int(e), length, pow2 != 0, q->untyped_data(), scale_data,
+          q_rows_data, scale_rows_data, stream);
       break;
   }
   if (!err.empty()) return Internal(err);

@@ -209,6 +209,26 @@ struct SwigluValues {  // h [rows, F] = bf16(silu(gate) * up) of gate_up [rows, 
   }
 };
 
+struct DequantizedRowsValues {  // row r = bf16(q[r] * scale[r, block]) of e4m3 rows, 1x128 scales
+  const uint8_t* q;
+  int64_t stride;  // bytes per row of q (>= c, a multiple of 16)
+  const float* scale;
+  int64_t c;
+  __device__ uint4 Load(int64_t r, int64_t col) const {
+    const uint2 raw = *reinterpret_cast<const uint2*>(q + r * stride + col);
+    const __nv_fp8_e4m3* v = reinterpret_cast<const __nv_fp8_e4m3*>(&raw);
+    const float s = scale[r * (c / 128) + col / 128];
+    uint4 out;
+    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // fp32 products rounded once to bf16, as XLA's dequantize
+      o2[i] = __floats2bfloat162_rn(__fmul_rn(float(v[2 * i]), s),
+                                    __fmul_rn(float(v[2 * i + 1]), s));
+    }
+    return out;
+  }
+};
+
 struct SwigluGradValues {  // dgate_up [rows, 2F] = the SwiGLU backward of dh [rows, F]
   const __nv_bfloat16* dh;
   const __nv_bfloat16* gate_up;
@@ -495,6 +515,16 @@ std::string SwigluWgradOperand128x1(const void* gate_up, int64_t c, const int32_
   return LaunchQuantizeTiles(SwigluValues{static_cast<const __nv_bfloat16*>(gate_up), c}, c,
                              offsets, padded, num_groups, length, pow2, q, scale, q_rows,
                              scale_rows, stream);
+}
+
+std::string DequantizedWgradOperand128x1(const void* x_q, int64_t stride, const float* x_scale,
+                                         int64_t c, const int32_t* offsets, const int32_t* padded,
+                                         int num_groups, int64_t length, bool pow2, void* q,
+                                         float* scale, void* q_rows, float* scale_rows,
+                                         cudaStream_t stream) {
+  return LaunchQuantizeTiles(
+      DequantizedRowsValues{static_cast<const uint8_t*>(x_q), stride, x_scale, c}, c, offsets,
+      padded, num_groups, length, pow2, q, scale, q_rows, scale_rows, stream);
 }
 
 std::string SwigluBackwardQuantize(const void* dh, const void* gate_up, int64_t f,

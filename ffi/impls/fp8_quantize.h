@@ -43,8 +43,10 @@ std::string QuantizeWgradOperand128x1(const void* x, int64_t c, const int32_t* o
 
 // QuantizeWgradOperand128x1 of rows read from elsewhere, never stored in bf16 (the same bytes
 // as that of the rows stored): gathered, row r = x[source[r]] of x [T, C] (zeros where
-// source[r] < 0; every entry < T, the caller's contract); or SwiGLU, row r = bf16(silu(gate) *
-// up) of gate_up [rows, 2C] (SwigluQuantize1x128's h).
+// source[r] < 0; every entry < T, the caller's contract); SwiGLU, row r = bf16(silu(gate) *
+// up) of gate_up [rows, 2C] (SwigluQuantize1x128's h); or dequantised, row r = bf16(q[r] *
+// scale[r, block]) of e4m3 rows q [rows, stride >= C] (stride % 16 == 0) and their 1x128
+// scales [rows, C/128] (cuda_fp8.dequantize_rows).
 std::string QuantizeGatheredWgradOperand128x1(const void* x, const int32_t* source, int64_t c,
                                               const int32_t* offsets, const int32_t* padded,
                                               int num_groups, int64_t length, bool pow2, void* q,
@@ -54,6 +56,11 @@ std::string SwigluWgradOperand128x1(const void* gate_up, int64_t c, const int32_
                                     const int32_t* padded, int num_groups, int64_t length,
                                     bool pow2, void* q, float* scale, void* q_rows,
                                     float* scale_rows, cudaStream_t stream);
+std::string DequantizedWgradOperand128x1(const void* x_q, int64_t stride, const float* x_scale,
+                                         int64_t c, const int32_t* offsets, const int32_t* padded,
+                                         int num_groups, int64_t length, bool pow2, void* q,
+                                         float* scale, void* q_rows, float* scale_rows,
+                                         cudaStream_t stream);
 
 // The SwiGLU backward of the grouped MLP (as SwigluBackward, rounded to bf16) quantised both
 // ways without storing it: dh [rows, F], gate_up [rows, 2F] bf16 -> dgate_up [rows, 2F] as

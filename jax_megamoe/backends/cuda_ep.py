@@ -226,8 +226,8 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 # whichever expert it goes to) and dispatch moves e4m3 values + fp32 scales packed into one row
 # (H + H/32 bytes instead of 2H); the receiver's grouped L1 GEMM reads them as they arrived.
 # Backward: the FP8 MLP backward (cuda_fp8.mlp_backward; dW_gate_up's x operand from the
-# dequantised rows, as x reaches the expert rank only as FP8 rows), then the bf16 dispatch
-# backward for dx.
+# dequantised rows, as x reaches the expert rank only as FP8 rows, read where dispatch put them
+# and never stored in bf16), then the bf16 dispatch backward for dx.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -252,8 +252,8 @@ def _dispatch_mlp_fp8_bwd(cfg, n_cap, mlp, res, cts):
   del n_cap
   x_rows, group_sizes, slot_pos, ids, mlp_res = res
   dy_sorted, _, _, d_recv_w, _ = cts
-  x_sorted = cfg.per_rank(lambda rows: cuda_fp8.dequantize_rows(rows, jnp.bfloat16), x_rows)
-  dx_sorted, dw_gate_up, dw_down = cfg.per_rank(mlp.backward, dy_sorted, x_sorted, group_sizes,
+  # dW_gate_up's operand straight from the FP8 rows as they arrived (dequantised as it reads).
+  dx_sorted, dw_gate_up, dw_down = cfg.per_rank(mlp.backward, dy_sorted, x_rows, group_sizes,
                                                 mlp_res)
   dx, dw = dispatch_backward(dx_sorted, d_recv_w, slot_pos, ids, cfg)
   return dx, None, dw, dw_gate_up, dw_down, cuda_fp8.zero_cotangent(mlp_res.blocks)

@@ -23,7 +23,8 @@ weight once, not twice.
   quantize_wgrad_operand(x, group_sizes) -> WgradOperand: rows in 128 x 1 blocks inside each
                               group, stored transposed and group-padded (the K-grouped wgrad's
                               K-major operand); with_rows: also x's 1x128 rows, same read;
-                              source=: x's rows gathered by index, never stored
+                              source=: x's rows gathered by index; x a QuantizedRows: its rows
+                              dequantised; neither stored in bf16
   swiglu_quantize(gate_up, group_sizes) -> (h bf16, h as QuantizedRows): the SwiGLU fused with
                               the quantisation of its output, over the rows in use only
   swiglu_wgrad_operand(gate_up, group_sizes) -> h's WgradOperand, h never stored
@@ -196,24 +197,35 @@ class MlpResiduals(NamedTuple):
   blocks: ExpertWeightBlocks
 
 
-def quantize_wgrad_operand(x: jax.Array, group_sizes: jax.Array, *, pow2: bool = False,
+def quantize_wgrad_operand(x, group_sizes: jax.Array, *, pow2: bool = False,
                            with_rows: bool = False, source: jax.Array | None = None):
   """x [N, C] bf16 (rows grouped as group_sizes) -> WgradOperand (128 x 1 blocks in groups);
   with_rows: (QuantizedRows of x (1x128, as quantize_rows; rows past the sum unspecified),
-  WgradOperand), both from one read of x. source [N] int32: the rows are x's gathered, x [T, C],
-  row r = x[source[r]] (zeros where source[r] < 0; every entry < T), the same bytes as of
-  jnp.take(x, source) with those zeros, which is never stored."""
-  _require_bf16("x", x, 2, (1,))
+  WgradOperand), both from one read of x. The rows may be read where they are, never stored in
+  bf16 (the same bytes as of the rows stored):
+  - source [N] int32: x's rows gathered, x [T, C], row r = x[source[r]] (zeros where
+    source[r] < 0; every entry < T);
+  - x a QuantizedRows [N, C] (q may have a row stride, e.g. rows as dispatched): its rows
+    dequantised, as dequantize_rows(x)."""
   _require_group_sizes(group_sizes)
-  if source is None:
-    n = x.shape[0]
-    source = jnp.zeros((0,), jnp.int32)
-  elif source.ndim != 1 or source.dtype != jnp.int32:
-    raise ValueError(f"source must be [N] int32, got {source.shape} {source.dtype}")
+  none_f32 = jnp.zeros((0,), jnp.float32)
+  if isinstance(x, QuantizedRows):
+    if source is not None:
+      raise ValueError("source gathers bf16 rows; x is a QuantizedRows")
+    n, c = x.q.shape[0], x.k
+    operands = (x.q, x.scale, jnp.zeros((0,), jnp.int32), group_sizes)
   else:
-    n = source.shape[0]
-  return _wgrad_operand_call((x, source, group_sizes), n, x.shape[1], group_sizes.shape[0],
-                             pow2=pow2, with_rows=with_rows, swiglu=False)
+    _require_bf16("x", x, 2, (1,))
+    c = x.shape[1]
+    if source is None:
+      n, source = x.shape[0], jnp.zeros((0,), jnp.int32)
+    elif source.ndim != 1 or source.dtype != jnp.int32:
+      raise ValueError(f"source must be [N] int32, got {source.shape} {source.dtype}")
+    else:
+      n = source.shape[0]
+    operands = (x, none_f32, source, group_sizes)
+  return _wgrad_operand_call(operands, n, c, group_sizes.shape[0], pow2=pow2,
+                             with_rows=with_rows, swiglu=False)
 
 
 def swiglu_wgrad_operand(gate_up: jax.Array, group_sizes: jax.Array, *, pow2: bool = False):
@@ -225,8 +237,9 @@ def swiglu_wgrad_operand(gate_up: jax.Array, group_sizes: jax.Array, *, pow2: bo
   n, f2 = gate_up.shape
   if f2 % (2 * BLOCK):
     raise ValueError(f"gate_up must be [N, 2F] with F a multiple of {BLOCK}, got {gate_up.shape}")
-  return _wgrad_operand_call((gate_up, jnp.zeros((0,), jnp.int32), group_sizes), n, f2 // 2,
-                             group_sizes.shape[0], pow2=pow2, with_rows=False, swiglu=True)
+  operands = (gate_up, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32), group_sizes)
+  return _wgrad_operand_call(operands, n, f2 // 2, group_sizes.shape[0], pow2=pow2,
+                             with_rows=False, swiglu=True)
 
 
 def _wgrad_operand_call(operands, n: int, c: int, e: int, *, pow2: bool, with_rows: bool,
@@ -347,8 +360,9 @@ def mlp_backward(dy, x, group_sizes, res: MlpResiduals, pow2: bool):
   """FP8 backward of the SwiGLU MLP (fp8.ragged_dot's definition) from the forward's residuals:
   (dx [N, H], dw_gate_up [E, H, 2F], dw_down [E, F, H]), all bf16. Each activation operand is
   quantised once, both ways where it feeds a dgrad and a wgrad GEMM (dy, dgate_up); the weights
-  are the forward's blocks, transposed. x: the forward's bf16 rows [N, H], or their WgradOperand
-  (all the backward reads of them)."""
+  are the forward's blocks, transposed. x: the forward's bf16 rows [N, H], their FP8 rows
+  (QuantizedRows: dW_gate_up from the rows dequantised, as they reached an expert rank), or
+  their WgradOperand (all the backward reads of them)."""
   wgrad_operand = functools.partial(quantize_wgrad_operand, group_sizes=group_sizes, pow2=pow2)
   as_operand = lambda a: a if isinstance(a, WgradOperand) else wgrad_operand(a)
   dy_rows, dy_op = wgrad_operand(dy.astype(jnp.bfloat16), with_rows=True)

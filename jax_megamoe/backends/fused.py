@@ -500,8 +500,9 @@ def _fused_fp8_layer_bwd(cfg, residuals, cotangents):
   no forward GEMM run again. dW_gate_up's rows: x's bf16 rows at one rank (as backend cuda
   without a mesh), the dequantised FP8 rows that reached the expert rank with several (the
   kernel's pool rows, as backend cuda's EP path). The weight gradients' operands are quantised
-  straight from x's rows (one rank: gathered by pool row) and from gate_up (h's SwiGLU), so
-  neither x's rows in pool order nor h is stored in bf16 (the same bytes as if they were)."""
+  straight from x's rows (one rank: gathered by pool row; several: the pool's FP8 rows,
+  dequantised as read) and from gate_up (h's SwiGLU), so neither x's rows in pool order nor h
+  is stored in bf16 (the same bytes as if they were)."""
   dy, _ = cotangents  # stats: int32, no cotangent
   x, ids, w, w_gate_up, w_down, blocks, kept = residuals
   pow2 = cfg.pow2
@@ -509,10 +510,10 @@ def _fused_fp8_layer_bwd(cfg, residuals, cotangents):
     x_rows = _pool_sources(kept.slot_dest, cfg.plan.n_cap)
     x_operand = lambda source, group_sizes: cuda_fp8.quantize_wgrad_operand(
         x, group_sizes, source=source, pow2=pow2)
-  else:
+  else:  # the pool's FP8 rows, dequantised as they are read
     x_rows = kept.x_sorted
-    x_operand = lambda rows, group_sizes: cuda_fp8.quantize_wgrad_operand(
-        cuda_fp8.dequantize_rows(rows), group_sizes, pow2=pow2)
+    x_operand = lambda rows, group_sizes: cuda_fp8.quantize_wgrad_operand(rows, group_sizes,
+                                                                          pow2=pow2)
 
   def mlp_backward(dy_sorted, x_rows, group_sizes, gate_up, blocks):
     hidden = cuda_fp8.swiglu_wgrad_operand(gate_up, group_sizes, pow2=pow2)
