@@ -7,14 +7,10 @@
 # kernels power-capped, fused's ~10% below cuda's clock); session 40 ran PART=bars, phases,
 # suite and the energy runs on an H200 (RESULTS "Session 40"); session 41 ran PART=step (H100,
 # H200) and harness_energy (H100); session 42 ran PART=suite and step on H100s (RESULTS
-# "Session 42"). First next: the two-GPU parts; at one GPU, PART=step on an H200 (RECIPE=bf16,
-# fp8; CONFIG=qwen3-235b-a22b LAYERS=1), which decides AUTO_PICKS_FUSED. The patch
-# benchmarks/kernels/branches/fp8-wgrad-from-e4m3.patch (session 42, not GPU-run; `git am` it
-# on a branch): the EP FP8 backward's dW_gate_up operand read from the FP8 rows as they
-# arrived. Before landing it, on its tree (build first: C++ changed):
-# `pytest -m gpu tests/test_grouped_mlp_ffi.py -k read_in_place` and `tests/test_fused_moe.py -k
-# fp8`; its gain: `benchmarks/bench_virtual_ranks.py --ranks 2 --tokens 8192 --recipes fp8
-# --label L` on main's build and on the branch's (the grad rows, fused and cuda).
+# "Session 42"); session 43 GPU-tested and landed the EP FP8 backward's dW_gate_up operand read
+# from the FP8 rows as they arrived (H100, RESULTS "Session 43"). First next: the two-GPU parts;
+# at one GPU, PART=step on an H200 (RECIPE=bf16, fp8; CONFIG=qwen3-235b-a22b LAYERS=1), which
+# decides AUTO_PICKS_FUSED.
 # The combine beside the tiles lives on branch combine-overlap (measured in session 36: it
 # loses; kept for the record only).
 #
