@@ -59,10 +59,11 @@ the definition does) into e4m3 + 1 x 128 scales for L2; combine stays bf16. Back
   per layer that the backward wrote and read again until session 42).
 - several ranks: the kernel keeps gate_up and y_sorted as with bf16, and its pool's e4m3 rows
   with their scales (copied out, as bf16's rows); the tables as with bf16; then the same FP8
-  backward. dW_gate_up is computed from those dequantised FP8 rows, the rows that reached the
-  expert rank, as in backend cuda's EP path. No dispatch and no forward GEMM run again (until
-  session 18 the backward ran cuda's dispatch of the same FP8 rows; until session 14 cuda's
-  whole FP8 layer).
+  backward. dW_gate_up is computed from those FP8 rows, the rows that reached the expert rank,
+  as in backend cuda's EP path: its operand is quantised from them dequantised as read, never
+  stored in bf16 (until session 43 a bf16 copy was, n_cap x H x 2 bytes per rank). No dispatch
+  and no forward GEMM run again (until session 18 the backward ran cuda's dispatch of the same
+  FP8 rows; until session 14 cuda's whole FP8 layer).
 
 What it takes: bfloat16, H a multiple of 256, F a multiple of 128, E <= 1024, top_k <= 32, recipe
 None, "fp8" or "fp8_pow2". Other layers (and meshes the NVLink kernels cannot serve) run on
