@@ -10,7 +10,10 @@
 # "Session 42"); session 43 GPU-tested and landed the EP FP8 backward's dW_gate_up operand read
 # from the FP8 rows as they arrived (H100, RESULTS "Session 43"). First next: the two-GPU parts;
 # at one GPU, PART=step on an H200 (RECIPE=bf16, fp8; CONFIG=qwen3-235b-a22b LAYERS=1), which
-# decides AUTO_PICKS_FUSED.
+# decides AUTO_PICKS_FUSED (no H200 came in session 43). The patch
+# benchmarks/kernels/branches/swiglu-octet.patch (session 43; `git apply` it): one SwiGLU octet
+# for the SwiGLU kernels, compiled, not GPU-run; build, then `pytest -m gpu
+# tests/test_grouped_mlp_ffi.py tests/test_weight_blocks.py`, and commit it if they pass.
 # The combine beside the tiles lives on branch combine-overlap (measured in session 36: it
 # loses; kept for the record only).
 #
