@@ -208,24 +208,17 @@ def quantize_wgrad_operand(x, group_sizes: jax.Array, *, pow2: bool = False,
   - x a QuantizedRows [N, C] (q may have a row stride, e.g. rows as dispatched): its rows
     dequantised, as dequantize_rows(x)."""
   _require_group_sizes(group_sizes)
-  none_f32 = jnp.zeros((0,), jnp.float32)
   if isinstance(x, QuantizedRows):
     if source is not None:
       raise ValueError("source gathers bf16 rows; x is a QuantizedRows")
-    n, c = x.q.shape[0], x.k
-    operands = (x.q, x.scale, jnp.zeros((0,), jnp.int32), group_sizes)
-  else:
-    _require_bf16("x", x, 2, (1,))
-    c = x.shape[1]
-    if source is None:
-      n, source = x.shape[0], jnp.zeros((0,), jnp.int32)
-    elif source.ndim != 1 or source.dtype != jnp.int32:
-      raise ValueError(f"source must be [N] int32, got {source.shape} {source.dtype}")
-    else:
-      n = source.shape[0]
-    operands = (x, none_f32, source, group_sizes)
-  return _wgrad_operand_call(operands, n, c, group_sizes.shape[0], pow2=pow2,
-                             with_rows=with_rows, swiglu=False)
+    return _wgrad_operand_call(x.q, group_sizes, x.q.shape[0], x.k, x_scale=x.scale, pow2=pow2,
+                               with_rows=with_rows)
+  _require_bf16("x", x, 2, (1,))
+  if source is not None and (source.ndim != 1 or source.dtype != jnp.int32):
+    raise ValueError(f"source must be [N] int32, got {source.shape} {source.dtype}")
+  n = x.shape[0] if source is None else source.shape[0]
+  return _wgrad_operand_call(x, group_sizes, n, x.shape[1], source=source, pow2=pow2,
+                             with_rows=with_rows)
 
 
 def swiglu_wgrad_operand(gate_up: jax.Array, group_sizes: jax.Array, *, pow2: bool = False):
@@ -237,15 +230,17 @@ def swiglu_wgrad_operand(gate_up: jax.Array, group_sizes: jax.Array, *, pow2: bo
   n, f2 = gate_up.shape
   if f2 % (2 * BLOCK):
     raise ValueError(f"gate_up must be [N, 2F] with F a multiple of {BLOCK}, got {gate_up.shape}")
-  operands = (gate_up, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32), group_sizes)
-  return _wgrad_operand_call(operands, n, f2 // 2, group_sizes.shape[0], pow2=pow2,
-                             with_rows=False, swiglu=True)
+  return _wgrad_operand_call(gate_up, group_sizes, n, f2 // 2, pow2=pow2, with_rows=False,
+                             swiglu=True)
 
 
-def _wgrad_operand_call(operands, n: int, c: int, e: int, *, pow2: bool, with_rows: bool,
-                        swiglu: bool):
+def _wgrad_operand_call(x, group_sizes, n: int, c: int, *, x_scale=None, source=None,
+                        pow2: bool, with_rows: bool, swiglu: bool = False):
   """The quantize_wgrad_operand custom call (ffi/handlers/fp8_ops.h) of an operand of N rows of
-  C columns."""
+  C columns; x_scale (e4m3 x) and source (rows gathered) are empty where not given."""
+  e = group_sizes.shape[0]
+  operands = (x, jnp.zeros((0,), jnp.float32) if x_scale is None else x_scale,
+              jnp.zeros((0,), jnp.int32) if source is None else source, group_sizes)
   length = padded_length(n, e)
   rows = n if with_rows else 0
   out = (jax.ShapeDtypeStruct((c, length), jnp.float8_e4m3fn),
