@@ -507,14 +507,13 @@ def _fused_fp8_layer_bwd(cfg, residuals, cotangents):
   dy, _ = cotangents  # stats: int32, no cotangent
   x, ids, w, w_gate_up, w_down, blocks, kept = residuals
   pow2 = cfg.pow2
-  if cfg.one_rank:
+  if cfg.one_rank:  # x's rows, gathered by pool row as the quantiser reads them
     x_rows = _pool_sources(kept.slot_dest, cfg.plan.n_cap)
     x_operand = lambda source, group_sizes: cuda_fp8.quantize_wgrad_operand(
         x, group_sizes, source=source, pow2=pow2)
-  else:  # the pool's FP8 rows, dequantised as they are read
+  else:  # the pool's FP8 rows, which mlp_backward reads dequantised (as cuda's EP path passes)
     x_rows = kept.x_sorted
-    x_operand = lambda rows, group_sizes: cuda_fp8.quantize_wgrad_operand(rows, group_sizes,
-                                                                          pow2=pow2)
+    x_operand = lambda rows, group_sizes: rows
 
   def mlp_backward(dy_sorted, x_rows, group_sizes, gate_up, blocks):
     hidden = cuda_fp8.swiglu_wgrad_operand(gate_up, group_sizes, pow2=pow2)
