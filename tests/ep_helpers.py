@@ -25,6 +25,17 @@ def weights_for(rng, num_experts, hidden, ffn, dtype):
   return jnp.asarray(w_gate_up, dtype), jnp.asarray(w_down, dtype)
 
 
+def value_and_grads(layer, x, ids, w, wgu, wd, dy):
+  """layer(x, ids, w, wgu, wd) -> y, jitted, and the gradients of sum(y * dy) with respect to
+  x, w, wgu and wd."""
+  def loss(x, w, wgu, wd):
+    y = layer(x, ids, w, wgu, wd)
+    return jnp.sum(y.astype(jnp.float32) * dy), y
+  (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+      x, w, wgu, wd)
+  return y, g
+
+
 def dense_grouped_mlp(x_sorted, group_sizes, w_gate_up, w_down, *, recipe=None):
   """Per-row expert MLP (gathers each row's weights): same contract as reference.grouped_mlp."""
   del recipe

@@ -27,6 +27,7 @@ from jax_megamoe import _ffi, fp8, virtual_ranks
 from jax_megamoe.backends import fused
 from jax_megamoe.validation import check_layer_args
 import ep_helpers
+from ep_helpers import value_and_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -60,15 +61,6 @@ def _inputs(seed, tokens, experts, top_k, kind="uniform", hidden=HIDDEN, ffn=FFN
   return x, jnp.asarray(ids), jnp.asarray(w), wgu, wd, dy
 
 
-def _value_and_grads(layer, x, ids, w, wgu, wd, dy):
-  def loss(x, w, wgu, wd):
-    y = layer(x, ids, w, wgu, wd)
-    return jnp.sum(y.astype(jnp.float32) * dy), y
-  (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-      x, w, wgu, wd)
-  return y, g
-
-
 def _reference(x, ids, w, wgu, wd):
   return jm.moe(x, ids, w, wgu, wd, backend="reference")
 
@@ -81,9 +73,9 @@ def _errors(got, want):
 
 
 def _check(layer, args, forward_only=False):
-  want = _value_and_grads(_reference, *args)
+  want = value_and_grads(_reference, *args)
   _poison()
-  got = _value_and_grads(layer, *args)
+  got = value_and_grads(layer, *args)
   assert np.all(np.isfinite(np.asarray(got[0], np.float32))), "y has non-finite rows"
   errs = _errors(got, want)
   ep_helpers.assert_errors_below(errs, 1e-2)
@@ -147,9 +139,9 @@ def test_one_rank_backward_reads_the_residuals():
                   "megamoe_grouped_gemm"):
     assert forward not in hlo, f"the backward recomputes the forward ({forward})"
   assert "megamoe_grouped_mlp_bwd" in hlo
-  first = _value_and_grads(layer, x, ids, w, wgu, wd, dy)
+  first = value_and_grads(layer, x, ids, w, wgu, wd, dy)
   _poison()
-  second = _value_and_grads(layer, x, ids, w, wgu, wd, dy)
+  second = value_and_grads(layer, x, ids, w, wgu, wd, dy)
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -286,7 +278,7 @@ def test_virtual_ranks_backward_on_the_dgrad_core(monkeypatch, num_ranks):
   first = _check(layer, args)
   assert _ffi.launch_counts()["moe_dgrad_core"] - before >= num_ranks, "not on the dgrad core"
   _poison()
-  _assert_bitwise(first, _value_and_grads(layer, *args))
+  _assert_bitwise(first, value_and_grads(layer, *args))
   ws.close()
 
 
@@ -296,7 +288,7 @@ def test_one_gpu_mesh_and_bitwise_reproducible():
   args = _inputs(11, 640, 16, 4, "masked")
   layer = lambda *a: jm.moe(*a, mesh=mesh, backend="fused")
   first = _check(layer, args)
-  second = _value_and_grads(layer, *args)
+  second = value_and_grads(layer, *args)
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -311,9 +303,9 @@ def test_rematerialised_layer_equals_the_plain_one_bitwise(recipe, num_ranks, ff
   checkpointing (one rank, and a virtual group of two)."""
   args = _inputs(31 + num_ranks, num_ranks * 333, 16, 4, "masked", ffn=ffn)
   layer, ws = _fused_layer_of(num_ranks, 333, 4, recipe=recipe)
-  plain = _value_and_grads(layer, *args)
+  plain = value_and_grads(layer, *args)
   _poison()
-  remat = _value_and_grads(jax.checkpoint(layer), *args)
+  remat = value_and_grads(jax.checkpoint(layer), *args)
   _assert_bitwise(plain, remat)
   if ws is not None:
     ws.close()
@@ -412,7 +404,7 @@ def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
     # the workspace's comb rows, which _poison does not reach: a call on -x first leaves other
     # rows there, so that a row the mode fails to write shows).
     _poison()
-    outs[mode] = _value_and_grads(layer, *args)
+    outs[mode] = value_and_grads(layer, *args)
     jax.block_until_ready(fresh_forward(-args[0], *args[1:5]))
     _poison()
     ys[mode] = np.asarray(fresh_forward(*args[:5]), np.float32)
@@ -426,7 +418,7 @@ def test_l2_rows_by_tma_changes_no_bit(monkeypatch, recipe, tokens, kind):
   for mode in ("1", None):
     np.testing.assert_array_equal(ys[mode], ys["0"], err_msg=f"inference y, L2_TMA={mode}")
   if recipe is None:
-    ep_helpers.assert_errors_below(_errors(outs[None], _value_and_grads(_reference, *args)),
+    ep_helpers.assert_errors_below(_errors(outs[None], value_and_grads(_reference, *args)),
                                    1e-2)
   monkeypatch.setenv("MEGAMOE_FUSED_L2_TMA", "2")
   with pytest.raises(Exception, match=r"MEGAMOE_FUSED_L2_TMA must be 0 or 1"):
@@ -452,7 +444,7 @@ def test_l1_order_changes_no_bit(monkeypatch, recipe, kind):
       monkeypatch.setenv("MEGAMOE_FUSED_L1_ORDER", order)
     _poison()
     before = _ffi.launch_counts()["fused_l1_n_major"]
-    outs[order] = _value_and_grads(layer, *args)
+    outs[order] = value_and_grads(layer, *args)
     n_major[order] = _ffi.launch_counts()["fused_l1_n_major"] - before
   # These weights are far below the default's threshold: unset is M-block-major.
   assert n_major["m"] == 0 and n_major["n"] > 0 and n_major[None] == 0, n_major
@@ -460,7 +452,7 @@ def test_l1_order_changes_no_bit(monkeypatch, recipe, kind):
   _assert_bitwise(outs["m"], outs["n"])
   _assert_bitwise(outs["m"], outs[None])
   if recipe is None:
-    ep_helpers.assert_errors_below(_errors(outs[None], _value_and_grads(_reference, *args)),
+    ep_helpers.assert_errors_below(_errors(outs[None], value_and_grads(_reference, *args)),
                                    1e-2)
   monkeypatch.setenv("MEGAMOE_FUSED_L1_ORDER", "N")
   with pytest.raises(Exception, match=r"MEGAMOE_FUSED_L1_ORDER must be m or n"):
@@ -474,7 +466,7 @@ def test_virtual_ranks_match_reference(num_ranks, kind):
   args = _inputs(num_ranks * 7 + len(kind), num_ranks * tokens, experts, top_k, kind)
   layer, ws = _fused_layer_of(num_ranks, tokens, top_k)
   first = _check(layer, args)
-  second = _value_and_grads(layer, *args)
+  second = value_and_grads(layer, *args)
   np.testing.assert_array_equal(np.asarray(first[0], np.float32),
                                 np.asarray(second[0], np.float32))
   ws.close()
@@ -506,7 +498,7 @@ def test_kernel_backward_matches_reference(monkeypatch, num_ranks, tokens, exper
     assert cuda_op not in hlo, cuda_op
   first = _check(layer, args)
   _poison()
-  second = _value_and_grads(layer, *args)
+  second = value_and_grads(layer, *args)
   _assert_bitwise(first, second)
   if ws is not None:
     ws.close()
@@ -549,7 +541,7 @@ def test_kernel_backward_topk_weight_grads_equal_cuda_bitwise(monkeypatch, num_r
                   ).lower(w).as_text()
     assert hlo.count(fused.BWD_TARGET) == (1 if value == "1" else 0), value
     _poison()
-    _, (_, d_w[value], _, _) = _value_and_grads(layer, *args)  # traced anew: a new loss
+    _, (_, d_w[value], _, _) = value_and_grads(layer, *args)  # traced anew: a new loss
   assert np.all(np.isfinite(np.asarray(d_w["1"])))
   np.testing.assert_array_equal(np.asarray(d_w["1"]), np.asarray(d_w["0"]))
   if ws is not None:
@@ -630,11 +622,11 @@ def _fp8_emulation(recipe, x, ids, w, wgu, wd, dy, *, x_rows_for_wgrad=False):
   travel in FP8 across ranks: backend cuda's EP FP8 backward, which fused's backward runs)."""
   from jax_megamoe import fp8
   layer = lambda *a: jm.moe(*a, backend="reference", recipe=recipe)
-  y, g = _on_cpu(lambda *a: _value_and_grads(layer, *a), x, ids, w, wgu, wd, dy)
+  y, g = _on_cpu(lambda *a: value_and_grads(layer, *a), x, ids, w, wgu, wd, dy)
   if x_rows_for_wgrad:
     spec = fp8.get_recipe(recipe)
     quantised = lambda x: fp8.quantize_activation(x, spec).astype(x.dtype)
-    _, g_q = _on_cpu(lambda x, *a: _value_and_grads(layer, quantised(x), *a),
+    _, g_q = _on_cpu(lambda x, *a: value_and_grads(layer, quantised(x), *a),
                      x, ids, w, wgu, wd, dy)
     g = (g[0], g[1], g_q[2], g[3])
   return y, g
@@ -643,7 +635,7 @@ def _fp8_emulation(recipe, x, ids, w, wgu, wd, dy, *, x_rows_for_wgrad=False):
 def _check_fp8(layer, recipe, args, tolerance=FP8_TOLERANCE, **kw):
   want = _fp8_emulation(recipe, *args, **kw)
   _poison()
-  got = _value_and_grads(layer, *args)
+  got = value_and_grads(layer, *args)
   assert np.all(np.isfinite(np.asarray(got[0], np.float32))), "y has non-finite rows"
   errs = _errors(got, want)
   print(recipe, errs)
@@ -677,7 +669,7 @@ def test_fp8_published_hidden_sizes_and_bitwise_reproducible(recipe):
   layer = lambda *a: jm.moe(*a, backend="fused", recipe=recipe)
   first = _check_fp8(layer, recipe, args)
   _poison()
-  _assert_bitwise(first, _value_and_grads(layer, *args))
+  _assert_bitwise(first, value_and_grads(layer, *args))
 
 
 def test_fp8_one_rank_backward_reads_the_residuals():
@@ -693,9 +685,9 @@ def test_fp8_one_rank_backward_reads_the_residuals():
   assert hlo.count("megamoe_grouped_gemm_fp8") == 2, hlo.count("megamoe_grouped_gemm_fp8")
   for forward in ("megamoe_ep_dispatch_fwd", "megamoe_ep_combine_fwd"):
     assert forward not in hlo, f"the backward recomputes the forward ({forward})"
-  first = _value_and_grads(layer, x, ids, w, wgu, wd, dy)
+  first = value_and_grads(layer, x, ids, w, wgu, wd, dy)
   _poison()
-  _assert_bitwise(first, _value_and_grads(layer, x, ids, w, wgu, wd, dy))
+  _assert_bitwise(first, value_and_grads(layer, x, ids, w, wgu, wd, dy))
 
 
 def test_fp8_runs_the_fused_kernel_with_e4m3_operands():
@@ -726,7 +718,7 @@ def test_fp8_virtual_ranks_match_emulation(num_ranks, kind, recipe):
   layer, ws = _fused_layer_of(num_ranks, tokens, top_k, hidden=512, recipe=recipe)
   first = _check_fp8(layer, recipe, args, x_rows_for_wgrad=True)
   _poison()
-  _assert_bitwise(first, _value_and_grads(layer, *args))
+  _assert_bitwise(first, value_and_grads(layer, *args))
   ws.close()
 
 

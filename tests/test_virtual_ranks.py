@@ -21,6 +21,7 @@ import jax_megamoe as jm
 from jax_megamoe import fp8, virtual_ranks
 from jax_megamoe.backends import cuda, cuda_fp8, reference
 import ep_helpers
+from ep_helpers import value_and_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -78,15 +79,6 @@ def _inputs(seed, num_ranks, kind, dtype):
   return x, jnp.asarray(ids), jnp.asarray(w), wgu, wd, dy
 
 
-def _value_and_grads(layer, x, ids, w, wgu, wd, dy):
-  def loss(x, w, wgu, wd):
-    y = layer(x, ids, w, wgu, wd)
-    return jnp.sum(y.astype(jnp.float32) * dy), y
-  (_, y), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-      x, w, wgu, wd)
-  return y, g
-
-
 def _virtual_layer(num_ranks, ws, mlp, **kw):
   """The virtual group's layer on flat [R*T, ...] tokens (reshaped to [R, T, ...] and back)."""
   def layer(x, ids, w, wgu, wd):
@@ -116,10 +108,10 @@ def test_float32_matches_reference(num_ranks, kind):
   if kind == "idle_rank" and num_ranks == 1:
     pytest.skip("not run: one rank cannot be idle while the others work")
   args = _inputs(num_ranks * 10 + len(kind), num_ranks, kind, jnp.float32)
-  want = _value_and_grads(_reference_layer(), *args)
+  want = value_and_grads(_reference_layer(), *args)
   _poison()
-  got = _value_and_grads(_virtual_layer(num_ranks, _workspace(num_ranks, 4),
-                                        reference.grouped_mlp), *args)
+  got = value_and_grads(_virtual_layer(num_ranks, _workspace(num_ranks, 4),
+                                       reference.grouped_mlp), *args)
   assert np.all(np.isfinite(np.asarray(got[0]))), "y has non-finite (unwritten) rows"
   errs = _errors(got, want)
   ep_helpers.assert_errors_below(errs, 1e-5)
@@ -128,10 +120,10 @@ def test_float32_matches_reference(num_ranks, kind):
 @pytest.mark.parametrize("num_ranks", RANKS)
 def test_bf16_cutlass_mlp_matches_reference(num_ranks):
   args = _inputs(num_ranks, num_ranks, "masked", jnp.bfloat16)
-  want = _value_and_grads(_reference_layer(), *args)
+  want = value_and_grads(_reference_layer(), *args)
   mlp = cuda.expert_mlp(None, jnp.bfloat16, HIDDEN, FFN)
   _poison()
-  got = _value_and_grads(_virtual_layer(num_ranks, _workspace(num_ranks, 2), mlp), *args)
+  got = value_and_grads(_virtual_layer(num_ranks, _workspace(num_ranks, 2), mlp), *args)
   errs = _errors(got, want)
   ep_helpers.assert_errors_below(errs, 1e-2)
 
@@ -148,15 +140,15 @@ def test_fp8_rows_on_the_wire(num_ranks, recipe):
   assert isinstance(mlp, cuda_fp8.RowsMlp)
   ws = _workspace(num_ranks, 2)
   _poison()
-  y8, g8 = _value_and_grads(_virtual_layer(num_ranks, ws, mlp, fp8_dispatch=True),
-                            x, ids, w, wgu, wd, dy)
-  y16, g16 = _value_and_grads(_virtual_layer(num_ranks, ws, mlp, fp8_dispatch=False),
-                              x, ids, w, wgu, wd, dy)
+  y8, g8 = value_and_grads(_virtual_layer(num_ranks, ws, mlp, fp8_dispatch=True),
+                           x, ids, w, wgu, wd, dy)
+  y16, g16 = value_and_grads(_virtual_layer(num_ranks, ws, mlp, fp8_dispatch=False),
+                             x, ids, w, wgu, wd, dy)
   np.testing.assert_array_equal(np.asarray(y8, np.float32), np.asarray(y16, np.float32))
-  y_ref, g_ref = _value_and_grads(_reference_layer(recipe), x, ids, w, wgu, wd, dy)
+  y_ref, g_ref = value_and_grads(_reference_layer(recipe), x, ids, w, wgu, wd, dy)
   spec = fp8.get_recipe(recipe)
   xq = fp8.quantize_activation(x, spec).astype(x.dtype)
-  _, g_ref_xq = _value_and_grads(_reference_layer(recipe), xq, ids, w, wgu, wd, dy)
+  _, g_ref_xq = value_and_grads(_reference_layer(recipe), xq, ids, w, wgu, wd, dy)
   errs = _errors((y8, g8), (y_ref, (g_ref[0], g_ref[1], g_ref_xq[2], g_ref[3])))
   ep_helpers.assert_errors_below(errs, 2e-2)
 
@@ -174,9 +166,9 @@ def test_consecutive_calls_and_bitwise_reproducible(num_ranks):
                              np.asarray(_reference_layer()(x, ids, w, wgu, wd)))
     assert err < 1e-5, (seed, err)
   args = _inputs(7, num_ranks, "uniform", jnp.float32)
-  first = _value_and_grads(layer, *args)
+  first = value_and_grads(layer, *args)
   _poison()
-  second = _value_and_grads(layer, *args)
+  second = value_and_grads(layer, *args)
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
