@@ -8,14 +8,15 @@
 # suite and the energy runs on an H200 (RESULTS "Session 40"); session 41 ran PART=step (H100,
 # H200) and harness_energy (H100); session 42 ran PART=suite and step on H100s (RESULTS
 # "Session 42"); session 43 GPU-tested and landed the EP FP8 backward's dW_gate_up operand read
-# from the FP8 rows as they arrived (H100, RESULTS "Session 43"). First next: the two-GPU parts;
-# at one GPU, PART=step on an H200 (RECIPE=bf16, fp8; CONFIG=qwen3-235b-a22b LAYERS=1), which
-# decides AUTO_PICKS_FUSED (no H200 came in session 43). The patch
-# benchmarks/kernels/branches/swiglu-octet.patch (session 43; `git apply` it): one SwiGLU octet
-# for the SwiGLU kernels, compiled, not GPU-run; build, then `pytest -m gpu
+# from the FP8 rows as they arrived (H100, RESULTS "Session 43"); in session 44 no GPU came.
+# First next: the two-GPU parts; at one GPU, PART=step on an H200 (RECIPE=bf16, fp8;
+# CONFIG=qwen3-235b-a22b LAYERS=1), which decides AUTO_PICKS_FUSED (no H200 came in sessions
+# 43-44). The patch benchmarks/kernels/branches/swiglu-octet-wgrad-source.patch (session 44;
+# `git apply` it): one SwiGLU octet for the SwiGLU kernels and one wgrad-operand launcher taking
+# a rows source, compiled, not GPU-run; build, then `pytest -n 4 -m gpu
 # tests/test_grouped_mlp_ffi.py tests/test_weight_blocks.py`, and commit it if they pass.
-# The combine beside the tiles lives on branch combine-overlap (measured in session 36: it
-# loses; kept for the record only).
+# The combine beside the tiles (branch combine-overlap, sessions 35-36: it loses) is recorded in
+# RESULTS "Session 35"/"Session 36" and FUSED_CORE_NOTES; the branch itself is gone.
 #
 # Two GPUs (kind nvidia-h200-x2, not lent since session 8): issue 14's items 3 and 7 and its
 # EP = 2 bars, in five calls on the same warm machine (each builds the extension with its
