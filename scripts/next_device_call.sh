@@ -8,13 +8,12 @@
 # suite and the energy runs on an H200 (RESULTS "Session 40"); session 41 ran PART=step (H100,
 # H200) and harness_energy (H100); session 42 ran PART=suite and step on H100s (RESULTS
 # "Session 42"); session 43 GPU-tested and landed the EP FP8 backward's dW_gate_up operand read
-# from the FP8 rows as they arrived (H100, RESULTS "Session 43"); in session 44 no GPU came.
+# from the FP8 rows as they arrived (H100, RESULTS "Session 43"); in session 44 no GPU came;
+# session 45 GPU-tested and landed the SwiGLU octet and the single wgrad-operand launcher (H100,
+# RESULTS "Session 45").
 # First next: the two-GPU parts; at one GPU, PART=step on an H200 (RECIPE=bf16, fp8;
 # CONFIG=qwen3-235b-a22b LAYERS=1), which decides AUTO_PICKS_FUSED (no H200 came in sessions
-# 43-44). The patch benchmarks/kernels/branches/swiglu-octet-wgrad-source.patch (session 44;
-# `git apply` it): one SwiGLU octet for the SwiGLU kernels and one wgrad-operand launcher taking
-# a rows source, compiled, not GPU-run; build, then `pytest -n 4 -m gpu
-# tests/test_grouped_mlp_ffi.py tests/test_weight_blocks.py`, and commit it if they pass.
+# 43-45).
 # The combine beside the tiles (branch combine-overlap, sessions 35-36: it loses) is recorded in
 # RESULTS "Session 35"/"Session 36" and FUSED_CORE_NOTES; the branch itself is gone.
 #

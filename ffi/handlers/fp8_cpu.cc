@@ -129,16 +129,16 @@ ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                                     ffi::Result<ffi::AnyBuffer> scale_rows,
                                     ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2,
                                     int64_t rows, int64_t swiglu) {
-  WgradRows from;
+  WgradRowsSource operand;
   int64_t n, c, e, length;
   MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, x_scale, source, group_sizes, swiglu != 0,
                                                     rows != 0, q, scale, q_rows, scale_rows,
-                                                    &from, &n, &c, &e, &length));
+                                                    &operand, &n, &c, &e, &length));
   (void)workspace;
   const uint16_t* xv = static_cast<const uint16_t*>(x.untyped_data());
   std::vector<uint16_t> values;  // the operand's rows where they are not x's
-  if (from == WgradRows::kGathered) {
-    const int32_t* src = static_cast<const int32_t*>(source.untyped_data());
+  if (operand.kind == WgradRows::kGathered) {
+    const int32_t* src = operand.source;
     const int64_t tokens = x.dimensions()[0];
     values.assign(n * c, 0);
     for (int64_t r = 0; r < n; ++r) {
@@ -147,15 +147,15 @@ ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
       }
       if (src[r] >= 0) std::copy(xv + src[r] * c, xv + (src[r] + 1) * c, values.data() + r * c);
     }
-  } else if (from == WgradRows::kSwiglu) {
+  } else if (operand.kind == WgradRows::kSwiglu) {
     values.resize(n * c);
     for (int64_t r = 0; r < n; ++r) {
       for (int64_t j = 0; j < c; ++j) values[r * c + j] = SwigluBf16(xv, r, j, c);
     }
-  } else if (from == WgradRows::kDequantized) {
-    const uint8_t* qv = static_cast<const uint8_t*>(x.untyped_data());
-    const float* sv = static_cast<const float*>(x_scale.untyped_data());
-    const int64_t stride = x.dimensions()[1];
+  } else if (operand.kind == WgradRows::kDequantized) {
+    const uint8_t* qv = static_cast<const uint8_t*>(operand.x);
+    const float* sv = operand.x_scale;
+    const int64_t stride = operand.stride;
     values.resize(n * c);
     for (int64_t r = 0; r < n; ++r) {
       for (int64_t j = 0; j < c; ++j) {

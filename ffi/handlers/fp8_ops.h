@@ -34,6 +34,7 @@
 #include "ffi/common/checks.h"
 #include "ffi/handlers/grouped_mlp_op.h"
 #include "ffi/layout/fp8_blocks.h"
+#include "ffi/layout/wgrad_rows.h"
 
 namespace megamoe::grouped {
 
@@ -122,9 +123,8 @@ inline ffi::Error CheckWgradOperandOutputs(int64_t n, int64_t c, int64_t e, bool
   return CheckQuantOutputs(q_rows, scale_rows, {rows, c}, {rows, c / 128});
 }
 
-// Where quantize_wgrad_operand's rows come from (its contract above).
-enum class WgradRows { kMatrix, kGathered, kSwiglu, kDequantized };
-
+// quantize_wgrad_operand's operands and results; *rows: where its rows come from, and how to
+// read them (layout/wgrad_rows.h).
 inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scale,
                                             const ffi::AnyBuffer& source,
                                             const ffi::AnyBuffer& group_sizes, bool swiglu,
@@ -132,8 +132,8 @@ inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x, const ffi::
                                             ffi::Result<ffi::AnyBuffer>& scale,
                                             ffi::Result<ffi::AnyBuffer>& q_rows,
                                             ffi::Result<ffi::AnyBuffer>& scale_rows,
-                                            WgradRows* from, int64_t* n, int64_t* c, int64_t* e,
-                                            int64_t* length) {
+                                            WgradRowsSource* rows, int64_t* n, int64_t* c,
+                                            int64_t* e, int64_t* length) {
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("x_scale", x_scale.element_type(), ffi::DataType::F32));
   MEGAMOE_RETURN_IF_ERROR(ExpectDtype("source", source.element_type(), ffi::DataType::S32));
   MEGAMOE_RETURN_IF_ERROR(CheckGroupSizes(group_sizes, e));
@@ -156,7 +156,8 @@ inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x, const ffi::
       return InvalidArgument("x_scale must be [N=", xd[0], ", C/128] with C <= ", xd[1],
                              " for e4m3 x, got ", ShapeString(scd));
     }
-    *from = WgradRows::kDequantized;
+    *rows = {WgradRows::kDequantized, x.untyped_data(), nullptr,
+             static_cast<const float*>(x_scale.untyped_data()), xd[1]};
     *n = xd[0];
     *c = scd[1] * 128;
   } else {
@@ -168,7 +169,9 @@ inline ffi::Error CheckQuantizeWgradOperand(const ffi::AnyBuffer& x, const ffi::
                                     : "x must be [N, C]",
                              " with C a multiple of 128, got ", ShapeString(xd));
     }
-    *from = gathered ? WgradRows::kGathered : swiglu ? WgradRows::kSwiglu : WgradRows::kMatrix;
+    *rows = {gathered ? WgradRows::kGathered : swiglu ? WgradRows::kSwiglu : WgradRows::kMatrix,
+             x.untyped_data(),
+             gathered ? static_cast<const int32_t*>(source.untyped_data()) : nullptr};
     *n = gathered ? sd[0] : xd[0];
     *c = xd[1] / per_value;
   }

@@ -103,41 +103,17 @@ ffi::Error QuantizeWgradOperandImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::
                                     ffi::Result<ffi::AnyBuffer> scale_rows,
                                     ffi::Result<ffi::AnyBuffer> workspace, int64_t pow2,
                                     int64_t rows, int64_t swiglu) {
-  WgradRows from;
+  WgradRowsSource operand;
   int64_t n, c, e, length;
   MEGAMOE_RETURN_IF_ERROR(CheckQuantizeWgradOperand(x, x_scale, source, group_sizes, swiglu != 0,
                                                     rows != 0, q, scale, q_rows, scale_rows,
-                                                    &from, &n, &c, &e, &length));
+                                                    &operand, &n, &c, &e, &length));
   int32_t *offsets, *padded;
   MEGAMOE_RETURN_IF_ERROR(PaddedOffsets(stream, group_sizes, e, n, workspace, &offsets, &padded));
-  void* q_rows_data = rows != 0 ? q_rows->untyped_data() : nullptr;
-  float* scale_rows_data = static_cast<float*>(scale_rows->untyped_data());
-  float* scale_data = static_cast<float*>(scale->untyped_data());
-  std::string err;
-  switch (from) {
-    case WgradRows::kMatrix:
-      err = QuantizeWgradOperand128x1(x.untyped_data(), c, offsets, padded, int(e), length,
-                                      pow2 != 0, q->untyped_data(), scale_data, q_rows_data,
-                                      scale_rows_data, stream);
-      break;
-    case WgradRows::kGathered:
-      err = QuantizeGatheredWgradOperand128x1(
-          x.untyped_data(), static_cast<const int32_t*>(source.untyped_data()), c, offsets,
-          padded, int(e), length, pow2 != 0, q->untyped_data(), scale_data, q_rows_data,
-          scale_rows_data, stream);
-      break;
-    case WgradRows::kSwiglu:
-      err = SwigluWgradOperand128x1(x.untyped_data(), c, offsets, padded, int(e), length,
-                                    pow2 != 0, q->untyped_data(), scale_data, q_rows_data,
-                                    scale_rows_data, stream);
-      break;
-    case WgradRows::kDequantized:
-      err = DequantizedWgradOperand128x1(
-          x.untyped_data(), x.dimensions()[1], static_cast<const float*>(x_scale.untyped_data()),
-          c, offsets, padded, int(e), length, pow2 != 0, q->untyped_data(), scale_data,
-          q_rows_data, scale_rows_data, stream);
-      break;
-  }
+  std::string err = QuantizeWgradOperand128x1(
+      operand, c, offsets, padded, int(e), length, pow2 != 0, q->untyped_data(),
+      static_cast<float*>(scale->untyped_data()), rows != 0 ? q_rows->untyped_data() : nullptr,
+      static_cast<float*>(scale_rows->untyped_data()), stream);
   if (!err.empty()) return Internal(err);
   return ffi::Error::Success();
 }

@@ -109,22 +109,13 @@ __global__ void SwigluQuantizeKernel(const __nv_bfloat16* __restrict__ gate_up,
     h_out[0] = h_out[1] = make_uint4(0u, 0u, 0u, 0u);
     return;
   }
-  const __nv_bfloat16* g_in = gate_up + r * 2 * f + col;
-  const uint4 g_raw[2] = {*reinterpret_cast<const uint4*>(g_in),
-                          *reinterpret_cast<const uint4*>(g_in + 8)};
-  const uint4 u_raw[2] = {*reinterpret_cast<const uint4*>(g_in + f),
-                          *reinterpret_cast<const uint4*>(g_in + f + 8)};
-  const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(g_raw);
-  const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(u_raw);
-  uint4 h_raw[2];
-  __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(h_raw);
+  const uint4* g_in = reinterpret_cast<const uint4*>(gate_up + r * 2 * f + col);
+  const uint4* u_in = reinterpret_cast<const uint4*>(gate_up + r * 2 * f + f + col);
+  const uint4 h_raw[2] = {SwigluOctet(g_in[0], u_in[0]), SwigluOctet(g_in[1], u_in[1])};
+  const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(h_raw);
   float2 v[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float2 g = __bfloat1622float2(g2[i]), u = __bfloat1622float2(u2[i]);
-    h2[i] = __floats2bfloat162_rn(Swiglu(g.x, u.x), Swiglu(g.y, u.y));
-    v[i] = __bfloat1622float2(h2[i]);
-  }
+  for (int i = 0; i < 8; ++i) v[i] = __bfloat1622float2(h2[i]);
   h_out[0] = h_raw[0];
   h_out[1] = h_raw[1];
   QuantizeSixteen(v, pow2, part, q + r * f + col, scale + r * fb_count + fb);
@@ -194,18 +185,9 @@ struct SwigluValues {  // h [rows, F] = bf16(silu(gate) * up) of gate_up [rows, 
   const __nv_bfloat16* gate_up;
   int64_t f;
   __device__ uint4 Load(int64_t r, int64_t col) const {
-    const uint4 gv = *reinterpret_cast<const uint4*>(gate_up + r * 2 * f + col);
-    const uint4 uv = *reinterpret_cast<const uint4*>(gate_up + r * 2 * f + f + col);
-    const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv);
-    const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
-    uint4 out;
-    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 g = __bfloat1622float2(g2[i]), u = __bfloat1622float2(u2[i]);
-      o2[i] = __floats2bfloat162_rn(Swiglu(g.x, u.x), Swiglu(g.y, u.y));  // as SwigluQuantizeKernel
-    }
-    return out;
+    const __nv_bfloat16* row = gate_up + r * 2 * f;
+    return SwigluOctet(*reinterpret_cast<const uint4*>(row + col),
+                       *reinterpret_cast<const uint4*>(row + f + col));
   }
 };
 
@@ -236,24 +218,12 @@ struct SwigluGradValues {  // dgate_up [rows, 2F] = the SwiGLU backward of dh [r
   __device__ uint4 Load(int64_t r, int64_t col) const {
     const bool up_half = col >= f;
     const int64_t j = up_half ? col - f : col;
-    const uint4 dv = *reinterpret_cast<const uint4*>(dh + r * f + j);
-    const uint4 gv = *reinterpret_cast<const uint4*>(gate_up + r * 2 * f + j);
-    const uint4 uv = *reinterpret_cast<const uint4*>(gate_up + r * 2 * f + f + j);
-    const __nv_bfloat162* d2 = reinterpret_cast<const __nv_bfloat162*>(&dv);
-    const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv);
-    const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
-    uint4 out;
-    __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 d = __bfloat1622float2(d2[i]), g = __bfloat1622float2(g2[i]),
-                   u = __bfloat1622float2(u2[i]);
-      float dgx, dux, dgy, duy;
-      SwigluGrad(d.x, g.x, u.x, &dgx, &dux);
-      SwigluGrad(d.y, g.y, u.y, &dgy, &duy);
-      o2[i] = up_half ? __floats2bfloat162_rn(dux, duy) : __floats2bfloat162_rn(dgx, dgy);
-    }
-    return out;
+    const __nv_bfloat16* row = gate_up + r * 2 * f;
+    uint4 d_gate, d_up;
+    SwigluGradOctet(*reinterpret_cast<const uint4*>(dh + r * f + j),
+                    *reinterpret_cast<const uint4*>(row + j),
+                    *reinterpret_cast<const uint4*>(row + f + j), &d_gate, &d_up);
+    return up_half ? d_up : d_gate;
   }
 };
 
@@ -489,42 +459,28 @@ std::string LaunchQuantizeTiles(Values values, int64_t c, const int32_t* offsets
   return LastLaunchError("QuantizeTileKernel launch");
 }
 
-std::string QuantizeWgradOperand128x1(const void* x, int64_t c, const int32_t* offsets,
-                                      const int32_t* padded, int num_groups, int64_t length,
-                                      bool pow2, void* q, float* scale, void* q_rows,
-                                      float* scale_rows, cudaStream_t stream) {
-  return LaunchQuantizeTiles(MatrixValues{static_cast<const __nv_bfloat16*>(x), c}, c, offsets,
-                             padded, num_groups, length, pow2, q, scale, q_rows, scale_rows,
-                             stream);
-}
-
-std::string QuantizeGatheredWgradOperand128x1(const void* x, const int32_t* source, int64_t c,
-                                              const int32_t* offsets, const int32_t* padded,
-                                              int num_groups, int64_t length, bool pow2, void* q,
-                                              float* scale, void* q_rows, float* scale_rows,
-                                              cudaStream_t stream) {
-  return LaunchQuantizeTiles(GatheredRowsValues{static_cast<const __nv_bfloat16*>(x), source, c},
-                             c, offsets, padded, num_groups, length, pow2, q, scale, q_rows,
-                             scale_rows, stream);
-}
-
-std::string SwigluWgradOperand128x1(const void* gate_up, int64_t c, const int32_t* offsets,
-                                    const int32_t* padded, int num_groups, int64_t length,
-                                    bool pow2, void* q, float* scale, void* q_rows,
-                                    float* scale_rows, cudaStream_t stream) {
-  return LaunchQuantizeTiles(SwigluValues{static_cast<const __nv_bfloat16*>(gate_up), c}, c,
-                             offsets, padded, num_groups, length, pow2, q, scale, q_rows,
-                             scale_rows, stream);
-}
-
-std::string DequantizedWgradOperand128x1(const void* x_q, int64_t stride, const float* x_scale,
-                                         int64_t c, const int32_t* offsets, const int32_t* padded,
-                                         int num_groups, int64_t length, bool pow2, void* q,
-                                         float* scale, void* q_rows, float* scale_rows,
-                                         cudaStream_t stream) {
-  return LaunchQuantizeTiles(
-      DequantizedRowsValues{static_cast<const uint8_t*>(x_q), stride, x_scale, c}, c, offsets,
-      padded, num_groups, length, pow2, q, scale, q_rows, scale_rows, stream);
+std::string QuantizeWgradOperand128x1(const WgradRowsSource& from, int64_t c,
+                                      const int32_t* offsets, const int32_t* padded,
+                                      int num_groups, int64_t length, bool pow2, void* q,
+                                      float* scale, void* q_rows, float* scale_rows,
+                                      cudaStream_t stream) {
+  auto launch = [&](auto values) {
+    return LaunchQuantizeTiles(values, c, offsets, padded, num_groups, length, pow2, q, scale,
+                               q_rows, scale_rows, stream);
+  };
+  const auto* bf16 = static_cast<const __nv_bfloat16*>(from.x);
+  switch (from.kind) {
+    case WgradRows::kMatrix:
+      return launch(MatrixValues{bf16, c});
+    case WgradRows::kGathered:
+      return launch(GatheredRowsValues{bf16, from.source, c});
+    case WgradRows::kSwiglu:
+      return launch(SwigluValues{bf16, c});
+    case WgradRows::kDequantized:
+      return launch(DequantizedRowsValues{static_cast<const uint8_t*>(from.x), from.stride,
+                                          from.x_scale, c});
+  }
+  return "QuantizeWgradOperand128x1: unknown WgradRows";
 }
 
 std::string SwigluBackwardQuantize(const void* dh, const void* gate_up, int64_t f,

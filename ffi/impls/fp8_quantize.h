@@ -9,6 +9,8 @@
 
 #include <cuda_runtime.h>
 
+#include "ffi/layout/wgrad_rows.h"
+
 namespace megamoe::grouped {
 
 // Activations, 1 x 128 blocks along K: x [rows, K] bf16 -> q [rows, K] e4m3 and scale
@@ -30,37 +32,20 @@ std::string SwigluQuantize1x128(const void* gate_up, void* h, int64_t rows, int6
 std::string QuantizeWeights128x128(const void* w, int64_t e, int64_t k, int64_t n, bool pow2,
                                    bool dgrad, void* q, float* scale, cudaStream_t stream);
 
-// 128 x 1 blocks along the rows inside each group, stored transposed: x [rows, C] bf16 ->
-// q [C, length] e4m3 with group g's rows at columns [padded[g], padded[g] + n_g) and zeros up
-// to padded[g + 1]; scale [length/128, C] fp32, scale[padded[g]/128 + b][c] that of rows
+// 128 x 1 blocks along the rows inside each group, stored transposed: the operand's rows
+// [rows, C] (bf16 values, read as `from` says: layout/wgrad_rows.h; never stored in bf16 where
+// they are gathered, a SwiGLU or dequantised, the same bytes as if they were) -> q [C, length]
+// e4m3 with group g's rows at columns [padded[g], padded[g] + n_g) and zeros up to
+// padded[g + 1]; scale [length/128, C] fp32, scale[padded[g]/128 + b][c] that of rows
 // offsets[g] + 128 b ... of column c. Columns past padded[E] untouched. C % 128 == 0.
 // With q_rows (else nullptr), from the same read: the 1x128 row quantisation (as
 // QuantizeActivations1x128) q_rows [rows, C], scale_rows [rows, C/128] of rows < offsets[E].
-std::string QuantizeWgradOperand128x1(const void* x, int64_t c, const int32_t* offsets,
-                                      const int32_t* padded, int num_groups, int64_t length,
-                                      bool pow2, void* q, float* scale, void* q_rows,
-                                      float* scale_rows, cudaStream_t stream);
-
-// QuantizeWgradOperand128x1 of rows read from elsewhere, never stored in bf16 (the same bytes
-// as that of the rows stored): gathered, row r = x[source[r]] of x [T, C] (zeros where
-// source[r] < 0; every entry < T, the caller's contract); SwiGLU, row r = bf16(silu(gate) *
-// up) of gate_up [rows, 2C] (SwigluQuantize1x128's h); or dequantised, row r = bf16(q[r] *
-// scale[r, block]) of e4m3 rows q [rows, stride >= C] (stride % 16 == 0) and their 1x128
-// scales [rows, C/128] (cuda_fp8.dequantize_rows).
-std::string QuantizeGatheredWgradOperand128x1(const void* x, const int32_t* source, int64_t c,
-                                              const int32_t* offsets, const int32_t* padded,
-                                              int num_groups, int64_t length, bool pow2, void* q,
-                                              float* scale, void* q_rows, float* scale_rows,
-                                              cudaStream_t stream);
-std::string SwigluWgradOperand128x1(const void* gate_up, int64_t c, const int32_t* offsets,
-                                    const int32_t* padded, int num_groups, int64_t length,
-                                    bool pow2, void* q, float* scale, void* q_rows,
-                                    float* scale_rows, cudaStream_t stream);
-std::string DequantizedWgradOperand128x1(const void* x_q, int64_t stride, const float* x_scale,
-                                         int64_t c, const int32_t* offsets, const int32_t* padded,
-                                         int num_groups, int64_t length, bool pow2, void* q,
-                                         float* scale, void* q_rows, float* scale_rows,
-                                         cudaStream_t stream);
+// kGathered: every source entry < x's rows, the caller's contract.
+std::string QuantizeWgradOperand128x1(const WgradRowsSource& from, int64_t c,
+                                      const int32_t* offsets, const int32_t* padded,
+                                      int num_groups, int64_t length, bool pow2, void* q,
+                                      float* scale, void* q_rows, float* scale_rows,
+                                      cudaStream_t stream);
 
 // The SwiGLU backward of the grouped MLP (as SwigluBackward, rounded to bf16) quantised both
 // ways without storing it: dh [rows, F], gate_up [rows, 2F] bf16 -> dgate_up [rows, 2F] as
