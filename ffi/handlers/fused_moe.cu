@@ -22,7 +22,7 @@
 
 #include "ffi/comm/peer_signal.cuh"
 #include "ffi/handlers/ep_ops.h"
-#include "ffi/heuristics/fused_debug.h"
+#include "ffi/handlers/fused_ops.h"
 #include "ffi/impls/fused_moe.h"
 #include "ffi/registry.h"
 
@@ -48,10 +48,6 @@ ffi::Error RequireType(ffi::DataType dtype, ffi::DataType want, const char* name
                        const char* want_name) {
   if (dtype == want) return ffi::Error::Success();
   return Fail(std::string(name) + " must be " + want_name);
-}
-
-std::vector<int64_t> DimsOf(const RankOperand& o, int ndim) {
-  return std::vector<int64_t>(o.dims, o.dims + ndim);
 }
 
 ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
@@ -92,7 +88,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                x_sorted_scale->element_count() != 0))
     return Fail("x_scale, w_gate_up_scale, w_down_scale, h_scale and x_sorted_scale must be [0] "
                 "for bfloat16");
-  RankOperand ox, oids, ow, ogu, odn, oy, oh, occ, orows, odest, ogs, ost, oph;
+  RankOperand ox, oids, ow, ogu, odn, oy, oh;
+  RoutingOutputs routing;
   if (auto e = FirstFailure({SplitRanks(x, ranks, 2, "x", &ox),
                             SplitRanks(ids, ranks, 2, "topk_ids", &oids),
                             SplitRanks(weights, ranks, 2, "topk_weights", &ow),
@@ -100,12 +97,13 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             SplitRanks(w_down, ranks, 3, "w_down", &odn),
                             SplitRanks(*y, ranks, 2, "y", &oy),
                             SplitRanks(*h, ranks, 2, "h", &oh),
-                            SplitRanks(*scratch, ranks, 1, "scratch", &occ),
-                            SplitRanks(*slot_rows, ranks, 2, "slot_rows", &orows),
-                            SplitRanks(*slot_dest, ranks, 2, "slot_dest", &odest),
-                            SplitRanks(*group_sizes, ranks, 1, "group_sizes", &ogs),
-                            SplitRanks(*stats, ranks, 1, "stats", &ost),
-                            SplitRanks(*phases, ranks, 1, "phases", &oph)});
+                            SplitRanks(*scratch, ranks, 1, "scratch", &routing.scratch),
+                            SplitRanks(*slot_rows, ranks, 2, "slot_rows", &routing.slot_rows),
+                            SplitRanks(*slot_dest, ranks, 2, "slot_dest", &routing.slot_dest),
+                            SplitRanks(*group_sizes, ranks, 1, "group_sizes",
+                                       &routing.group_sizes),
+                            SplitRanks(*stats, ranks, 1, "stats", &routing.stats),
+                            SplitRanks(*phases, ranks, 1, "phases", &routing.phases)});
       e.failure()) {
     return e;
   }
@@ -135,37 +133,25 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
       return e;
     }
     if (H % 128 || F % 128) return Fail("FP8 needs H and F multiples of 128");
-    if (DimsOf(oxs, 2) != std::vector<int64_t>{T, H / 128})
+    if (!DimsAre(oxs, {T, H / 128}))
       return Fail("x_scale must be [T=" + n(T) + ", H/128=" + n(H / 128) + "] per rank");
-    if (DimsOf(ogus, 3) != std::vector<int64_t>{El, H / 128, 2 * F / 128})
+    if (!DimsAre(ogus, {El, H / 128, 2 * F / 128}))
       return Fail("w_gate_up_scale must be [E/R, H/128, 2F/128] per rank");
-    if (DimsOf(odns, 3) != std::vector<int64_t>{El, F / 128, H / 128})
+    if (!DimsAre(odns, {El, F / 128, H / 128}))
       return Fail("w_down_scale must be [E/R, F/128, H/128] per rank");
-    if (DimsOf(ohs, 2) != std::vector<int64_t>{F / 128, FusedScalePitch(n_cap)})
+    if (!DimsAre(ohs, {F / 128, FusedScalePitch(n_cap)}))
       return Fail("h_scale must be [F/128=" + n(F / 128) + ", " + n(FusedScalePitch(n_cap)) +
                   "] per rank");
   }
   if (oy.dims[0] != T || oy.dims[1] != H) return Fail("y must be [T, H] per rank");
   if (oh.dims[0] != n_cap || oh.dims[1] != F)
     return Fail("h must be [n_cap=" + n(n_cap) + ", F=" + n(F) + "] per rank");
-  // Exactly: the copy plan's int4 rows of every stacked rank stay 16-byte aligned.
-  if (occ.dims[0] != FusedScratchInts(T, num_experts, K))
-    return Fail("scratch must be [" + n(FusedScratchInts(T, num_experts, K)) +
-                "] ints per rank, it is [" + n(occ.dims[0]) + "]");
-  if (orows.dims[0] != T || orows.dims[1] != K || odest.dims[0] != T || odest.dims[1] != K)
-    return Fail("slot_rows and slot_dest must be [T, k] per rank");
-  if (ogs.dims[0] != El) return Fail("group_sizes must be [E/R=" + n(El) + "] per rank");
-  if (ost.dims[0] != 4) return Fail("stats must be [4] per rank");
-  if (oph.dims[0] != kFusedPhases)
-    return Fail("phases must be [" + n(kFusedPhases) + "] per rank");
-  int debug = 0;  // MEGAMOE_FUSED_DEBUG: fault localisation only, unset normally
-  if (std::string err = heuristics::FusedDebugBits(&debug); !err.empty()) return Fail(err);
-  const FusedForwardProblem problem{static_cast<int>(T), static_cast<int>(H),
-                                    static_cast<int>(F), static_cast<int>(K),
-                                    static_cast<int>(num_experts), static_cast<int>(n_cap),
-                                    static_cast<int>(max_ctas), fp8 ? 1 : 0, pow2 ? 1 : 0,
-                                    debug};
-  if (std::string why = FusedForwardUnsupported(problem, v0.layout, v0.num_ranks); !why.empty())
+  if (std::string why = RoutingOutputsMismatch(routing, T, K, El, num_experts); !why.empty())
+    return Fail(why);
+  FusedForwardProblem problem;
+  if (std::string why = FusedProblemFor(T, H, F, K, num_experts, n_cap, max_ctas, fp8, pow2 != 0,
+                                        v0, &problem);
+      !why.empty())
     return Fail(why);
   // gate_up, y_sorted and x_sorted (FP8: with x_sorted_scale) are kept per rank, any workspace.
   RankOperand ogate, oyrows, oxrows, oxscale;
@@ -213,14 +199,15 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                    oids.at<int32_t>(r), ow.at<float>(r), ogu.at(r),
                    fp8 ? ogus.at<float>(r) : nullptr, odn.at(r),
                    fp8 ? odns.at<float>(r) : nullptr, oy.at(r), oh.at(r),
-                   fp8 ? ohs.at<float>(r) : nullptr, occ.at<int32_t>(r), orows.at<int32_t>(r),
-                   odest.at<int32_t>(r), ogs.at<int32_t>(r),
+                   fp8 ? ohs.at<float>(r) : nullptr, routing.scratch.at<int32_t>(r),
+                   routing.slot_rows.at<int32_t>(r), routing.slot_dest.at<int32_t>(r),
+                   routing.group_sizes.at<int32_t>(r),
                    keep_x_rows ? oxrows.at(r) : nullptr,
                    fp8 && keep_x_rows ? oxscale.at<float>(r) : nullptr,
                    keep_gate_up ? ogate.at(r) : nullptr,
                    keep_y_rows ? oyrows.at(r) : nullptr,
-                   keep_y_comb ? oycomb.at(r) : nullptr, ost.at<int32_t>(r),
-                   oph.at<int32_t>(r)});
+                   keep_y_comb ? oycomb.at(r) : nullptr, routing.stats.at<int32_t>(r),
+                   routing.phases.at<int32_t>(r)});
   }
   if (std::string err = LaunchFusedForward(ops.data(), static_cast<int>(ops.size()),
                                            ranks.absent, problem, stream);

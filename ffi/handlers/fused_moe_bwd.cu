@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "ffi/handlers/ep_ops.h"
-#include "ffi/heuristics/fused_debug.h"
+#include "ffi/handlers/fused_ops.h"
 #include "ffi/impls/fused_moe.h"
 #include "ffi/registry.h"
 
@@ -60,8 +60,8 @@ ffi::Error FusedMoeBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dy,
                              {dgate_up->element_type(), "dgate_up"}}) {
     if (dtype != ffi::DataType::BF16) return Fail(std::string(name) + " must be bfloat16");
   }
-  RankOperand ody, oids, ow, oyc, ogate, ogu, odn, odx, odw, odys, odgu, occ, orows, odest, ogs,
-      ost, oph;
+  RankOperand ody, oids, ow, oyc, ogate, ogu, odn, odx, odw, odys, odgu;
+  RoutingOutputs routing;
   if (auto e = FirstFailure({SplitRanks(dy, ranks, 2, "dy", &ody),
                             SplitRanks(ids, ranks, 2, "topk_ids", &oids),
                             SplitRanks(weights, ranks, 2, "topk_weights", &ow),
@@ -73,12 +73,13 @@ ffi::Error FusedMoeBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dy,
                             SplitRanks(*d_weights, ranks, 2, "d_topk_weights", &odw),
                             SplitRanks(*dy_sorted, ranks, 2, "dy_sorted", &odys),
                             SplitRanks(*dgate_up, ranks, 2, "dgate_up", &odgu),
-                            SplitRanks(*scratch, ranks, 1, "scratch", &occ),
-                            SplitRanks(*slot_rows, ranks, 2, "slot_rows", &orows),
-                            SplitRanks(*slot_dest, ranks, 2, "slot_dest", &odest),
-                            SplitRanks(*group_sizes, ranks, 1, "group_sizes", &ogs),
-                            SplitRanks(*stats, ranks, 1, "stats", &ost),
-                            SplitRanks(*phases, ranks, 1, "phases", &oph)});
+                            SplitRanks(*scratch, ranks, 1, "scratch", &routing.scratch),
+                            SplitRanks(*slot_rows, ranks, 2, "slot_rows", &routing.slot_rows),
+                            SplitRanks(*slot_dest, ranks, 2, "slot_dest", &routing.slot_dest),
+                            SplitRanks(*group_sizes, ranks, 1, "group_sizes",
+                                       &routing.group_sizes),
+                            SplitRanks(*stats, ranks, 1, "stats", &routing.stats),
+                            SplitRanks(*phases, ranks, 1, "phases", &routing.phases)});
       e.failure()) {
     return e;
   }
@@ -86,52 +87,42 @@ ffi::Error FusedMoeBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dy,
   const int64_t T = ody.dims[0], H = ody.dims[1], K = oids.dims[1];
   const int64_t El = ogu.dims[0], F = ogu.dims[2] / 2;
   const auto n = [](int64_t v) { return std::to_string(v); };
-  const auto is = [](const RankOperand& o, std::vector<int64_t> want) {
-    return std::vector<int64_t>(o.dims, o.dims + want.size()) == want;
-  };
-  if (oids.dims[0] != T || !is(ow, {T, K}) || !is(odw, {T, K}))
+  if (oids.dims[0] != T || !DimsAre(ow, {T, K}) || !DimsAre(odw, {T, K}))
     return Fail("topk_ids, topk_weights and d_topk_weights must be [T=" + n(T) + ", k]");
-  if (El * v0.num_ranks != num_experts || !is(ogu, {El, H, 2 * F}))
+  if (El * v0.num_ranks != num_experts || !DimsAre(ogu, {El, H, 2 * F}))
     return Fail("w_gate_up must be [E/R=" + n(num_experts / v0.num_ranks) + ", H=" + n(H) +
                 ", 2F] per rank");
-  if (!is(odn, {El, F, H})) return Fail("w_down must be [E/R, F=" + n(F) + ", H=" + n(H) + "]");
+  if (!DimsAre(odn, {El, F, H}))
+    return Fail("w_down must be [E/R, F=" + n(F) + ", H=" + n(H) + "] per rank");
   // One rank alone the comb buffer is the pool's order (the forward's y_sorted); otherwise the
   // forward copied its comb rows out, one per slot.
   const bool one_rank = v0.num_ranks == 1 && ranks.count == 1;
   const int64_t comb_rows = one_rank ? n_cap : T * K;
-  if (!is(oyc, {comb_rows, H}))
+  if (!DimsAre(oyc, {comb_rows, H}))
     return Fail("y_comb must be [" + std::string(one_rank ? "n_cap=" : "T * k=") + n(comb_rows) +
                 ", H=" + n(H) + "] per rank (" +
                 (one_rank ? "one rank alone: the forward's y_sorted" : "the forward's comb rows") +
                 ")");
-  if (!is(ogate, {n_cap, 2 * F}) || !is(odgu, {n_cap, 2 * F}))
+  if (!DimsAre(ogate, {n_cap, 2 * F}) || !DimsAre(odgu, {n_cap, 2 * F}))
     return Fail("gate_up and dgate_up must be [n_cap=" + n(n_cap) + ", 2F=" + n(2 * F) +
                 "] per rank");
-  if (!is(odx, {T, H}) || !is(odys, {n_cap, H}))
+  if (!DimsAre(odx, {T, H}) || !DimsAre(odys, {n_cap, H}))
     return Fail("dx must be [T, H] and dy_sorted [n_cap=" + n(n_cap) + ", H] per rank");
-  if (occ.dims[0] != FusedScratchInts(T, num_experts, K))
-    return Fail("scratch must be [" + n(FusedScratchInts(T, num_experts, K)) +
-                "] ints per rank, it is [" + n(occ.dims[0]) + "]");
-  if (!is(orows, {T, K}) || !is(odest, {T, K}))
-    return Fail("slot_rows and slot_dest must be [T, k] per rank");
-  if (ogs.dims[0] != El) return Fail("group_sizes must be [E/R=" + n(El) + "] per rank");
-  if (ost.dims[0] != 4) return Fail("stats must be [4] per rank");
-  if (oph.dims[0] != kFusedPhases)
-    return Fail("phases must be [" + n(kFusedPhases) + "] per rank");
-  int debug = 0;  // MEGAMOE_FUSED_DEBUG: fault localisation only, unset normally
-  if (std::string err = heuristics::FusedDebugBits(&debug); !err.empty()) return Fail(err);
-  const FusedForwardProblem problem{static_cast<int>(T), static_cast<int>(H),
-                                    static_cast<int>(F), static_cast<int>(K),
-                                    static_cast<int>(num_experts), static_cast<int>(n_cap),
-                                    static_cast<int>(max_ctas), /*fp8=*/0, /*pow2=*/0, debug};
-  if (std::string why = FusedForwardUnsupported(problem, v0.layout, v0.num_ranks); !why.empty())
+  if (std::string why = RoutingOutputsMismatch(routing, T, K, El, num_experts); !why.empty())
+    return Fail(why);
+  FusedForwardProblem problem;
+  if (std::string why = FusedProblemFor(T, H, F, K, num_experts, n_cap, max_ctas, /*fp8=*/false,
+                                        /*pow2=*/false, v0, &problem);
+      !why.empty())
     return Fail(why);
   std::vector<FusedBackwardRankOperands> ops;
   for (int r = 0; r < ranks.count; ++r) {
     ops.push_back({ranks.views[r], ody.at(r), oids.at<int32_t>(r), ow.at<float>(r), oyc.at(r),
                    ogate.at(r), ogu.at(r), odn.at(r), odx.at(r), odw.at<float>(r), odys.at(r),
-                   odgu.at(r), occ.at<int32_t>(r), orows.at<int32_t>(r), odest.at<int32_t>(r),
-                   ogs.at<int32_t>(r), ost.at<int32_t>(r), oph.at<int32_t>(r)});
+                   odgu.at(r), routing.scratch.at<int32_t>(r),
+                   routing.slot_rows.at<int32_t>(r), routing.slot_dest.at<int32_t>(r),
+                   routing.group_sizes.at<int32_t>(r), routing.stats.at<int32_t>(r),
+                   routing.phases.at<int32_t>(r)});
   }
   if (std::string err = LaunchFusedBackward(ops.data(), static_cast<int>(ops.size()),
                                             ranks.absent, problem, stream);
