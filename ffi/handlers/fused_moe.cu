@@ -97,13 +97,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                             SplitRanks(w_down, ranks, 3, "w_down", &odn),
                             SplitRanks(*y, ranks, 2, "y", &oy),
                             SplitRanks(*h, ranks, 2, "h", &oh),
-                            SplitRanks(*scratch, ranks, 1, "scratch", &routing.scratch),
-                            SplitRanks(*slot_rows, ranks, 2, "slot_rows", &routing.slot_rows),
-                            SplitRanks(*slot_dest, ranks, 2, "slot_dest", &routing.slot_dest),
-                            SplitRanks(*group_sizes, ranks, 1, "group_sizes",
-                                       &routing.group_sizes),
-                            SplitRanks(*stats, ranks, 1, "stats", &routing.stats),
-                            SplitRanks(*phases, ranks, 1, "phases", &routing.phases)});
+                            SplitRoutingOutputs(ranks, *scratch, *slot_rows, *slot_dest,
+                                                *group_sizes, *stats, *phases, &routing)});
       e.failure()) {
     return e;
   }

@@ -73,13 +73,8 @@ ffi::Error FusedMoeBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dy,
                             SplitRanks(*d_weights, ranks, 2, "d_topk_weights", &odw),
                             SplitRanks(*dy_sorted, ranks, 2, "dy_sorted", &odys),
                             SplitRanks(*dgate_up, ranks, 2, "dgate_up", &odgu),
-                            SplitRanks(*scratch, ranks, 1, "scratch", &routing.scratch),
-                            SplitRanks(*slot_rows, ranks, 2, "slot_rows", &routing.slot_rows),
-                            SplitRanks(*slot_dest, ranks, 2, "slot_dest", &routing.slot_dest),
-                            SplitRanks(*group_sizes, ranks, 1, "group_sizes",
-                                       &routing.group_sizes),
-                            SplitRanks(*stats, ranks, 1, "stats", &routing.stats),
-                            SplitRanks(*phases, ranks, 1, "phases", &routing.phases)});
+                            SplitRoutingOutputs(ranks, *scratch, *slot_rows, *slot_dest,
+                                                *group_sizes, *stats, *phases, &routing)});
       e.failure()) {
     return e;
   }

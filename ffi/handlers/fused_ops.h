@@ -15,15 +15,34 @@
 
 namespace megamoe::fused {
 
+namespace ffi = xla::ffi;
+
 // Whether one rank's leading dimensions of o are want.
 inline bool DimsAre(const ep::RankOperand& o, std::initializer_list<int64_t> want) {
   return std::equal(want.begin(), want.end(), o.dims);
 }
 
-// The routing's outputs, one rank's view each (split by the handler, with its other operands).
+// The routing's outputs, one rank's view each.
 struct RoutingOutputs {
   ep::RankOperand scratch, slot_rows, slot_dest, group_sizes, stats, phases;
 };
+
+// Splits the six routing outputs per rank into *out.
+inline ffi::Error SplitRoutingOutputs(const ep::LocalRanks& ranks,
+                                      const ffi::Buffer<ffi::S32>& scratch,
+                                      const ffi::Buffer<ffi::S32>& slot_rows,
+                                      const ffi::Buffer<ffi::S32>& slot_dest,
+                                      const ffi::Buffer<ffi::S32>& group_sizes,
+                                      const ffi::Buffer<ffi::S32>& stats,
+                                      const ffi::Buffer<ffi::S32>& phases, RoutingOutputs* out) {
+  return ep::FirstFailure({ep::SplitRanks(scratch, ranks, 1, "scratch", &out->scratch),
+                           ep::SplitRanks(slot_rows, ranks, 2, "slot_rows", &out->slot_rows),
+                           ep::SplitRanks(slot_dest, ranks, 2, "slot_dest", &out->slot_dest),
+                           ep::SplitRanks(group_sizes, ranks, 1, "group_sizes",
+                                          &out->group_sizes),
+                           ep::SplitRanks(stats, ranks, 1, "stats", &out->stats),
+                           ep::SplitRanks(phases, ranks, 1, "phases", &out->phases)});
+}
 
 // "" when the routing outputs have the shapes the kernel writes for T tokens, top-k, E experts
 // and El = E/R local experts; otherwise what is wrong.
