@@ -524,6 +524,22 @@ def test_debug_bits_override_refuses_a_bad_value(monkeypatch):
       jax.block_until_ready(backward(dy))
 
 
+def test_handlers_refuse_a_routing_scratch_of_the_wrong_size(monkeypatch):
+  """Both fused handlers check the routing outputs with one function (ffi/handlers/fused_ops.h):
+  a scratch of the wrong size is refused with the size the kernel needs, by the forward and by
+  the backward's kernel pass on residuals made before, each under its own handler's name. Shapes
+  no other test uses (72 tokens, top-3), so that no cached trace keeps the right size."""
+  x, ids, w, wgu, wd, dy = _inputs(13, 72, 8, 3, ffn=256)  # FFN 256: the backward's dh tiles
+  need = fused.scratch_ints(72, 8, 3)
+  backward = fused.backward_with_phases(x, ids, w, wgu, wd)  # its forward runs here, unpatched
+  monkeypatch.setattr(fused, "scratch_ints", lambda *_: need + 4)
+  error = rf"scratch must be \[{need}\] ints per rank, it is \[{need + 4}\]"
+  with pytest.raises(Exception, match="jax_megamoe fused forward: " + error):
+    jax.block_until_ready(jax.jit(lambda *a: jm.moe(*a, backend="fused"))(x, ids, w, wgu, wd))
+  with pytest.raises(Exception, match="jax_megamoe fused backward: " + error):
+    jax.block_until_ready(backward(dy))
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 3])
 def test_kernel_backward_topk_weight_grads_equal_cuda_bitwise(monkeypatch, num_ranks):
   """d topk_weights from the kernel's backward pass (MEGAMOE_FUSED_BACKWARD=1) equal those of
