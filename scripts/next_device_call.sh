@@ -14,9 +14,9 @@
 # FP8 virtual-rank tests did not run, nor the new test of their shared scratch check: `pytest
 # -n 4 -m gpu tests/test_fused_moe.py -k "fp8_virtual or fp8_one_rank_backward or wrong_size"`
 # (or PART=suite) on the next GPU.
-# First next: the two-GPU parts; at one GPU, PART=step on an H200 (RECIPE=bf16, fp8;
-# CONFIG=qwen3-235b-a22b LAYERS=1), which decides AUTO_PICKS_FUSED (no H200 came in sessions
-# 43-45).
+# First next: the two-GPU parts; at one GPU, PART=step on an H200 (RECIPE=bf16,fp8
+# CONFIG=qwen3-235b-a22b LAYERS=1, one call), which decides AUTO_PICKS_FUSED (no H200 came in
+# sessions 43-45).
 # The combine beside the tiles (branch combine-overlap, sessions 35-36: it loses) is recorded in
 # RESULTS "Session 35"/"Session 36" and FUSED_CORE_NOTES; the branch itself is gone.
 #
@@ -55,9 +55,9 @@
 #     at its power limit): the product's, B K-major, and B K-major shared by 2-CTA clusters
 #     (multicast), L1 and L2, time per launch and the clock under the cap: whether fewer bytes
 #     moved per tile is what would close the 235B bf16 bar at the power limit (session 40).
-#   PART=step (~3 min; RECIPE=bf16|fp8, CONFIG=, LAYERS=): the example's training step, cuda
-#     against fused in both orders (bench_step.py): backend "auto"'s pick at one GPU
-#     (AUTO_PICKS_FUSED in jax_megamoe/backends/fused.py; session 41: parity, H100 fused
+#   PART=step (~3 min a recipe; RECIPE=bf16|fp8|bf16,fp8, CONFIG=, LAYERS=): the example's
+#     training step, cuda against fused in both orders (bench_step.py): backend "auto"'s pick
+#     at one GPU (AUTO_PICKS_FUSED in jax_megamoe/backends/fused.py; session 41: parity, H100 fused
 #     0.5-0.9% faster, H200 0.1-1.8% slower, so auto keeps cuda; session 42, H100s only, after
 #     optimize_remat and the FP8 wgrad operands read in place: bf16 0.4-2.1%, fp8 1.8-1.9%
 #     faster). After a change to the backward or to what the forward keeps for it.
@@ -87,7 +87,7 @@
 # carry the two directories and run benchmarks/kernels/harness_ab.sh A_DIR B_DIR $OUT/ab 2.
 #
 #   OUT=... [PART=bars|energy|harness_energy|step|suite|harness|phases|ep2|ep2_one_process|\
-#     ep2_ep|ep2_train|ep2_bench] [RECIPE=bf16|fp8] [CONFIG=...] [LAYERS=...] \
+#     ep2_ep|ep2_train|ep2_bench] [RECIPE=bf16|fp8|bf16,fp8] [CONFIG=...] [LAYERS=...] \
 #     scripts/next_device_call.sh
 #   (carry .whl: the CUTLASS wheel)
 set -uo pipefail
@@ -293,7 +293,8 @@ harness_energy)
   ;;
 step)
   # Backend "auto"'s pick at one GPU: the example's training step (the 30B config by default,
-  # 16,384 tokens, remat full), cuda against fused, RECIPE=bf16 (default) or fp8, in both run
+  # 16,384 tokens, remat full), cuda against fused, RECIPE=bf16 (default), fp8 or both
+  # (RECIPE=bf16,fp8: ~5 min with the build at 235B x 1 layer, session 41's timing), in both run
   # orders. Eight layers do not fit an H100's 80 GB (both backends run out of memory in XLA's
   # autotuning), so an H100 runs four (LAYERS= overrides); CONFIG=qwen3-235b-a22b with LAYERS=1
   # times the 235B shape, whose bf16 forward is slower with fused than cuda on H100s (README).
@@ -301,14 +302,24 @@ step)
   # (bf16), fused 0.1-1.8% slower: "auto" keeps cuda.
   ensure_extension
   layers=${LAYERS:-$(grep -q H200 "$OUT/gpus.txt" && echo 8 || echo 4)}
-  for order in cuda,fused fused,cuda; do
-    timeout 270 python3 benchmarks/bench_step.py --config "${CONFIG:-qwen3-30b-a3b}" \
-      --layers "$layers" --backends $order --recipe "${RECIPE:-bf16}" --reps 10 \
-      --time-budget 200 --out "$OUT/step_${RECIPE:-bf16}_${order/,/_}.json" --md "$OUT/step.md" \
-      2>&1 | grep -v "^WARNING\|^I0000\|^W0000" | tee "$OUT/step_${RECIPE:-bf16}_${order/,/_}.log" \
-      | tail -4
+  recipes=${RECIPE:-bf16}
+  for recipe in ${recipes//,/ }; do
+    for order in cuda,fused fused,cuda; do
+      timeout 270 python3 benchmarks/bench_step.py --config "${CONFIG:-qwen3-30b-a3b}" \
+        --layers "$layers" --backends $order --recipe "$recipe" --reps 10 --time-budget 200 \
+        --out "$OUT/step_${recipe}_${order/,/_}.json" --md "$OUT/step.md" 2>&1 \
+        | grep -v "^WARNING\|^I0000\|^W0000" | tee "$OUT/step_${recipe}_${order/,/_}.log" \
+        | tail -4
+    done
+    # One log and one json per recipe (both orders; the json keyed by order): a call returns at
+    # most 8 files.
+    cat "$OUT/step_${recipe}"_*_*.log > "$OUT/step_${recipe}.log" 2>/dev/null
+    python3 -c 'import json, sys; json.dump({f.split("/")[-1][:-5]: json.load(open(f))
+      for f in sys.argv[2:]}, open(sys.argv[1], "w"), indent=1)' "$OUT/step_${recipe}.json" \
+      "$OUT/step_${recipe}"_*_*.json
+    rm -f "$OUT/step_${recipe}"_*_*.log "$OUT/step_${recipe}"_*_*.json
   done
-  rm -f "$OUT"/*.png  # a call returns at most 8 files
+  rm -f "$OUT"/*.png
   ;;
 suite)
   # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks, with the
