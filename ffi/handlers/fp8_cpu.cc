@@ -118,6 +118,45 @@ uint16_t SwigluBf16(const uint16_t* gate_up, int64_t r, int64_t j, int64_t f) {
   return FloatToBf16(g * Sigmoid(g) * u);
 }
 
+// The operand's n rows of c bf16 values, read through from (layout/wgrad_rows.h) as the CUDA
+// quantiser reads them; x_rows bounds kGathered's source entries, which the host checks here.
+ffi::Error WgradRowsOnHost(const WgradRowsSource& from, int64_t n, int64_t c, int64_t x_rows,
+                           std::vector<uint16_t>* rows) {
+  const uint16_t* xv = static_cast<const uint16_t*>(from.x);
+  rows->assign(n * c, 0);
+  uint16_t* out = rows->data();
+  switch (from.kind) {
+    case WgradRows::kMatrix:
+      std::copy(xv, xv + n * c, out);
+      break;
+    case WgradRows::kGathered:
+      for (int64_t r = 0; r < n; ++r) {
+        const int32_t src = from.source[r];
+        if (src >= x_rows) {
+          return InvalidArgument("source[", r, "] = ", src, " is past x's ", x_rows, " rows");
+        }
+        if (src >= 0) std::copy(xv + src * c, xv + (src + 1) * c, out + r * c);
+      }
+      break;
+    case WgradRows::kSwiglu:
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j < c; ++j) out[r * c + j] = SwigluBf16(xv, r, j, c);
+      }
+      break;
+    case WgradRows::kDequantized: {
+      const uint8_t* qv = static_cast<const uint8_t*>(from.x);
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j < c; ++j) {
+          const float block_scale = from.x_scale[r * (c / 128) + j / 128];
+          out[r * c + j] = FloatToBf16(E4m3ToFloat(qv[r * from.stride + j]) * block_scale);
+        }
+      }
+      break;
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // The wgrad operand and, with rows, the 1x128 rows of the rows in use (as quantize_rows), of
 // x's rows, x's rows gathered by source, the SwiGLU of x = gate_up, or x's e4m3 rows
 // dequantised (WgradRows).
@@ -135,42 +174,15 @@ ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                                                     rows != 0, q, scale, q_rows, scale_rows,
                                                     &operand, &n, &c, &e, &length));
   (void)workspace;
-  const uint16_t* xv = static_cast<const uint16_t*>(x.untyped_data());
-  std::vector<uint16_t> values;  // the operand's rows where they are not x's
-  if (operand.kind == WgradRows::kGathered) {
-    const int32_t* src = operand.source;
-    const int64_t tokens = x.dimensions()[0];
-    values.assign(n * c, 0);
-    for (int64_t r = 0; r < n; ++r) {
-      if (src[r] >= tokens) {
-        return InvalidArgument("source[", r, "] = ", src[r], " is past x's ", tokens, " rows");
-      }
-      if (src[r] >= 0) std::copy(xv + src[r] * c, xv + (src[r] + 1) * c, values.data() + r * c);
-    }
-  } else if (operand.kind == WgradRows::kSwiglu) {
-    values.resize(n * c);
-    for (int64_t r = 0; r < n; ++r) {
-      for (int64_t j = 0; j < c; ++j) values[r * c + j] = SwigluBf16(xv, r, j, c);
-    }
-  } else if (operand.kind == WgradRows::kDequantized) {
-    const uint8_t* qv = static_cast<const uint8_t*>(operand.x);
-    const float* sv = operand.x_scale;
-    const int64_t stride = operand.stride;
-    values.resize(n * c);
-    for (int64_t r = 0; r < n; ++r) {
-      for (int64_t j = 0; j < c; ++j) {
-        const float block_scale = sv[r * (c / 128) + j / 128];
-        values[r * c + j] = FloatToBf16(E4m3ToFloat(qv[r * stride + j]) * block_scale);
-      }
-    }
-  }
-  const uint16_t* rows_in = values.empty() ? xv : values.data();
+  std::vector<uint16_t> values;
+  MEGAMOE_RETURN_IF_ERROR(WgradRowsOnHost(operand, n, c, x.dimensions()[0], &values));
   const std::vector<int64_t> off = HostGroupOffsets(group_sizes, e, n);
-  QuantizeWgradOperandLoop(rows_in, c, off, length, pow2 != 0,
+  QuantizeWgradOperandLoop(values.data(), c, off, length, pow2 != 0,
                            static_cast<uint8_t*>(q->untyped_data()),
                            static_cast<float*>(scale->untyped_data()));
   if (rows != 0) {
-    QuantizeRowsLoop(rows_in, off[e], c, pow2 != 0, static_cast<uint8_t*>(q_rows->untyped_data()),
+    QuantizeRowsLoop(values.data(), off[e], c, pow2 != 0,
+                     static_cast<uint8_t*>(q_rows->untyped_data()),
                      static_cast<float*>(scale_rows->untyped_data()));
   }
   return ffi::Error::Success();

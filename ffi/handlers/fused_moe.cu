@@ -39,17 +39,6 @@ ffi::Error Fail(const std::string& message) {
   return ffi::Error::InvalidArgument("jax_megamoe fused forward: " + message);
 }
 
-ffi::Error RequireBf16(ffi::DataType dtype, const char* name) {
-  if (dtype == ffi::DataType::BF16) return ffi::Error::Success();
-  return Fail(std::string(name) + " must be bfloat16");
-}
-
-ffi::Error RequireType(ffi::DataType dtype, ffi::DataType want, const char* name,
-                       const char* want_name) {
-  if (dtype == want) return ffi::Error::Success();
-  return Fail(std::string(name) + " must be " + want_name);
-}
-
 ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                        ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> weights,
                        ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
@@ -72,17 +61,20 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   const bool fp8 = x.element_type() == ffi::DataType::F8E4M3FN;
   const ffi::DataType elem = fp8 ? ffi::DataType::F8E4M3FN : ffi::DataType::BF16;
   const char* elem_name = fp8 ? "float8_e4m3fn (x is)" : "bfloat16";
-  for (auto [dtype, name] : {std::pair{x.element_type(), "x"},
-                             {w_gate_up.element_type(), "w_gate_up"},
-                             {w_down.element_type(), "w_down"}, {h->element_type(), "h"}}) {
-    if (auto e = RequireType(dtype, elem, name, elem_name); e.failure()) return e;
-  }
-  for (auto [dtype, name] : {std::pair{y->element_type(), "y"},
-                             {gate_up->element_type(), "gate_up"},
-                             {y_sorted->element_type(), "y_sorted"},
-                             {y_comb->element_type(), "y_comb"}}) {
-    if (auto e = RequireBf16(dtype, name); e.failure()) return e;
-  }
+  if (std::string why = DtypeMismatch({{x.element_type(), "x"},
+                                       {w_gate_up.element_type(), "w_gate_up"},
+                                       {w_down.element_type(), "w_down"},
+                                       {h->element_type(), "h"}},
+                                      elem, elem_name);
+      !why.empty())
+    return Fail(why);
+  if (std::string why = DtypeMismatch({{y->element_type(), "y"},
+                                       {gate_up->element_type(), "gate_up"},
+                                       {y_sorted->element_type(), "y_sorted"},
+                                       {y_comb->element_type(), "y_comb"}},
+                                      ffi::DataType::BF16, "bfloat16");
+      !why.empty())
+    return Fail(why);
   if (!fp8 && (x_scale.element_count() != 0 || w_gate_up_scale.element_count() != 0 ||
                w_down_scale.element_count() != 0 || h_scale->element_count() != 0 ||
                x_sorted_scale->element_count() != 0))
@@ -107,14 +99,13 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   // bf16 weights [E/R, H, 2F] and [E/R, F, H]; FP8 K-major [E/R, 2F, H] and [E/R, H, F].
   const int64_t El = ogu.dims[0], F = (fp8 ? ogu.dims[1] : ogu.dims[2]) / 2;
   const auto n = [](int64_t v) { return std::to_string(v); };
-  if (oids.dims[0] != T || ow.dims[0] != T || ow.dims[1] != K)
+  if (oids.dims[0] != T || !DimsAre(ow, {T, K}))
     return Fail("topk_ids and topk_weights must be [T=" + n(T) + ", k]");
   if (El * v0.num_ranks != num_experts ||
-      (fp8 ? ogu.dims[1] != 2 * F || ogu.dims[2] != H : ogu.dims[1] != H || ogu.dims[2] != 2 * F))
+      !(fp8 ? DimsAre(ogu, {El, 2 * F, H}) : DimsAre(ogu, {El, H, 2 * F})))
     return Fail("w_gate_up must be [E/R=" + n(num_experts / v0.num_ranks) +
                 (fp8 ? ", 2F, H=" + n(H) : ", H=" + n(H) + ", 2F") + "] per rank");
-  if (odn.dims[0] != El ||
-      (fp8 ? odn.dims[1] != H || odn.dims[2] != F : odn.dims[1] != F || odn.dims[2] != H))
+  if (!(fp8 ? DimsAre(odn, {El, H, F}) : DimsAre(odn, {El, F, H})))
     return Fail("w_down must be [E/R, " + std::string(fp8 ? "H=" + n(H) + ", F=" + n(F)
                                                           : "F=" + n(F) + ", H=" + n(H)) +
                 "] per rank");
@@ -138,8 +129,8 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
       return Fail("h_scale must be [F/128=" + n(F / 128) + ", " + n(FusedScalePitch(n_cap)) +
                   "] per rank");
   }
-  if (oy.dims[0] != T || oy.dims[1] != H) return Fail("y must be [T, H] per rank");
-  if (oh.dims[0] != n_cap || oh.dims[1] != F)
+  if (!DimsAre(oy, {T, H})) return Fail("y must be [T, H] per rank");
+  if (!DimsAre(oh, {n_cap, F}))
     return Fail("h must be [n_cap=" + n(n_cap) + ", F=" + n(F) + "] per rank");
   if (std::string why = RoutingOutputsMismatch(routing, T, K, El, num_experts); !why.empty())
     return Fail(why);
@@ -153,13 +144,13 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   const bool keep_gate_up = gate_up->element_count() > 0;
   if (keep_gate_up) {
     if (auto e = SplitRanks(*gate_up, ranks, 2, "gate_up", &ogate); e.failure()) return e;
-    if (ogate.dims[0] != n_cap || ogate.dims[1] != 2 * F)
+    if (!DimsAre(ogate, {n_cap, 2 * F}))
       return Fail("gate_up must be [n_cap=" + n(n_cap) + ", 2F=" + n(2 * F) + "] per rank");
   }
   const bool keep_y_rows = y_sorted->element_count() > 0;
   if (keep_y_rows) {
     if (auto e = SplitRanks(*y_sorted, ranks, 2, "y_sorted", &oyrows); e.failure()) return e;
-    if (oyrows.dims[0] != n_cap || oyrows.dims[1] != H)
+    if (!DimsAre(oyrows, {n_cap, H}))
       return Fail("y_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) + "] per rank");
   }
   // y_comb: several ranks only (one rank alone, y_sorted is the comb buffer).
@@ -170,21 +161,22 @@ ffi::Error FusedMoeFwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
       return Fail("y_comb is kept with several ranks only (one rank alone, y_sorted is the comb "
                   "buffer): pass [0]");
     if (auto e = SplitRanks(*y_comb, ranks, 2, "y_comb", &oycomb); e.failure()) return e;
-    if (oycomb.dims[0] != T * K || oycomb.dims[1] != H)
+    if (!DimsAre(oycomb, {T * K, H}))
       return Fail("y_comb must be [T * k=" + n(T * K) + ", H=" + n(H) + "] per rank");
   }
   const bool keep_x_rows = x_sorted->element_count() > 0;
   if (keep_x_rows) {
-    if (auto e = RequireType(x_sorted->element_type(), elem, "x_sorted", elem_name); e.failure())
-      return e;
+    if (std::string why = DtypeMismatch({{x_sorted->element_type(), "x_sorted"}}, elem, elem_name);
+        !why.empty())
+      return Fail(why);
     if (auto e = SplitRanks(*x_sorted, ranks, 2, "x_sorted", &oxrows); e.failure()) return e;
-    if (oxrows.dims[0] != n_cap || oxrows.dims[1] != H)
+    if (!DimsAre(oxrows, {n_cap, H}))
       return Fail("x_sorted must be [n_cap=" + n(n_cap) + ", H=" + n(H) + "] per rank");
   }
   if (fp8 && (keep_x_rows || x_sorted_scale->element_count() > 0)) {
     if (auto e = SplitRanks(*x_sorted_scale, ranks, 2, "x_sorted_scale", &oxscale); e.failure())
       return e;
-    if (!keep_x_rows || oxscale.dims[0] != n_cap || oxscale.dims[1] != H / 128)
+    if (!keep_x_rows || !DimsAre(oxscale, {n_cap, H / 128}))
       return Fail("with FP8 x_sorted [n_cap, H] comes with x_sorted_scale [n_cap=" + n(n_cap) +
                   ", H/128=" + n(H / 128) + "] per rank, and neither without the other");
   }

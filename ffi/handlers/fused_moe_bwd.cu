@@ -51,15 +51,17 @@ ffi::Error FusedMoeBwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dy,
                        int64_t num_experts, int64_t n_cap, int64_t max_ctas) {
   LocalRanks ranks;
   if (auto e = ep::ResolveRanks(workspace_id, ordinal, &ranks); e.failure()) return e;
-  for (auto [dtype, name] : {std::pair{dy.element_type(), "dy"},
-                             {y_comb.element_type(), "y_comb"},
-                             {gate_up.element_type(), "gate_up"},
-                             {w_gate_up.element_type(), "w_gate_up"},
-                             {w_down.element_type(), "w_down"}, {dx->element_type(), "dx"},
-                             {dy_sorted->element_type(), "dy_sorted"},
-                             {dgate_up->element_type(), "dgate_up"}}) {
-    if (dtype != ffi::DataType::BF16) return Fail(std::string(name) + " must be bfloat16");
-  }
+  if (std::string why = DtypeMismatch({{dy.element_type(), "dy"},
+                                       {y_comb.element_type(), "y_comb"},
+                                       {gate_up.element_type(), "gate_up"},
+                                       {w_gate_up.element_type(), "w_gate_up"},
+                                       {w_down.element_type(), "w_down"},
+                                       {dx->element_type(), "dx"},
+                                       {dy_sorted->element_type(), "dy_sorted"},
+                                       {dgate_up->element_type(), "dgate_up"}},
+                                      ffi::DataType::BF16, "bfloat16");
+      !why.empty())
+    return Fail(why);
   RankOperand ody, oids, ow, oyc, ogate, ogu, odn, odx, odw, odys, odgu;
   RoutingOutputs routing;
   if (auto e = FirstFailure({SplitRanks(dy, ranks, 2, "dy", &ody),

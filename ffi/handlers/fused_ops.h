@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "ffi/handlers/ep_ops.h"
 #include "ffi/heuristics/fused_debug.h"
@@ -16,6 +17,17 @@
 namespace megamoe::fused {
 
 namespace ffi = xla::ffi;
+
+// "" when every operand's element type is want; otherwise "<name> must be <want_name>" of the
+// first that is not.
+inline std::string DtypeMismatch(
+    std::initializer_list<std::pair<ffi::DataType, const char*>> operands, ffi::DataType want,
+    const char* want_name) {
+  for (const auto& [dtype, name] : operands) {
+    if (dtype != want) return std::string(name) + " must be " + want_name;
+  }
+  return "";
+}
 
 // Whether one rank's leading dimensions of o are want.
 inline bool DimsAre(const ep::RankOperand& o, std::initializer_list<int64_t> want) {
