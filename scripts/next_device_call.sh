@@ -11,9 +11,9 @@
 # from the FP8 rows as they arrived (H100, RESULTS "Session 43"); in session 44 no GPU came;
 # session 45 GPU-tested and landed the SwiGLU octet and the single wgrad-operand launcher (H100,
 # RESULTS "Session 45"), and the fused handlers' shared checks (ffi/handlers/fused_ops.h), whose
-# FP8 virtual-rank tests did not run, nor the new test of their shared scratch check: `pytest
-# -n 4 -m gpu tests/test_fused_moe.py -k "fp8_virtual or fp8_one_rank_backward or wrong_size"`
-# (or PART=suite) on the next GPU.
+# FP8 virtual-rank tests did not run, nor the new test of their shared scratch check; in session
+# 46 no GPU came, and both fused handlers' dtype and dims checks moved into fused_ops.h
+# (compiled, not GPU-run): PART=suite on the next GPU, whatever its kind, before anything else.
 # First next: the two-GPU parts; at one GPU, PART=step on an H200 (RECIPE=bf16,fp8
 # CONFIG=qwen3-235b-a22b LAYERS=1, one call), which decides AUTO_PICKS_FUSED (no H200 came in
 # sessions 43-45).
