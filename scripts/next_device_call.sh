@@ -29,7 +29,8 @@
 #     collective's window: "FUSED-WORKER-CONCURRENCY"), and two processes.
 #   PART=ep2_one_process (~3 min): the same file's one-process tests: bf16 with the backward's
 #     kernel pass, FP8 (two recipes).
-#   PART=ep2_ep (~4 min): backend cuda's two-process EP tests (tests/test_ep_two_process.py).
+#   PART=ep2_ep (~4 min): backend cuda's two-process EP tests (tests/test_ep_two_process.py), and a
+#     workspace on the second GPU leaving no CUDA context on the first (test_workspace_context.py).
 #   PART=ep2_train (~6 min): the example as two processes (tests/test_two_process_training.py).
 #   PART=ep2_bench (~6 min): the layer at EP = 2, cuda and fused in one run; the example with
 #     backend fused on a data=1,expert=2 mesh, 20 steps (backend cuda's ran in session 8).
@@ -162,7 +163,8 @@ if [ "$GPUS" -ge 2 ]; then
     -k "all_gather or two_processes" ;;
   ep2_one_process) multigpu_tests tests_fused_one_process 420 tests/test_fused_multigpu.py \
     -k each_recipe ;;
-  ep2_ep) multigpu_tests tests_ep_two_process 420 tests/test_ep_two_process.py ;;
+  ep2_ep) multigpu_tests tests_ep_two_process 420 tests/test_ep_two_process.py \
+    tests/test_workspace_context.py ;;
   ep2_train) multigpu_tests tests_two_process_training 480 tests/test_two_process_training.py ;;
   ep2_bench)
     timeout 200 python3 benchmarks/bench_layer.py --passes fwd --shapes 30b,235b \
@@ -323,11 +325,11 @@ step)
   ;;
 suite)
   # The one-GPU suite of the fused layer, the grouped MLP and the weight blocks, with the
-  # extension's defaults: after a change to the kernels or their handlers. Session 38 (H100):
-  # 125 passed in 370 s.
+  # extension's defaults: after a change to the kernels or their handlers; and the workspace's
+  # CUDA context check (session 46). Session 38 (H100): 125 passed in 370 s.
   ensure_extension
   logged_tests tests_gpu_suite 560 -n 4 -m gpu tests/test_fused_moe.py \
-    tests/test_grouped_mlp_ffi.py tests/test_weight_blocks.py
+    tests/test_grouped_mlp_ffi.py tests/test_weight_blocks.py tests/test_workspace_context.py
   ;;
 phases)
   # Where the product's time goes today (bf16 and fp8, 30B and 235B: each phase of the fused

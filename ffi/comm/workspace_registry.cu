@@ -16,6 +16,7 @@
 //                            marks one of its ranks as never arriving (the timeout tests)
 // Handlers find a device's PeerView by (workspace id, device ordinal); the id travels as a
 // static int64 attribute of the custom call.
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -29,6 +30,7 @@
 #include "ffi/comm/symmetric_memory.h"
 #include "ffi/comm/workspace_ops.h"
 #include "ffi/comm/workspace_registry.h"
+#include "ffi/common/driver_entry_point.h"
 
 namespace megamoe::ep {
 namespace {
@@ -79,15 +81,23 @@ int FailCuda(char* msg, int len, const char* what, cudaError_t err) {
   return Fail(msg, len, std::string(what) + ": " + cudaGetErrorString(err));
 }
 
-// Switches the calling thread to `ordinal` for the scope, restoring the previous device.
+// Switches the calling thread to `ordinal` for the scope, then restores the thread's previous
+// context exactly, none included. Restoring with cudaSetDevice(previous device) would create a
+// context where the thread had none (cudaGetDevice says 0 then): in a process that drives one GPU
+// of several visible, hundreds of MB on GPU 0 that it never meant to use.
 struct DeviceScope {
-  int previous = -1;
+  using CtxGetCurrent = CUresult (*)(CUcontext*);
+  using CtxSetCurrent = CUresult (*)(CUcontext);
+  CUcontext previous = nullptr;
+  bool restore = false;
   explicit DeviceScope(int ordinal) {
-    cudaGetDevice(&previous);
+    static const CtxGetCurrent get = DriverEntryPoint<CtxGetCurrent>("cuCtxGetCurrent");
+    restore = get != nullptr && get(&previous) == CUDA_SUCCESS;
     cudaSetDevice(ordinal);
   }
   ~DeviceScope() {
-    if (previous >= 0) cudaSetDevice(previous);
+    static const CtxSetCurrent set = DriverEntryPoint<CtxSetCurrent>("cuCtxSetCurrent");
+    if (restore && set != nullptr) set(previous);
   }
 };
 
@@ -360,8 +370,8 @@ MEGAMOE_C_API int megamoe_ep_ws_close_peers(int64_t id, char* msg, int len) {
     cudaDeviceSynchronize();
     for (void* p : s->ipc_opened) cudaIpcCloseMemHandle(p);
     s->ipc_opened.clear();
+    cudaGetLastError();  // teardown is best effort; clear what it met on this device
   }
-  cudaGetLastError();
   return 0;
 }
 
@@ -380,8 +390,8 @@ MEGAMOE_C_API int megamoe_ep_ws_free(int64_t id, char* msg, int len) {
     for (void* p : s->ipc_opened) cudaIpcCloseMemHandle(p);
     if (s->local != nullptr) cudaFree(s->local);
     if (s->error_host != nullptr) cudaFreeHost(s->error_host);
+    cudaGetLastError();
   }
-  cudaGetLastError();
   return 0;
 }
 

@@ -1,8 +1,8 @@
 // Host-side construction of the TMA descriptors (CUtensorMap) that the sm_90a MoE tile engine
 // (ffi/gemm/sm90_moe_tile_engine.cuh) reads: bf16 (or e4m3) row-major matrices, 128B swizzle,
 // boxes of 128 bytes (the widest a 128B-swizzled box may be) by box_rows rows; and FP8 scale
-// matrices (fp32, no swizzle, boxes of 128 rows of one K-block). The driver entry point is looked
-// up through the runtime, so nothing links against libcuda.
+// matrices (fp32, no swizzle, boxes of 128 rows of one K-block). The driver's encoder comes
+// through DriverEntryPoint, so nothing links against libcuda.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,8 @@
 
 #include <cuda.h>
 #include <cuda_runtime.h>
+
+#include "ffi/common/driver_entry_point.h"
 
 namespace megamoe::fused {
 
@@ -19,16 +21,7 @@ using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t
                                    CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 inline EncodeTiledFn GetEncodeTiled() {
-  static EncodeTiledFn fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      p = nullptr;
-    }
-    return reinterpret_cast<EncodeTiledFn>(p);
-  }();
+  static const EncodeTiledFn fn = DriverEntryPoint<EncodeTiledFn>("cuTensorMapEncodeTiled");
   return fn;
 }
 
