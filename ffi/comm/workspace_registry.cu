@@ -131,6 +131,7 @@ bool FindLocalRanks(int64_t workspace_id, int device_ordinal, LocalRanks* out,
     for (auto& s : ws.shares) out->views[out->count++] = &s->view;
     out->stacked = true;
     out->absent = ws.absent_rank;
+    out->cuda_device = ws.shares[0]->ordinal;
     return true;
   }
   DeviceShare* share = ws.Find(device_ordinal);
@@ -143,6 +144,7 @@ bool FindLocalRanks(int64_t workspace_id, int device_ordinal, LocalRanks* out,
     return false;
   }
   out->views[out->count++] = &share->view;
+  out->cuda_device = share->ordinal;
   return true;
 }
 

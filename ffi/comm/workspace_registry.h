@@ -18,6 +18,7 @@ struct LocalRanks {
   int count = 0;
   bool stacked = false;  // a virtual group: operands carry the leading rank axis (even for R=1)
   int absent = -1;       // virtual groups only: a rank whose kernels are never launched (tests)
+  int cuda_device = -1;  // the CUDA device the shares live on, where their kernels must run
 };
 
 // The local ranks of workspace `workspace_id` on `device_ordinal`; false with `message` saying

@@ -28,9 +28,11 @@ inline ffi::Error ResolveRanks(int64_t id, int32_t ordinal, LocalRanks* ranks) {
     std::string error = DescribeError(*ranks->views[r]);
     if (!error.empty()) return ffi::Error::Internal(error);
   }
+  // The shares' device, not XLA's ordinal: where the one-share fallback (one device per
+  // process) matched, the two may differ.
   int current = -1;
   cudaGetDevice(&current);
-  if (current != ordinal) cudaSetDevice(ordinal);
+  if (current != ranks->cuda_device) cudaSetDevice(ranks->cuda_device);
   return ffi::Error::Success();
 }
 
