@@ -12,8 +12,10 @@
 # session 45 GPU-tested and landed the SwiGLU octet and the single wgrad-operand launcher (H100,
 # RESULTS "Session 45"), and the fused handlers' shared checks (ffi/handlers/fused_ops.h), whose
 # FP8 virtual-rank tests did not run, nor the new test of their shared scratch check; in session
-# 46 no GPU came, and both fused handlers' dtype and dims checks moved into fused_ops.h
-# (compiled, not GPU-run): PART=suite on the next GPU, whatever its kind, before anything else.
+# 46 no GPU came; both fused handlers' dtype and dims checks moved into fused_ops.h, the
+# workspace's device scope restores the thread's context exactly, and the EP handlers switch to
+# their shares' CUDA device (all compiled, not GPU-run): PART=suite on the next GPU, whatever its
+# kind, before anything else.
 # First next: the two-GPU parts; at one GPU, PART=step on an H200 (RECIPE=bf16,fp8
 # CONFIG=qwen3-235b-a22b LAYERS=1, one call), which decides AUTO_PICKS_FUSED (no H200 came in
 # sessions 43-45).
@@ -35,7 +37,9 @@
 #   PART=ep2_bench (~6 min): the layer at EP = 2, cuda and fused in one run; the example with
 #     backend fused on a data=1,expert=2 mesh, 20 steps (backend cuda's ran in session 8).
 # pytest runs verbose and unbuffered, under SIGINT at its limit (so that it still prints its
-# failures), with a JUnit XML in $OUT.
+# failures), with a JUnit XML in $OUT. If a first call times out at stage "routing counts" or
+# "expert outputs", rerun that part with CUDA_MODULE_LOADING=EAGER as an A/B (a kernel loaded
+# lazily after the fused kernel was queued may wait for it: FUSED_CORE_NOTES "Session 46").
 # One GPU:
 #   PART=bars (the default; ~4-5 min: 252 s on an H100 in session 39): the extension with its
 #     defaults (L2's rows by TMA at one rank since session 37), the fused layer's tests against
