@@ -1,6 +1,11 @@
-"""Test set-up: 8 virtual CPU devices (set before JAX initialises), GPU markers skip cleanly."""
+"""Test set-up: 8 virtual CPU devices (set before JAX initialises), no GPU preallocation, GPU
+markers skip cleanly."""
 
 import os
+
+# No preallocation: the multi-GPU tests start worker processes on GPUs this process also holds,
+# which would otherwise keep 75% of each GPU's memory from them.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
