@@ -68,4 +68,3 @@ def test_a_workspace_on_the_second_gpu_leaves_no_context_on_the_first():
   seen = _contexts_around_a_workspace(symmetric._ordinal(_ffi.gpu_devices()[1]))
   assert seen["before"] is None
   assert seen["after_create"] is None and seen["after_free"] is None
-
