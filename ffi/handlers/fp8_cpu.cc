@@ -119,15 +119,20 @@ uint16_t SwigluBf16(const uint16_t* gate_up, int64_t r, int64_t j, int64_t f) {
 }
 
 // The operand's n rows of c bf16 values, read through from (layout/wgrad_rows.h) as the CUDA
-// quantiser reads them; x_rows bounds kGathered's source entries, which the host checks here.
+// quantiser reads them, into *rows: x itself for kMatrix, else *storage filled here. x_rows
+// bounds kGathered's source entries, which the host checks here.
 ffi::Error WgradRowsOnHost(const WgradRowsSource& from, int64_t n, int64_t c, int64_t x_rows,
-                           std::vector<uint16_t>* rows) {
+                           std::vector<uint16_t>* storage, const uint16_t** rows) {
   const uint16_t* xv = static_cast<const uint16_t*>(from.x);
-  rows->assign(n * c, 0);
-  uint16_t* out = rows->data();
+  if (from.kind == WgradRows::kMatrix) {
+    *rows = xv;
+    return ffi::Error::Success();
+  }
+  storage->assign(n * c, 0);
+  uint16_t* out = storage->data();
+  *rows = out;
   switch (from.kind) {
-    case WgradRows::kMatrix:
-      std::copy(xv, xv + n * c, out);
+    case WgradRows::kMatrix:  // read in place, above
       break;
     case WgradRows::kGathered:
       for (int64_t r = 0; r < n; ++r) {
@@ -174,15 +179,16 @@ ffi::Error QuantizeWgradOperandImpl(ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                                                     rows != 0, q, scale, q_rows, scale_rows,
                                                     &operand, &n, &c, &e, &length));
   (void)workspace;
-  std::vector<uint16_t> values;
-  MEGAMOE_RETURN_IF_ERROR(WgradRowsOnHost(operand, n, c, x.dimensions()[0], &values));
+  std::vector<uint16_t> storage;  // the operand's rows where they are not x's
+  const uint16_t* rows_in = nullptr;
+  MEGAMOE_RETURN_IF_ERROR(
+      WgradRowsOnHost(operand, n, c, x.dimensions()[0], &storage, &rows_in));
   const std::vector<int64_t> off = HostGroupOffsets(group_sizes, e, n);
-  QuantizeWgradOperandLoop(values.data(), c, off, length, pow2 != 0,
+  QuantizeWgradOperandLoop(rows_in, c, off, length, pow2 != 0,
                            static_cast<uint8_t*>(q->untyped_data()),
                            static_cast<float*>(scale->untyped_data()));
   if (rows != 0) {
-    QuantizeRowsLoop(values.data(), off[e], c, pow2 != 0,
-                     static_cast<uint8_t*>(q_rows->untyped_data()),
+    QuantizeRowsLoop(rows_in, off[e], c, pow2 != 0, static_cast<uint8_t*>(q_rows->untyped_data()),
                      static_cast<float*>(scale_rows->untyped_data()));
   }
   return ffi::Error::Success();
