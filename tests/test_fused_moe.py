@@ -308,9 +308,13 @@ def test_rematerialised_layer_equals_the_plain_one_bitwise(recipe, num_ranks, ff
 
 
 def test_consecutive_calls_see_no_stale_signal():
+  """Twenty calls in a row on one workspace, fresh routing each time. The token counts cycle
+  through four sizes (none a multiple of the tile), so that every call follows one of another
+  size, while only four programs compile (20 sizes took 206 s of the suite on an H100)."""
   fwd = jax.jit(lambda *a: jm.moe(*a, backend="fused"))
+  sizes = (229, 96, 163, 131)
   for seed in range(20):
-    x, ids, w, wgu, wd, _ = _inputs(500 + seed, 96 + 7 * seed, 16, 4, "masked")
+    x, ids, w, wgu, wd, _ = _inputs(500 + seed, sizes[seed % len(sizes)], 16, 4, "masked")
     err = ep_helpers.rel_err(np.asarray(fwd(x, ids, w, wgu, wd), np.float32),
                              np.asarray(_reference(x, ids, w, wgu, wd), np.float32))
     assert err < 1e-2, (seed, err)
