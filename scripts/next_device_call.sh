@@ -146,12 +146,15 @@ clocks_stop() {
     | tee -a "$OUT/clocks.log"
 }
 # logged_tests NAME SECONDS PYTEST_ARGS...: pytest verbose under SIGINT at its limit, its log and
-# JUnit XML in $OUT (NAME.log, NAME.xml), its last lines printed.
+# JUnit XML in $OUT (NAME.log, NAME.xml), its last lines printed, then the selected tests that
+# did not finish (a run cut off at its limit still ends "N passed": scripts/tests_not_run.py).
 logged_tests() {
   local name=$1 limit=$2
   shift 2
   timeout -s INT -k 30 "$limit" python3 -m pytest -v -rs --junitxml="$OUT/$name.xml" "$@" 2>&1 \
     | tee "$OUT/$name.log" | tail -25
+  # Appended to the log (read whole before the first line is written): a call returns 8 files.
+  python3 scripts/tests_not_run.py "$OUT/$name.log" "$OUT/$name.xml" | tee -a "$OUT/$name.log"
 }
 # multigpu_tests NAME SECONDS FILE...: the multigpu tests of FILEs.
 multigpu_tests() {
