@@ -52,6 +52,9 @@ path: XLA sort and gathers around the grouped GEMMs; its backward held 4 ms of X
 the gradients of <y, dy> w.r.t. x, the routing weights and both expert weights (the forward in
 its residual mode, then the backward), so that the kernels of two backends' backward passes
 can be compared one by one.
+--weight-blocks (FP8 recipes) has --overhead's calls of both backends read the weights quantised
+once before them (moe's weight_blocks), as bench_layer's "+blocks" rows: the split of the call
+whose kernel is under issue 14's FP8 bars while the call is not (RESULTS "Session 40").
 """
 
 from __future__ import annotations
@@ -258,18 +261,19 @@ def layer_call(backend: str, recipe: str | None, overhead_pass: str, dy=None, me
   """The jitted call that --overhead times: the layer's forward, or (overhead_pass "grad") the
   gradients of <y, dy> w.r.t. x, the routing weights and both expert weights; under `mesh`
   (expert axis "expert") as bench_layer calls it, or with mesh=None (backend "cuda" then takes
-  its single-device path: XLA sort and gathers around the grouped GEMMs)."""
-  def forward(x, ids, w, wgu, wd):
+  its single-device path: XLA sort and gathers around the grouped GEMMs). Its optional sixth
+  argument is moe's weight_blocks (FP8: the weights quantised once, outside the timed calls)."""
+  def forward(x, ids, w, wgu, wd, blocks=None):
     return jax_megamoe.moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert",
-                           backend=backend, recipe=recipe)
+                           backend=backend, recipe=recipe, weight_blocks=blocks)
   if overhead_pass == "fwd":
     return jax.jit(forward)
   if overhead_pass != "grad":
     raise ValueError(f"overhead_pass must be 'fwd' or 'grad', got {overhead_pass!r}")
 
-  def grads(x, ids, w, wgu, wd):
-    inner = lambda x, w, wgu, wd: jnp.vdot(forward(x, ids, w, wgu, wd).astype(jnp.float32),
-                                           dy.astype(jnp.float32))
+  def grads(x, ids, w, wgu, wd, blocks=None):
+    inner = lambda x, w, wgu, wd: jnp.vdot(
+        forward(x, ids, w, wgu, wd, blocks).astype(jnp.float32), dy.astype(jnp.float32))
     return jax.grad(inner, argnums=(0, 1, 2, 3))(x, w, wgu, wd)
   return jax.jit(grads)
 
@@ -302,10 +306,16 @@ def main(argv=None) -> dict:
   ap.add_argument("--engine-profile", action="store_true",
                   help="also print the tile engine's cycle accounting inside the kernel (needs "
                        "an extension built with JAX_MEGAMOE_ENGINE_PROFILE=ON)")
+  ap.add_argument("--weight-blocks", action="store_true",
+                  help="--overhead with an FP8 recipe: both backends read the weights quantised "
+                       "once before the timed calls (moe's weight_blocks), as bench_layer's "
+                       "+blocks rows")
   ap.add_argument("--no-mesh", action="store_true",
                   help="--overhead calls the layer with mesh=None instead of bench_layer's "
                        "one-device mesh")
   args = ap.parse_args(argv)
+  if args.weight_blocks and args.recipe == "bf16":
+    ap.error("--weight-blocks: weight blocks are for FP8 recipes, got --recipe bf16")
   results, overhead = [], []
   for shape in args.shapes.split(","):
     hidden, ffn = problem.SHAPES[shape]
@@ -360,13 +370,19 @@ def main(argv=None) -> dict:
           row["engine"] = engine_breakdown(*fused.engine_profile())
         print_engine_breakdown(row["engine"])
     if args.overhead:
+      recipe = None if args.recipe == "bf16" else args.recipe
+      mesh = None if args.no_mesh else one_gpu_mesh()
+      call_args = (x, ids, w, wgu, wd)
+      if args.weight_blocks:
+        call_args += (jax.jit(functools.partial(
+            jax_megamoe.quantize_expert_weights, recipe=recipe, mesh=mesh))(wgu, wd),)
       for backend in ("fused", "cuda"):
-        layer = layer_call(backend, None if args.recipe == "bf16" else args.recipe,
-                           args.overhead_pass, dy, None if args.no_mesh else one_gpu_mesh())
+        layer = layer_call(backend, recipe, args.overhead_pass, dy, mesh)
         o = {"shape": shape, "backend": backend, "pass": args.overhead_pass,
-             "mesh": not args.no_mesh, **call_overhead(layer, (x, ids, w, wgu, wd), args.reps)}
+             "mesh": not args.no_mesh, "weight_blocks": args.weight_blocks,
+             **call_overhead(layer, call_args, args.reps)}
         overhead.append(o)
-        print(f"  {backend:5s}: alone {o['alone_ms']:.3f} ms, queued {o['queued_ms']:.3f} ms, "
+        print(f"  {backend:5s}{' + weight blocks' if args.weight_blocks else ''}: alone {o['alone_ms']:.3f} ms, queued {o['queued_ms']:.3f} ms, "
               f"GPU busy {o['gpu_busy_ms']:.3f} ms, GPU idle between calls "
               f"{o['gpu_idle_ms']:.3f} ms per call")
         print(f"         alone: GPU busy {o['alone_gpu_busy_ms']:.3f} ms, GPU idle inside the "

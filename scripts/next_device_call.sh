@@ -45,7 +45,8 @@
 #     defaults (L2's rows by TMA at one rank since session 37), the fused layer's tests against
 #     the reference and bitwise (~2 min), then the layer forward at EP = 1 for issue 14's table
 #     (bench_layer.py: cuda, fused, and fused + blocks for fp8; 30B and 235B), then where a
-#     call's time goes (fused_phases.py --overhead, bf16 and fp8: CTA 0's phases, alone /
+#     call's time goes (fused_phases.py --overhead, bf16 and fp8 with weight blocks (session
+#     48: the fp8 + blocks call's split was never measured): CTA 0's phases, alone /
 #     queued, every kernel's GPU time per call beside backend cuda's), each step with the GPU's
 #     SM clock, power and clock-event reasons sampled beside it (clocks.log: on an H100 in
 #     session 38 the 235B bf16 kernel ran 8.9-10.0 ms on one card). The bars are H200 figures:
@@ -254,8 +255,10 @@ bars)
     for shape in 30b 235b; do
       clocks_start "fused_overhead_${shape}_$recipe"
       echo "## $shape $recipe"
+      # FP8 with weight blocks, as the table's fused + blocks row whose call the split explains.
       timeout 100 python3 benchmarks/fused_phases.py --shapes $shape --recipe $recipe --reps 10 \
-        --overhead 2>&1 | grep -v "^WARNING\|^I0000\|^W0000"
+        --overhead $([ $recipe = fp8 ] && echo --weight-blocks) 2>&1 \
+        | grep -v "^WARNING\|^I0000\|^W0000"
       clocks_stop
     done
   done | tee "$OUT/fused_overhead.log" | grep -E "fwd: kernel|GEMM region|alone|queued|^clocks"

@@ -23,6 +23,7 @@ import pytest
 
 import jax_megamoe
 from jax_megamoe import _ffi
+from jax_megamoe.backends import cuda_fp8
 
 # benchmarks/ is a source-tree tool, not part of the installed package. Appended to the path,
 # so that jax_megamoe still comes from the installation CI tests.
@@ -273,6 +274,44 @@ def test_fused_phases_grad_pass_is_the_layers_gradients():
   assert y.shape == x.shape
   with pytest.raises(ValueError, match="overhead_pass must be 'fwd' or 'grad', got 'bwd'"):
     fused_phases.layer_call("reference", None, "bwd")
+
+
+@pytest.mark.skipif(
+    not all(_ffi.has_target(t, "cpu") for t in cuda_fp8.TARGETS),
+    reason="not run: the native extension (its FP8 CPU handlers) is not built")
+def test_fused_phases_weight_blocks_are_the_same_call(capsys):
+  """fused_phases --overhead --weight-blocks passes the blocks as the calls' sixth argument,
+  and the call reads them: forward and gradients bit for bit those of the call that quantises
+  its weights itself (the weight_blocks contract), so the split times the same layer; bf16
+  with --weight-blocks is refused by name."""
+  from benchmarks import fused_phases
+  rng = np.random.default_rng(3)
+  t, h, f, e, k = 24, 256, 128, 4, 2
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
+  w = jnp.asarray(rng.random((t, k)), jnp.float32)
+  wgu = jnp.asarray(rng.standard_normal((e, h, 2 * f)) / 16, jnp.bfloat16)
+  wd = jnp.asarray(rng.standard_normal((e, f, h)) / 11, jnp.bfloat16)
+  dy = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  blocks = jax_megamoe.quantize_expert_weights(wgu, wd, "fp8")
+  for overhead_pass in ("fwd", "grad"):
+    call = fused_phases.layer_call("reference", "fp8", overhead_pass, dy)
+    per_call = jax.tree.leaves(call(x, ids, w, wgu, wd))
+    with_blocks = jax.tree.leaves(call(x, ids, w, wgu, wd, blocks))
+    assert len(per_call) == (1 if overhead_pass == "fwd" else 4)
+    for a, b in zip(per_call, with_blocks):
+      a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+      assert np.abs(a).max() > 0, overhead_pass
+      np.testing.assert_array_equal(a, b, err_msg=overhead_pass)
+  # The blocks are what the call reads: those of other weights give another y.
+  other = jax_megamoe.quantize_expert_weights(wgu * 2, wd, "fp8")
+  call = fused_phases.layer_call("reference", "fp8", "fwd")
+  assert not np.array_equal(np.asarray(call(x, ids, w, wgu, wd, other), np.float32),
+                            np.asarray(call(x, ids, w, wgu, wd, blocks), np.float32))
+  with pytest.raises(SystemExit):
+    fused_phases.main(["--weight-blocks", "--recipe", "bf16", "--overhead"])
+  assert "--weight-blocks: weight blocks are for FP8 recipes, got --recipe bf16" in (
+      capsys.readouterr().err)
 
 
 def test_fused_phases_gemm_region():
