@@ -16,8 +16,13 @@
 Prints "FUSED-WORKER-OK <id>" when every check passed, else exits non-zero saying what failed;
 all_gather also prints "FUSED-WORKER-CONCURRENCY overlapped|not-overlapped: <why>", whether XLA
 scheduled the fused kernel inside the all_gather's asynchronous window (tests/hlo_schedule.py).
+
+FUSED_WORKER_BACKEND=reference runs the same modes on backend reference, on two CPU devices
+(tests/test_fused_multigpu_workers_cpu.py, in CI): the workers' own code (shardings, oracle,
+processes, checks) is then tested between the rare sessions that have two GPUs.
 """
 
+import os
 import sys
 
 # F = 256: the backward's kernel pass applies (bf16, F % 256 == 0; MEGAMOE_FUSED_BACKWARD picks
@@ -25,6 +30,7 @@ import sys
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 2 * 160, 256, 256, 8, 2
 TOL = 1e-2  # bf16 against the float32 oracle (DESIGN.md)
 FP8_TOL = 2e-2  # FP8 against its emulation (as backend cuda's FP8 MLP)
+BACKEND = os.environ.get("FUSED_WORKER_BACKEND", "fused")
 
 
 def problem():
@@ -44,18 +50,20 @@ def problem():
 
 
 def fused_layer(mesh, recipe=None):
-  """The layer on backend fused over `mesh` (experts on axis "expert"); fails if a jit of it
-  would not run the fused kernel (a fallback to backend cuda would test nothing)."""
+  """The layer on backend fused (BACKEND) over `mesh` (experts on axis "expert"); fails if a jit
+  of it would not run the fused kernel (a fallback to backend cuda would test nothing)."""
   import jax
 
   import jax_megamoe as jm
   from jax_megamoe.backends import fused
 
   def layer(x, ids, w, wgu, wd):
-    return jm.moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert", backend="fused",
+    return jm.moe(x, ids, w, wgu, wd, mesh=mesh, expert_axis="expert", backend=BACKEND,
                   recipe=recipe)
 
   def check_lowering(*args):
+    if BACKEND != "fused":
+      return
     text = jax.jit(layer).lower(*args).as_text()
     if fused.TARGET not in text:
       raise SystemExit(f"FUSED-WORKER-FAIL: the layer did not lower to {fused.TARGET}")
@@ -66,7 +74,7 @@ def fused_layer(mesh, recipe=None):
 def oracle(x, ids, w, wgu, wd, probe, recipe=None):
   """(y, grads of sum(y * probe) in x, w, wgu, wd) in float32 on one device; with a
   recipe, its emulation (backend reference) on the CPU, dW_gate_up from x quantised as the
-  sender quantises it."""
+  sender quantises it (the fused kernel's rows cross GPUs in FP8; backend reference's do not)."""
   import jax
   import jax.numpy as jnp
 
@@ -83,6 +91,8 @@ def oracle(x, ids, w, wgu, wd, probe, recipe=None):
       args = [jnp.asarray(a) for a in (x, w, wgu, wd)]
       y = ref(*args)
       grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+      if BACKEND != "fused":
+        return y, grads
       x_q = fp8.quantize_activation(args[0], spec).astype(args[0].dtype)
       grads_q = jax.grad(loss, argnums=(0, 1, 2, 3))(x_q, *args[1:])
       return y, (grads[0], grads[1], grads_q[2], grads[3])
@@ -98,9 +108,9 @@ def oracle(x, ids, w, wgu, wd, probe, recipe=None):
 def check_backward_lowering(text: str, recipe) -> None:
   """The gradient program runs the fused backward's kernel pass exactly where it should: bf16
   (F = 256) unless MEGAMOE_FUSED_BACKWARD=0; FP8 never."""
-  import os
-
   from jax_megamoe.backends import fused
+  if BACKEND != "fused":
+    return
   want = recipe is None and os.environ.get("MEGAMOE_FUSED_BACKWARD", "auto") != "0"
   if (fused.BWD_TARGET in text) != want:
     raise SystemExit(f"FUSED-WORKER-FAIL: the gradient program {'lacks' if want else 'has'} "
@@ -167,7 +177,6 @@ def check_layer(layer, mesh, arrays, process_id: int, recipe=None) -> None:
 
 def all_gather_beside(process_id: int = 0) -> None:
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
