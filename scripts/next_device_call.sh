@@ -15,10 +15,14 @@
 # 46 no GPU came; both fused handlers' dtype and dims checks moved into fused_ops.h, the
 # workspace's device scope restores the thread's context exactly, and the EP handlers switch to
 # their shares' CUDA device (all compiled, not GPU-run); session 47 ran PART=suite on an H100:
-# all 134 tests passed, covering every change of sessions 45-46 (RESULTS "Session 47").
-# First next: the two-GPU parts; at one GPU, PART=step on an H200 (RECIPE=bf16,fp8
+# all 134 tests passed, covering every change of sessions 45-46 (RESULTS "Session 47"); in
+# session 48 no GPU came (PART=bars now splits the fp8 call with weight blocks; the fused
+# two-GPU workers' harness runs in CI on CPU devices: tests/test_fused_multigpu_workers_cpu.py).
+# First next: the two-GPU parts, in the order ep2, ep2_one_process, ep2_bench, ep2_ep, ep2_train
+# (issue 14's first; the five take ~22 min by their estimates, with the start and the build ~27
+# of a session's 30 device minutes); at one GPU, PART=step on an H200 (RECIPE=bf16,fp8
 # CONFIG=qwen3-235b-a22b LAYERS=1, one call), which decides AUTO_PICKS_FUSED (no H200 came in
-# sessions 43-47).
+# sessions 43-48).
 # The combine beside the tiles (branch combine-overlap, sessions 35-36: it loses) is recorded in
 # RESULTS "Session 35"/"Session 36" and FUSED_CORE_NOTES; the branch itself is gone.
 #
