@@ -382,7 +382,8 @@ def main(argv=None) -> dict:
              "mesh": not args.no_mesh, "weight_blocks": args.weight_blocks,
              **call_overhead(layer, call_args, args.reps)}
         overhead.append(o)
-        print(f"  {backend:5s}{' + weight blocks' if args.weight_blocks else ''}: alone {o['alone_ms']:.3f} ms, queued {o['queued_ms']:.3f} ms, "
+        label = backend + (" + weight blocks" if args.weight_blocks else "")
+        print(f"  {label:5s}: alone {o['alone_ms']:.3f} ms, queued {o['queued_ms']:.3f} ms, "
               f"GPU busy {o['gpu_busy_ms']:.3f} ms, GPU idle between calls "
               f"{o['gpu_idle_ms']:.3f} ms per call")
         print(f"         alone: GPU busy {o['alone_gpu_busy_ms']:.3f} ms, GPU idle inside the "
