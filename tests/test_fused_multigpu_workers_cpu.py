@@ -15,10 +15,11 @@ TIME_LIMIT_S = 300
 
 
 def _env(devices: int) -> dict:
+  # tests/ only on the path (and as the working directory): the workers import the installed
+  # package, as the tests do.
   env = dict(os.environ, FUSED_WORKER_BACKEND="reference", JAX_PLATFORMS="cpu",
              PYTHONUNBUFFERED="1",
-             PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent),
-                                         os.environ.get("PYTHONPATH", "")]))
+             PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(name, None)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -26,7 +27,7 @@ def _env(devices: int) -> dict:
 
 
 def _run(commands, envs):
-  procs, outs = run_all(commands, envs, timeout=TIME_LIMIT_S, cwd=str(TESTS.parent))
+  procs, outs = run_all(commands, envs, timeout=TIME_LIMIT_S, cwd=str(TESTS))
   report = "\n".join(f"--- process {i} (exit {p.returncode}):\n{o[-3000:]}"
                      for i, (p, o) in enumerate(zip(procs, outs)))
   for i, (p, out) in enumerate(zip(procs, outs)):
