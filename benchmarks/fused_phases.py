@@ -77,7 +77,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import problem  # noqa: E402
 import jax_megamoe  # noqa: E402
-from benchmarks import step_breakdown, timing, trace_events  # noqa: E402
+from benchmarks import jax_impls, step_breakdown, timing, trace_events  # noqa: E402
 from jax_megamoe.backends import fused  # noqa: E402
 
 
@@ -316,6 +316,7 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   if args.weight_blocks and args.recipe == "bf16":
     ap.error("--weight-blocks: weight blocks are for FP8 recipes, got --recipe bf16")
+  recipe = jax_impls.recipe_arg(args.recipe)
   results, overhead = [], []
   for shape in args.shapes.split(","):
     hidden, ffn = problem.SHAPES[shape]
@@ -327,8 +328,7 @@ def main(argv=None) -> dict:
       bwd = fused.backward_with_phases(x, ids, w, wgu, wd)
       fn = lambda *_: bwd(dy)
     else:
-      fn = jax.jit(functools.partial(fused.forward_with_phases,
-                                     recipe=None if args.recipe == "bf16" else args.recipe,
+      fn = jax.jit(functools.partial(fused.forward_with_phases, recipe=recipe,
                                      residuals=args.kernel_pass == "fwd-residuals"))
     split = lambda text: [v.strip() for v in text.split(",") if v.strip()] or [None]
     variants = [(h, d) for h in split(args.copy_heads) for d in split(args.debug_bits)]
@@ -370,12 +370,10 @@ def main(argv=None) -> dict:
           row["engine"] = engine_breakdown(*fused.engine_profile())
         print_engine_breakdown(row["engine"])
     if args.overhead:
-      recipe = None if args.recipe == "bf16" else args.recipe
       mesh = None if args.no_mesh else one_gpu_mesh()
       call_args = (x, ids, w, wgu, wd)
-      if args.weight_blocks:
-        call_args += (jax.jit(functools.partial(
-            jax_megamoe.quantize_expert_weights, recipe=recipe, mesh=mesh))(wgu, wd),)
+      if args.weight_blocks:  # quantised once, as bench_layer's "+blocks" inputs
+        call_args += (jax_impls.weight_blocks(wgu, wd, args.recipe, mesh),)
       for backend in ("fused", "cuda"):
         layer = layer_call(backend, recipe, args.overhead_pass, dy, mesh)
         o = {"shape": shape, "backend": backend, "pass": args.overhead_pass,

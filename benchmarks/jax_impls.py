@@ -78,11 +78,17 @@ def layer_inputs(impl: str, recipe: str, mesh, inputs, expert_axis: str = "exper
   once, outside the timed calls."""
   if not impl.endswith(BLOCKS):
     return inputs
-  import jax_megamoe  # noqa: PLC0415
   x, ids, w, wgu, wd = inputs
+  return x, ids, w, (wgu, weight_blocks(wgu, wd, recipe, mesh, expert_axis)), wd
+
+
+def weight_blocks(w_gate_up, w_down, recipe: str, mesh, expert_axis: str = "expert"):
+  """w_gate_up's and w_down's blocks for recipe (an FP8 one), quantised once under `mesh`, as
+  a training step that quantises once per step reads them (moe's weight_blocks)."""
+  import jax_megamoe  # noqa: PLC0415
   quantize = jax.jit(functools.partial(jax_megamoe.quantize_expert_weights, recipe=recipe,
                                        mesh=mesh, expert_axis=expert_axis))
-  return x, ids, w, (wgu, quantize(wgu, wd)), wd
+  return quantize(w_gate_up, w_down)
 
 
 def _differentiable(layer, topk_ids):

@@ -81,11 +81,16 @@ def run_all(commands: list[list[str]], envs: list[dict], *, timeout: float, cwd=
       outs[i] += (f"\n[run_all: killed {peer_grace:.0f} s after process {failed[1]} exited with "
                   f"code {failed[2]}]")
   if cause == "timeout":
-    report = "\n".join(
-        f"--- process {i} ({'killed at the time limit' if i in still else f'exit {p.returncode}'})"
-        f":\n{o[-3000:]}" for i, (p, o) in enumerate(zip(procs, outs)))
-    raise WorkersTimedOut(commands, timeout, report)
+    raise WorkersTimedOut(commands, timeout, outputs_report(procs, outs, killed=still))
   return procs, outs
+
+
+def outputs_report(procs, outs, tail: int = 3000, killed=()) -> str:
+  """Each worker's exit (or "killed at the time limit" for the indices in `killed`) and the last
+  `tail` characters of its output: what a failed multi-process test prints."""
+  return "\n".join(
+      f"--- process {i} ({'killed at the time limit' if i in killed else f'exit {p.returncode}'})"
+      f":\n{o[-tail:]}" for i, (p, o) in enumerate(zip(procs, outs)))
 
 
 def visible_gpu(i: int, env=None) -> str:

@@ -248,15 +248,16 @@ def test_classify_error_keeps_a_tracebacks_start_and_end():
   assert timing.classify_error("RESOURCE_EXHAUSTED: 3 GiB")[0] == "oom"
 
 
-def _tiny_layer(seed):
-  """x, ids, weights, w_gate_up, w_down of a 16-token, 4-expert, top-2 float32 layer."""
+def _tiny_layer(seed, hidden=32, ffn=16, dtype=jnp.float32):
+  """x, ids, weights, w_gate_up, w_down of a 16-token, 4-expert, top-2 layer (x and the expert
+  weights in `dtype`)."""
   rng = np.random.default_rng(seed)
-  t, h, f, e, k = 16, 32, 16, 4, 2
-  return (jnp.asarray(rng.standard_normal((t, h)), jnp.float32),
+  t, h, f, e, k = 16, hidden, ffn, 4, 2
+  return (jnp.asarray(rng.standard_normal((t, h)), dtype),
           jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32),
           jnp.asarray(rng.random((t, k)), jnp.float32),
-          jnp.asarray(rng.standard_normal((e, h, 2 * f)) * 0.1, jnp.float32),
-          jnp.asarray(rng.standard_normal((e, f, h)) * 0.1, jnp.float32))
+          jnp.asarray(rng.standard_normal((e, h, 2 * f)) * 0.1, dtype),
+          jnp.asarray(rng.standard_normal((e, f, h)) * 0.1, dtype))
 
 
 def test_fused_phases_grad_pass_is_the_layers_gradients():
@@ -285,14 +286,8 @@ def test_fused_phases_weight_blocks_are_the_same_call(capsys):
   its weights itself (the weight_blocks contract), so the split times the same layer; bf16
   with --weight-blocks is refused by name."""
   from benchmarks import fused_phases
-  rng = np.random.default_rng(3)
-  t, h, f, e, k = 24, 256, 128, 4, 2
-  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-  ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
-  w = jnp.asarray(rng.random((t, k)), jnp.float32)
-  wgu = jnp.asarray(rng.standard_normal((e, h, 2 * f)) / 16, jnp.bfloat16)
-  wd = jnp.asarray(rng.standard_normal((e, f, h)) / 11, jnp.bfloat16)
-  dy = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  x, ids, w, wgu, wd = _tiny_layer(3, hidden=256, ffn=128, dtype=jnp.bfloat16)
+  dy = jnp.asarray(np.random.default_rng(13).standard_normal(x.shape), jnp.bfloat16)
   blocks = jax_megamoe.quantize_expert_weights(wgu, wd, "fp8")
   for overhead_pass in ("fwd", "grad"):
     call = fused_phases.layer_call("reference", "fp8", overhead_pass, dy)

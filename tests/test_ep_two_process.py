@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from subprocesses import TESTS, free_port, gpu_worker_env, run_all, visible_gpu
+from subprocesses import TESTS, free_port, gpu_worker_env, outputs_report, run_all, visible_gpu
 
 pytestmark = pytest.mark.multigpu
 
@@ -46,8 +46,7 @@ def test_a_process_dying_mid_step_makes_the_other_fail_not_hang():
   procs, outs = _run_workers("die", "local_device_ids",
                              extra_env=dict(MEGAMOE_EP_TIMEOUT_S=str(EP_TIMEOUT_S)),
                              peer_grace=None)
-  report = "\n".join(f"--- process {i} (exit {p.returncode}):\n{o[-3000:]}"
-                     for i, (p, o) in enumerate(zip(procs, outs)))
+  report = outputs_report(procs, outs)
   assert procs[1].returncode == 17 and "EP-WORKER-DYING 1" in outs[1], report
   failure = re.search(r"EP-WORKER-PEER-FAILURE ([\d.]+) call \d+: (.*)", outs[0])
   if failure is None:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from subprocesses import TESTS, free_port, gpu_worker_env, run_all
+from subprocesses import TESTS, free_port, gpu_worker_env, outputs_report, run_all
 
 pytestmark = pytest.mark.multigpu
 
@@ -20,9 +20,7 @@ EP_TIMEOUT_S = 20  # every wait of the EP kernels gives up after this (then the 
 TIME_LIMIT_S = 200
 
 
-def _report(procs, outs) -> str:
-  return "\n".join(f"--- process {i} (exit {p.returncode}):\n{o[-4000:]}"
-                   for i, (p, o) in enumerate(zip(procs, outs)))
+REPORT_TAIL = 4000  # characters of each worker's output a failure shows
 
 
 def test_one_process_two_gpus_beside_an_all_gather():
@@ -34,7 +32,8 @@ def test_one_process_two_gpus_beside_an_all_gather():
                        XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true")
   procs, outs = run_all([[sys.executable, "-m", "fused_multigpu_worker", "all_gather"]], [env],
                         timeout=TIME_LIMIT_S, cwd=str(TESTS.parent))
-  assert procs[0].returncode == 0 and "FUSED-WORKER-OK 0" in outs[0], _report(procs, outs)
+  assert procs[0].returncode == 0 and "FUSED-WORKER-OK 0" in outs[0], (
+      outputs_report(procs, outs, REPORT_TAIL))
   # Right answers alone would pass with the two run one after the other: unless the program has
   # the kernel inside the collective's window, what this test is for did not run (the answers,
   # right, are not a failure of the kernel).
@@ -51,7 +50,8 @@ def test_two_processes_one_gpu_each():
               for i in range(2)]
   procs, outs = run_all(commands, [env, env], timeout=TIME_LIMIT_S, cwd=str(TESTS.parent))
   for i, (p, out) in enumerate(zip(procs, outs)):
-    assert p.returncode == 0 and f"FUSED-WORKER-OK {i}" in out, _report(procs, outs)
+    assert p.returncode == 0 and f"FUSED-WORKER-OK {i}" in out, (
+        outputs_report(procs, outs, REPORT_TAIL))
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8", "fp8_pow2"])
@@ -63,4 +63,5 @@ def test_one_process_each_recipe(recipe):
   env = gpu_worker_env(MEGAMOE_EP_TIMEOUT_S=str(EP_TIMEOUT_S))
   procs, outs = run_all([[sys.executable, "-m", "fused_multigpu_worker", "two_gpus", recipe]],
                         [env], timeout=TIME_LIMIT_S, cwd=str(TESTS.parent))
-  assert procs[0].returncode == 0 and "FUSED-WORKER-OK 0" in outs[0], _report(procs, outs)
+  assert procs[0].returncode == 0 and "FUSED-WORKER-OK 0" in outs[0], (
+      outputs_report(procs, outs, REPORT_TAIL))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from subprocesses import TESTS, free_port, run_all
+from subprocesses import TESTS, free_port, outputs_report, run_all
 
 TIME_LIMIT_S = 300
 
@@ -28,8 +28,7 @@ def _env(devices: int) -> dict:
 
 def _run(commands, envs):
   procs, outs = run_all(commands, envs, timeout=TIME_LIMIT_S, cwd=str(TESTS))
-  report = "\n".join(f"--- process {i} (exit {p.returncode}):\n{o[-3000:]}"
-                     for i, (p, o) in enumerate(zip(procs, outs)))
+  report = outputs_report(procs, outs)
   for i, (p, out) in enumerate(zip(procs, outs)):
     assert p.returncode == 0 and f"FUSED-WORKER-OK {i}" in out, report
   return outs

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from subprocesses import free_port, run_all, visible_gpu
+from subprocesses import free_port, outputs_report, run_all, visible_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_qwen3_moe.py")
@@ -54,8 +54,7 @@ def train(out, args, process_envs: list[dict], timeout=600) -> tuple[dict, list[
     envs.append(env)
   procs, outputs = run_all([[sys.executable, SCRIPT, "--out", str(out), *args]] * len(envs),
                            envs, timeout=timeout)
-  report = "\n".join(f"--- process {i} (exit {p.returncode}):\n{o[-3000:]}"
-                     for i, (p, o) in enumerate(zip(procs, outputs)))
+  report = outputs_report(procs, outputs)
   assert all(p.returncode == 0 for p in procs), report
   return _losses(out), outputs
 
